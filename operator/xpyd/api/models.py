@@ -1,0 +1,917 @@
+"""The `DisaggregatedServing` API (xpyd.io/v1alpha1): spec and status models.
+
+These models are the one source of truth: the CRD under `crds/` is generated from them
+(`xpyd crd`), rendering consumes them, and the operator writes status through them. Every field
+carries a description because `kubectl explain` shows it.
+"""
+
+from __future__ import annotations
+
+import re
+from enum import StrEnum
+from typing import Annotated, Any, Final, Literal
+
+from pydantic import BeforeValidator, Field, WithJsonSchema, model_validator
+
+from xpyd import vllm
+from xpyd.api.base import APIModel, Rule, StatusModel
+
+GROUP: Final = "xpyd.io"
+VERSION: Final = "v1alpha1"
+API_VERSION: Final = f"{GROUP}/{VERSION}"
+KIND: Final = "DisaggregatedServing"
+PLURAL: Final = "disaggregatedservings"
+SINGULAR: Final = "disaggregatedserving"
+SHORT_NAMES: Final = ("xpyd", "dsv")
+
+# Kubernetes resource.Quantity, as the API server's own schemas spell it.
+QUANTITY_PATTERN: Final = (
+    r"^(\+|-)?(([0-9]+(\.[0-9]*)?)|(\.[0-9]+))(([KMGTPE]i)|[numkMGTPE]|([eE](\+|-)?(([0-9]+(\.[0-9]*)?)|(\.[0-9]+))))?$"
+)
+Quantity = Annotated[
+    str,
+    BeforeValidator(lambda v: str(v) if isinstance(v, int | float) and not isinstance(v, bool) else v),
+    Field(pattern=QUANTITY_PATTERN),
+    WithJsonSchema(
+        {"anyOf": [{"type": "integer"}, {"type": "string"}], "pattern": QUANTITY_PATTERN,
+         "x-kubernetes-int-or-string": True}
+    ),
+]
+IntOrPercent = Annotated[
+    int | str,
+    Field(union_mode="left_to_right"),
+    WithJsonSchema(
+        {"anyOf": [{"type": "integer"}, {"type": "string"}], "x-kubernetes-int-or-string": True}
+    ),
+]
+# Free-form Kubernetes structures the operator passes through untouched (their schema is the API
+# server's own, and it validates them when the child objects are applied).
+FreeForm = Annotated[
+    dict[str, Any],
+    WithJsonSchema({"type": "object", "x-kubernetes-preserve-unknown-fields": True}),
+]
+Port = Annotated[int, Field(ge=1, le=65535)]
+Name = Annotated[str, Field(min_length=1, max_length=253)]
+
+
+# ---------------------------------------------------------------------------------------------
+# Shared small types
+
+
+class EnvVar(APIModel):
+    """An environment variable for a container, as in a Pod spec."""
+
+    name: Name = Field(description="Name of the environment variable.")
+    value: str | None = Field(default=None, description="Literal value. Exclusive with valueFrom.")
+    value_from: FreeForm | None = Field(
+        default=None,
+        description="Source of the value (secretKeyRef, configMapKeyRef, fieldRef, resourceFieldRef), "
+        "as in a Pod spec.",
+    )
+
+    rules = (
+        Rule(
+            cel="!(has(self.value) && has(self.valueFrom))",
+            message="set either value or valueFrom, not both",
+            check=lambda e: e.value is None or e.value_from is None,
+        ),
+    )
+
+
+class Toleration(APIModel):
+    """A toleration, as in a Pod spec."""
+
+    key: str | None = Field(default=None, description="Taint key the toleration applies to; empty matches all.")
+    operator: Literal["Exists", "Equal"] | None = Field(
+        default=None, description="Exists or Equal (the default on the server: Equal)."
+    )
+    value: str | None = Field(default=None, description="Taint value to match when operator is Equal.")
+    effect: Literal["NoSchedule", "PreferNoSchedule", "NoExecute"] | None = Field(
+        default=None, description="Taint effect to match; empty matches all effects."
+    )
+    toleration_seconds: int | None = Field(
+        default=None, description="For NoExecute: how long the pod stays bound after the taint appears."
+    )
+
+
+class SecretKeyRef(APIModel):
+    """A key in a Secret of the same namespace."""
+
+    name: Name = Field(description="Name of the Secret.")
+    key: str = Field(default="token", min_length=1, description="Key inside the Secret.")
+
+
+class LocalObjectReference(APIModel):
+    """A reference to an object in the same namespace."""
+
+    name: Name = Field(description="Name of the referenced object.")
+
+
+# ---------------------------------------------------------------------------------------------
+# Model
+
+
+class PVCSource(APIModel):
+    """Model weights on a PersistentVolumeClaim, mounted read-only into every engine."""
+
+    claim_name: Name = Field(description="Name of the PersistentVolumeClaim holding the weights.")
+    path: str = Field(
+        default="",
+        max_length=1024,
+        description="Directory of the model inside the volume; vLLM loads from /models/<path>.",
+    )
+
+
+class HubSource(APIModel):
+    """Model weights downloaded from the Hugging Face Hub by each engine at start-up."""
+
+    revision: str | None = Field(default=None, description="Branch, tag or commit to download (--revision).")
+    cache_size_limit: Quantity | None = Field(
+        default=None, description="Size limit of the emptyDir the weights are downloaded into."
+    )
+
+
+class ModelSource(APIModel):
+    """Where engines load the model weights from: exactly one of pvc or hub."""
+
+    pvc: PVCSource | None = Field(default=None, description="Load from a PersistentVolumeClaim.")
+    hub: HubSource | None = Field(default=None, description="Download from the Hugging Face Hub.")
+
+    rules = (
+        Rule(
+            cel="has(self.pvc) != has(self.hub)",
+            message="model.source needs exactly one of pvc or hub",
+            check=lambda s: (s.pvc is None) != (s.hub is None),
+        ),
+    )
+
+
+class ModelSpec(APIModel):
+    """The model every engine of the pool serves."""
+
+    name: str = Field(
+        min_length=1,
+        max_length=256,
+        description="Model name as vLLM takes it (Hugging Face id, e.g. meta-llama/Llama-3.1-8B-Instruct). "
+        "Immutable: prefill and decode must serve the same weights for the KV cache to be valid.",
+    )
+    served_model_name: str | None = Field(
+        default=None,
+        max_length=256,
+        description="Name clients use in requests (--served-model-name). Defaults to name.",
+    )
+    source: ModelSource = Field(
+        default_factory=lambda: ModelSource(hub=HubSource()),
+        description="Where the weights come from. Defaults to downloading from the Hub.",
+    )
+    hf_token_secret_ref: SecretKeyRef | None = Field(
+        default=None, description="Secret key holding a Hugging Face token (HF_TOKEN) for gated models."
+    )
+    max_model_len: int | None = Field(
+        default=None, ge=16, description="Maximum context length (--max-model-len); vLLM's default if unset."
+    )
+
+    rules = (
+        Rule(
+            cel="self.name == oldSelf.name",
+            message="model.name is immutable: create a new DisaggregatedServing to serve another model",
+            check_transition=lambda old, new: old.name == new.name,
+            field_path=".name",
+        ),
+    )
+
+    @property
+    def served_name(self) -> str:
+        return self.served_model_name or self.name
+
+
+# ---------------------------------------------------------------------------------------------
+# Engine
+
+
+class EngineSpec(APIModel):
+    """The vLLM engine image and settings shared by prefill and decode."""
+
+    image: str = Field(
+        default="vllm/vllm-openai:v0.33.0",
+        min_length=1,
+        description="Engine container image (an official vLLM image or the one in engine-image/).",
+    )
+    image_pull_policy: Literal["Always", "IfNotPresent", "Never"] = Field(
+        default="IfNotPresent", description="Image pull policy of the engine containers."
+    )
+    image_pull_secrets: list[LocalObjectReference] = Field(
+        default_factory=list, max_length=16, description="Secrets for pulling the engine image."
+    )
+    vllm_version: str = Field(
+        default=vllm.format_version(vllm.LATEST),
+        pattern=vllm.VERSION_PATTERN,
+        max_length=16,
+        description="vLLM release of the image (MAJOR.MINOR). Decides the kv-transfer-config fields "
+        "and connectors that are valid; must match the image.",
+    )
+    port: Port = Field(default=8000, description="HTTP port of the OpenAI-compatible server in each engine.")
+    extra_args: list[str] = Field(
+        default_factory=list, max_length=128, description="Extra `vllm serve` arguments for both roles."
+    )
+    env: list[EnvVar] = Field(
+        default_factory=list, max_length=128, description="Extra environment variables for both roles."
+    )
+
+    rules = (
+        Rule(
+            cel=f"!self.vllmVersion.matches('{vllm.BEFORE_OLDEST_REGEX}')",
+            message=f"engine.vllmVersion must be at least {vllm.format_version(vllm.OLDEST_SUPPORTED)}: older "
+            "releases lack the V1 KV-connector API the operator renders for",
+            check=lambda e: vllm.parse_version(e.vllm_version) >= vllm.OLDEST_SUPPORTED,
+            field_path=".vllmVersion",
+        ),
+    )
+
+
+# ---------------------------------------------------------------------------------------------
+# KV transfer
+
+
+class Connector(StrEnum):
+    NIXL = "NixlConnector"
+    NIXL_PUSH = "NixlPushConnector"
+    MOONCAKE = "MooncakeConnector"
+    LMCACHE = "LMCacheConnectorV1"
+    P2P_NCCL = "P2pNcclConnector"
+
+    @property
+    def is_nixl(self) -> bool:
+        return self in (Connector.NIXL, Connector.NIXL_PUSH)
+
+
+class RDMASpec(APIModel):
+    """RDMA devices for the KV transfer. When set, engines request the device resource, get the
+    IPC_LOCK capability and UCX is told to use RDMA transports."""
+
+    resource_name: str = Field(
+        default="rdma/ib",
+        min_length=1,
+        max_length=253,
+        description="Extended resource of the RDMA device plugin on your nodes (e.g. rdma/ib, "
+        "rdma/roce_gdr, nvidia.com/hostdev).",
+    )
+    per_replica: int = Field(default=1, ge=1, le=64, description="RDMA devices requested by each engine pod.")
+
+
+class UCXSpec(APIModel):
+    """UCX settings for NIXL-based transfers."""
+
+    tls: str | None = Field(
+        default=None,
+        max_length=256,
+        description="UCX_TLS. Defaults to rc,cuda_copy,cuda_ipc with RDMA and to tcp,cuda_copy,cuda_ipc "
+        "without (so a missing RDMA device fails loudly instead of silently using TCP).",
+    )
+    net_devices: str | None = Field(
+        default=None, max_length=256, description="UCX_NET_DEVICES (e.g. mlx5_0:1). UCX picks when unset."
+    )
+
+
+NixlBackend = Literal["UCX", "LIBFABRIC", "GDS", "MOONCAKE"]
+
+
+class NixlSpec(APIModel):
+    """Settings of NixlConnector and NixlPushConnector."""
+
+    backends: list[NixlBackend] = Field(
+        default_factory=lambda: list[NixlBackend](["UCX"]),
+        min_length=1,
+        max_length=4,
+        description="NIXL backends, in order.",
+    )
+    side_channel_port: Port = Field(
+        default=5600,
+        description="VLLM_NIXL_SIDE_CHANNEL_PORT: the handshake port on every engine (plus the "
+        "data-parallel rank).",
+    )
+
+
+class MooncakeSpec(APIModel):
+    """Settings of MooncakeConnector."""
+
+    protocol: Literal["rdma", "tcp"] = Field(default="rdma", description="Mooncake transfer protocol.")
+    device_name: str | None = Field(
+        default=None, max_length=256, description="RDMA device(s) Mooncake uses (auto-detected when unset)."
+    )
+    num_workers: int | None = Field(default=None, ge=1, le=256, description="Transfer worker threads.")
+    bootstrap_port: Port = Field(
+        default=8998, description="VLLM_MOONCAKE_BOOTSTRAP_PORT on prefill engines (the decode side dials it)."
+    )
+
+
+class LMCacheSpec(APIModel):
+    """Settings of LMCacheConnectorV1."""
+
+    config_map_ref: LocalObjectReference = Field(
+        description="ConfigMap with the LMCache configuration: key prefill.yaml for prefill engines and "
+        "decode.yaml for decode engines (mounted as LMCACHE_CONFIG_FILE)."
+    )
+    python_hash_seed: str = Field(
+        default="0",
+        pattern=r"^[0-9]+$",
+        max_length=10,
+        description="PYTHONHASHSEED on both roles: LMCache keys must hash the same on prefill and decode.",
+    )
+
+
+class P2pNcclSpec(APIModel):
+    """Settings of P2pNcclConnector (vLLM <= 0.23)."""
+
+    send_type: Literal["PUT", "GET", "PUT_ASYNC"] = Field(
+        default="PUT_ASYNC", description="NCCL send mode: PUT and PUT_ASYNC push from prefill, GET pulls."
+    )
+    proxy_port: Port = Field(default=30001, description="ZMQ port of the proxy instances register with.")
+    buffer_size: Quantity = Field(
+        default="8G",
+        description="kv_buffer_size of decode engines (and of prefill engines with sendType GET): GPU "
+        "memory reserved for received KV.",
+    )
+    nccl_num_channels: int = Field(default=16, ge=1, le=64, description="NCCL channels per transfer.")
+
+
+_CONNECTOR_BLOCKS: Final = {
+    "nixl": (Connector.NIXL, Connector.NIXL_PUSH),
+    "mooncake": (Connector.MOONCAKE,),
+    "lmcache": (Connector.LMCACHE,),
+    "p2pNccl": (Connector.P2P_NCCL,),
+}
+
+
+def _block_rule(block: str, connectors: tuple[Connector, ...]) -> Rule:
+    allowed = " || ".join(f"self.connector == '{c.value}'" for c in connectors)
+    names = " or ".join(c.value for c in connectors)
+    attr = {"p2pNccl": "p2p_nccl"}.get(block, block)
+    return Rule(
+        cel=f"!has(self.{block}) || {allowed}",
+        message=f"kvTransfer.{block} applies only to {names}",
+        check=lambda k: getattr(k, attr) is None or k.connector in connectors,
+        field_path=f".{block}",
+    )
+
+
+class KVTransferSpec(APIModel):
+    """How prefill hands the KV cache to decode (vLLM's --kv-transfer-config)."""
+
+    connector: Connector = Field(
+        default=Connector.NIXL,
+        description="KV connector. NixlConnector (pull) suits most clusters; P2pNcclConnector exists only "
+        "up to vLLM 0.23. Immutable: pools of different connectors cannot exchange KV.",
+    )
+    buffer_device: Literal["cuda", "cpu"] = Field(
+        default="cuda",
+        description="kv_buffer_device: cuda transfers from GPU memory; cpu stages through host memory "
+        "(NIXL host-buffer mode).",
+    )
+    load_failure_policy: Literal["fail", "recompute"] = Field(
+        default="fail",
+        description="kv_load_failure_policy: what decode does when the KV cannot be loaded: fail the "
+        "request, or recompute the prompt locally (slower, counted in metrics).",
+    )
+    extra_config: FreeForm = Field(
+        default_factory=dict,
+        description="Merged last into kv_connector_extra_config (overrides what the operator renders).",
+    )
+    rdma: RDMASpec | None = Field(default=None, description="RDMA devices for the transfer; TCP when unset.")
+    ucx: UCXSpec = Field(default_factory=UCXSpec, description="UCX settings (NIXL connectors).")
+    nixl: NixlSpec | None = Field(default=None, description="NIXL settings (NIXL connectors only).")
+    mooncake: MooncakeSpec | None = Field(default=None, description="Mooncake settings (MooncakeConnector only).")
+    lmcache: LMCacheSpec | None = Field(
+        default=None, description="LMCache settings; required with LMCacheConnectorV1."
+    )
+    p2p_nccl: P2pNcclSpec | None = Field(
+        default=None, alias="p2pNccl", description="P2pNccl settings (P2pNcclConnector only)."
+    )
+
+    rules = (
+        Rule(
+            cel="self.connector == oldSelf.connector",
+            message="kvTransfer.connector is immutable: running pools cannot switch connectors in place; "
+            "create a new DisaggregatedServing",
+            check_transition=lambda old, new: old.connector == new.connector,
+            field_path=".connector",
+        ),
+        Rule(
+            cel="self.connector != 'LMCacheConnectorV1' || has(self.lmcache)",
+            message="LMCacheConnectorV1 needs kvTransfer.lmcache.configMapRef",
+            check=lambda k: k.connector != Connector.LMCACHE or k.lmcache is not None,
+            field_path=".lmcache",
+        ),
+        Rule(
+            cel="self.bufferDevice == 'cuda' || self.connector == 'NixlConnector' "
+            "|| self.connector == 'NixlPushConnector'",
+            message="bufferDevice cpu (host-buffer mode) is supported only by the NIXL connectors",
+            check=lambda k: k.buffer_device == "cuda" or k.connector.is_nixl,
+            field_path=".bufferDevice",
+        ),
+        *(_block_rule(block, connectors) for block, connectors in _CONNECTOR_BLOCKS.items()),
+    )
+
+    @property
+    def nixl_settings(self) -> NixlSpec:
+        return self.nixl or NixlSpec()
+
+    @property
+    def mooncake_settings(self) -> MooncakeSpec:
+        return self.mooncake or MooncakeSpec()
+
+    @property
+    def p2p_nccl_settings(self) -> P2pNcclSpec:
+        return self.p2p_nccl or P2pNcclSpec()
+
+
+# ---------------------------------------------------------------------------------------------
+# Roles
+
+
+class GPUSpec(APIModel):
+    """GPUs of one engine pod."""
+
+    resource_name: str = Field(
+        default="nvidia.com/gpu", min_length=1, max_length=253, description="Extended resource of the GPUs."
+    )
+    count: int | None = Field(
+        default=None,
+        ge=1,
+        le=64,
+        description="GPUs per pod. Defaults to tensorParallelSize x pipelineParallelSize x "
+        "dataParallelSize; when set it must equal that product.",
+    )
+    product: str | None = Field(
+        default=None,
+        max_length=128,
+        description="GPU model to run on, matched against the node label nvidia.com/gpu.product "
+        "(e.g. NVIDIA-H200).",
+    )
+
+
+class ComputeResources(APIModel):
+    """CPU and memory of a container (requests; memory is also the limit)."""
+
+    cpu: Quantity | None = Field(default=None, description="CPU request.")
+    memory: Quantity | None = Field(default=None, description="Memory request and limit.")
+
+
+class ProbeSpec(APIModel):
+    """Health-check budgets of engine pods (all probes use GET /health)."""
+
+    startup_timeout_seconds: int = Field(
+        default=1800,
+        ge=30,
+        le=14400,
+        description="How long an engine may take to load the model before it is restarted. vLLM serves "
+        "HTTP only after loading, which takes minutes for large models.",
+    )
+    period_seconds: int = Field(default=10, ge=1, le=300, description="Probe period.")
+    failure_threshold: int = Field(
+        default=3, ge=1, le=30, description="Consecutive failures after start-up before liveness restarts."
+    )
+
+
+class UpdateStrategySpec(APIModel):
+    """Rolling update of a GPU pool."""
+
+    max_surge: IntOrPercent = Field(
+        default=0,
+        description="Extra pods during a rollout. 0 by default: a GPU pool rarely has spare GPUs.",
+    )
+    max_unavailable: IntOrPercent = Field(default=1, description="Pods that may be down during a rollout.")
+
+
+class RoleSpec(APIModel):
+    """One engine pool: prefill (kv_producer) or decode (kv_consumer)."""
+
+    replicas: int = Field(
+        default=1, ge=0, le=1024, description="Engine pods. Set by the autoscaler when autoscaling.mode is Auto."
+    )
+    tensor_parallel_size: int = Field(default=1, ge=1, le=64, description="--tensor-parallel-size.")
+    pipeline_parallel_size: int = Field(default=1, ge=1, le=64, description="--pipeline-parallel-size.")
+    data_parallel_size: int = Field(
+        default=1, ge=1, le=64, description="--data-parallel-size, all ranks inside one pod."
+    )
+    gpu: GPUSpec = Field(default_factory=GPUSpec, description="GPUs of each pod.")
+    node_selector: dict[str, str] = Field(
+        default_factory=dict, description="Node labels the pods must match (added to the GPU product label)."
+    )
+    tolerations: list[Toleration] = Field(
+        default_factory=list, max_length=64, description="Tolerations (e.g. for a GPU node taint)."
+    )
+    affinity: FreeForm | None = Field(default=None, description="Affinity, as in a Pod spec.")
+    resources: ComputeResources = Field(
+        default_factory=ComputeResources, description="CPU and memory of the engine container."
+    )
+    shm_size: Quantity = Field(
+        default="16Gi",
+        description="Size of the memory-backed /dev/shm (NCCL and NIXL use shared memory).",
+    )
+    extra_args: list[str] = Field(
+        default_factory=list, max_length=128, description="Extra `vllm serve` arguments for this role."
+    )
+    env: list[EnvVar] = Field(
+        default_factory=list, max_length=128, description="Extra environment variables for this role."
+    )
+    probes: ProbeSpec = Field(default_factory=ProbeSpec, description="Health-check budgets.")
+    drain_timeout_seconds: int = Field(
+        default=60,
+        ge=0,
+        le=3600,
+        description="On pod deletion, how long to wait for in-flight requests to finish (the proxy "
+        "stops sending new ones at once) before vLLM is stopped.",
+    )
+    update_strategy: UpdateStrategySpec = Field(
+        default_factory=UpdateStrategySpec, description="Rolling update of this pool."
+    )
+    pod_annotations: dict[str, str] = Field(default_factory=dict, description="Extra annotations on the pods.")
+
+    rules = (
+        Rule(
+            cel="!has(self.gpu.count) || self.gpu.count == "
+            "self.tensorParallelSize * self.pipelineParallelSize * self.dataParallelSize",
+            message="gpu.count must equal tensorParallelSize x pipelineParallelSize x dataParallelSize",
+            check=lambda r: r.gpu.count is None or r.gpu.count == r.parallel_gpus,
+            field_path=".gpu.count",
+        ),
+    )
+
+    @property
+    def parallel_gpus(self) -> int:
+        return self.tensor_parallel_size * self.pipeline_parallel_size * self.data_parallel_size
+
+    @property
+    def gpus(self) -> int:
+        return self.gpu.count or self.parallel_gpus
+
+
+# ---------------------------------------------------------------------------------------------
+# Proxy
+
+
+class RoutingPolicy(StrEnum):
+    LEAST_LOADED = "LeastLoaded"
+    POWER_OF_TWO = "PowerOfTwo"
+    ROUND_ROBIN = "RoundRobin"
+
+
+class ProxySpec(APIModel):
+    """The routing proxy: prefill first, then decode with the KV hand-off parameters."""
+
+    replicas: int = Field(default=2, ge=0, le=64, description="Proxy pods.")
+    port: Port = Field(default=8000, description="Port of the proxy Service and containers.")
+    service_type: Literal["ClusterIP", "NodePort", "LoadBalancer"] = Field(
+        default="ClusterIP", description="Type of the proxy Service."
+    )
+    routing_policy: RoutingPolicy = Field(
+        default=RoutingPolicy.LEAST_LOADED,
+        description="How instances are picked: LeastLoaded (fewest outstanding requests or prompt tokens, "
+        "ties broken randomly), PowerOfTwo (least loaded of two random picks) or RoundRobin.",
+    )
+    image: str | None = Field(
+        default=None, description="Proxy image. Defaults to the operator's own image (it runs `xpyd proxy`)."
+    )
+    api_key_secret_ref: SecretKeyRef | None = Field(
+        default=None, description="Secret key holding an API key the proxy requires from clients."
+    )
+    resources: ComputeResources = Field(
+        default_factory=lambda: ComputeResources(cpu="1", memory="512Mi"),
+        description="CPU and memory of a proxy container.",
+    )
+    extra_args: list[str] = Field(default_factory=list, max_length=64, description="Extra `xpyd proxy` arguments.")
+
+
+# ---------------------------------------------------------------------------------------------
+# Autoscaling
+
+
+class AutoscalingMode(StrEnum):
+    OFF = "Off"
+    RECOMMEND = "Recommend"
+    AUTO = "Auto"
+
+
+class PrometheusSpec(APIModel):
+    """Where the autoscaler reads engine metrics."""
+
+    url: str = Field(
+        default="",
+        max_length=2048,
+        description="Prometheus base URL (e.g. http://prometheus.monitoring:9090); required unless mode is Off.",
+    )
+
+
+class SLOSpec(APIModel):
+    """Latency targets the autoscaler keeps."""
+
+    ttft_ms: int = Field(default=500, ge=1, le=600000, description="Time-to-first-token target, milliseconds.")
+    tpot_ms: int = Field(default=50, ge=1, le=60000, description="Time-per-output-token target, milliseconds.")
+    percentile: Literal[50, 90, 95, 99] = Field(default=90, description="Percentile the targets apply to.")
+
+
+class ReplicaBounds(APIModel):
+    """Replica bounds of one role under autoscaling."""
+
+    min_replicas: int = Field(default=1, ge=0, le=1024, description="Fewest replicas.")
+    max_replicas: int = Field(default=8, ge=1, le=1024, description="Most replicas.")
+
+    rules = (
+        Rule(
+            cel="self.minReplicas <= self.maxReplicas",
+            message="minReplicas must not exceed maxReplicas",
+            check=lambda b: b.min_replicas <= b.max_replicas,
+        ),
+    )
+
+
+class ScalingRules(APIModel):
+    """Pace of scaling in one direction."""
+
+    stabilization_window_seconds: int = Field(
+        ge=0, le=3600, description="Decisions act on the extreme recommendation over this window."
+    )
+    max_step: int = Field(ge=1, le=64, description="Most replicas one decision adds or removes per role.")
+
+
+class ScalingBehavior(APIModel):
+    """Fast up, slow down."""
+
+    scale_up: ScalingRules = Field(
+        default_factory=lambda: ScalingRules(stabilization_window_seconds=0, max_step=4),
+        description="Scale-up pace.",
+    )
+    scale_down: ScalingRules = Field(
+        default_factory=lambda: ScalingRules(stabilization_window_seconds=300, max_step=1),
+        description="Scale-down pace.",
+    )
+
+
+class AutoscalingSpec(APIModel):
+    """SLO-driven scaling of prefill and decode."""
+
+    mode: AutoscalingMode = Field(
+        default=AutoscalingMode.OFF,
+        description="Off: spec replicas rule. Recommend: compute and report, never scale. Auto: the "
+        "operator sets prefill and decode replicas.",
+    )
+    prometheus: PrometheusSpec = Field(default_factory=PrometheusSpec, description="Metrics source.")
+    slo: SLOSpec = Field(default_factory=SLOSpec, description="Latency targets.")
+    prefill: ReplicaBounds = Field(
+        default_factory=lambda: ReplicaBounds(min_replicas=1, max_replicas=8), description="Prefill bounds."
+    )
+    decode: ReplicaBounds = Field(
+        default_factory=lambda: ReplicaBounds(min_replicas=1, max_replicas=16), description="Decode bounds."
+    )
+    gpu_budget: int | None = Field(
+        default=None, ge=1, le=65536, description="Most GPUs prefill and decode may use together."
+    )
+    interval_seconds: int = Field(default=30, ge=5, le=3600, description="Seconds between decisions.")
+    startup_seconds: int = Field(
+        default=120,
+        ge=0,
+        le=7200,
+        description="Expected time from a new replica to serving (model load); scale-ups look this far ahead.",
+    )
+    behavior: ScalingBehavior = Field(default_factory=ScalingBehavior, description="Pace of scaling.")
+
+    rules = (
+        Rule(
+            cel="self.mode == 'Off' || size(self.prometheus.url) > 0",
+            message="autoscaling.prometheus.url is required when mode is Recommend or Auto",
+            check=lambda a: a.mode == AutoscalingMode.OFF or bool(a.prometheus.url),
+            field_path=".prometheus.url",
+        ),
+    )
+
+
+# ---------------------------------------------------------------------------------------------
+# Spec
+
+
+def _tp_compatible(spec: DisaggregatedServingSpec) -> bool:
+    p, d = spec.prefill.tensor_parallel_size, spec.decode.tensor_parallel_size
+    if spec.kv_transfer.connector in (Connector.P2P_NCCL, Connector.LMCACHE):
+        return p == d
+    return p % d == 0 or d % p == 0
+
+
+def _p2p_nccl_supported(spec: DisaggregatedServingSpec) -> bool:
+    if spec.kv_transfer.connector != Connector.P2P_NCCL:
+        return True
+    return vllm.parse_version(spec.engine.vllm_version) <= vllm.P2P_NCCL_LAST
+
+
+def _nixl_push_supported(spec: DisaggregatedServingSpec) -> bool:
+    if spec.kv_transfer.connector != Connector.NIXL_PUSH:
+        return True
+    return vllm.parse_version(spec.engine.vllm_version) >= vllm.NIXL_PUSH_ADDED
+
+
+def _gpu_budget_holds(spec: DisaggregatedServingSpec) -> bool:
+    budget = spec.autoscaling.gpu_budget
+    if budget is None:
+        return True
+    floor = (
+        spec.autoscaling.prefill.min_replicas * spec.prefill.gpus
+        + spec.autoscaling.decode.min_replicas * spec.decode.gpus
+    )
+    return floor <= budget
+
+
+_GPUS_CEL: Final = (
+    "(has(self.{role}.gpu.count) ? self.{role}.gpu.count : self.{role}.tensorParallelSize * "
+    "self.{role}.pipelineParallelSize * self.{role}.dataParallelSize)"
+)
+
+
+class DisaggregatedServingSpec(APIModel):
+    """Desired state of a prefill/decode-disaggregated vLLM serving pool."""
+
+    model: ModelSpec = Field(description="The model to serve.")
+    engine: EngineSpec = Field(default_factory=EngineSpec, description="vLLM engine image and shared settings.")
+    kv_transfer: KVTransferSpec = Field(
+        default_factory=KVTransferSpec, description="KV-cache hand-off from prefill to decode."
+    )
+    prefill: RoleSpec = Field(default_factory=RoleSpec, description="The prefill pool (kv_producer).")
+    decode: RoleSpec = Field(default_factory=RoleSpec, description="The decode pool (kv_consumer).")
+    proxy: ProxySpec = Field(default_factory=ProxySpec, description="The routing proxy and its Service.")
+    autoscaling: AutoscalingSpec = Field(
+        default_factory=AutoscalingSpec, description="SLO-driven autoscaling of prefill and decode."
+    )
+
+    rules = (
+        Rule(
+            cel="self.kvTransfer.connector == 'P2pNcclConnector' || self.kvTransfer.connector == "
+            "'LMCacheConnectorV1' ? self.prefill.tensorParallelSize == self.decode.tensorParallelSize : "
+            "(self.prefill.tensorParallelSize % self.decode.tensorParallelSize == 0 || "
+            "self.decode.tensorParallelSize % self.prefill.tensorParallelSize == 0)",
+            message="prefill and decode tensorParallelSize are incompatible with the connector: NIXL and "
+            "Mooncake need one to divide the other, P2pNccl and LMCache need them equal",
+            check=_tp_compatible,
+        ),
+        Rule(
+            cel=f"self.kvTransfer.connector != 'P2pNcclConnector' || "
+            f"self.engine.vllmVersion.matches('{vllm.UP_TO_0_23_REGEX}')",
+            message=f"P2pNcclConnector was removed in vLLM 0.24: it needs engine.vllmVersion <= "
+            f"{vllm.format_version(vllm.P2P_NCCL_LAST)} (use NixlConnector on newer versions)",
+            check=_p2p_nccl_supported,
+        ),
+        Rule(
+            cel=f"self.kvTransfer.connector != 'NixlPushConnector' || "
+            f"!self.engine.vllmVersion.matches('{vllm.UP_TO_0_23_REGEX}')",
+            message=f"NixlPushConnector needs engine.vllmVersion >= {vllm.format_version(vllm.NIXL_PUSH_ADDED)}",
+            check=_nixl_push_supported,
+        ),
+        Rule(
+            cel="!has(self.autoscaling.gpuBudget) || self.autoscaling.prefill.minReplicas * "
+            + _GPUS_CEL.format(role="prefill")
+            + " + self.autoscaling.decode.minReplicas * "
+            + _GPUS_CEL.format(role="decode")
+            + " <= self.autoscaling.gpuBudget",
+            message="autoscaling.gpuBudget is below the GPUs the minimum replicas of both roles need",
+            check=_gpu_budget_holds,
+        ),
+    )
+
+
+# ---------------------------------------------------------------------------------------------
+# Status
+
+
+class ConditionType(StrEnum):
+    READY = "Ready"
+    PROGRESSING = "Progressing"
+    DEGRADED = "Degraded"
+    SCALING_ACTIVE = "ScalingActive"
+
+
+class Condition(StatusModel):
+    """A condition in the metav1.Condition shape."""
+
+    type: str = Field(description="Condition type: Ready, Progressing, Degraded or ScalingActive.")
+    status: Literal["True", "False", "Unknown"] = Field(description="True, False or Unknown.")
+    reason: str = Field(
+        pattern=r"^[A-Za-z]([A-Za-z0-9_,:]*[A-Za-z0-9_])?$",
+        max_length=1024,
+        description="CamelCase reason for the last transition.",
+    )
+    message: str = Field(default="", max_length=32768, description="Human-readable detail.")
+    observed_generation: int | None = Field(
+        default=None, ge=0, description="metadata.generation the condition was computed for."
+    )
+    last_transition_time: str = Field(description="When status last changed (RFC 3339).")
+
+
+class RoleStatus(StatusModel):
+    """Observed state of one pool."""
+
+    replicas: int = Field(default=0, description="Pods of the pool's Deployment.")
+    ready_replicas: int = Field(default=0, description="Pods that pass their readiness probe.")
+    desired_replicas: int = Field(default=0, description="Replicas the operator asks for.")
+    updated_replicas: int = Field(default=0, description="Pods on the current template.")
+    ready: str = Field(default="0/0", description="ready/desired, for kubectl get.")
+
+
+class Decision(StatusModel):
+    """An autoscaler decision."""
+
+    time: str = Field(description="When it was made (RFC 3339).")
+    prefill: int = Field(description="Prefill replicas decided.")
+    decode: int = Field(description="Decode replicas decided.")
+    reason: str = Field(description="CamelCase reason (which signal and formula term).")
+    message: str = Field(default="", description="Human-readable detail.")
+
+
+class ObservedLoad(StatusModel):
+    """What the autoscaler last read from Prometheus."""
+
+    request_rate: float | None = Field(default=None, description="Arrivals per second.")
+    isl: float | None = Field(default=None, description="Mean input (prompt) length, tokens.")
+    osl: float | None = Field(default=None, description="Mean output length, tokens.")
+    ttft_ms: float | None = Field(default=None, description="TTFT at the SLO percentile, milliseconds.")
+    tpot_ms: float | None = Field(default=None, description="Inter-token latency at the SLO percentile, ms.")
+    prefill_queue: float | None = Field(default=None, description="Requests waiting on prefill engines.")
+    decode_queue: float | None = Field(default=None, description="Requests waiting on decode engines.")
+    kv_cache_usage: float | None = Field(default=None, description="Mean decode KV-cache usage, 0-1.")
+
+
+class AutoscalerStatus(StatusModel):
+    """What the autoscaler saw and decided."""
+
+    last_decision: Decision | None = Field(default=None, description="The latest decision.")
+    observed: ObservedLoad | None = Field(default=None, description="The latest observation.")
+    recommended_ratio: str | None = Field(default=None, description="Recommended P:D, e.g. 1:3.")
+
+
+class ProxyStatus(StatusModel):
+    """Observed state of the proxy."""
+
+    replicas: int = Field(default=0, description="Proxy pods.")
+    ready_replicas: int = Field(default=0, description="Proxy pods that are ready.")
+
+
+class DisaggregatedServingStatus(StatusModel):
+    """Observed state, written by the operator."""
+
+    observed_generation: int | None = Field(default=None, description="Generation of the spec last acted on.")
+    conditions: list[Condition] = Field(default_factory=list, description="Ready, Progressing, Degraded, "
+                                        "ScalingActive.")
+    prefill: RoleStatus | None = Field(default=None, description="The prefill pool.")
+    decode: RoleStatus | None = Field(default=None, description="The decode pool.")
+    proxy: ProxyStatus | None = Field(default=None, description="The proxy.")
+    endpoint: str | None = Field(default=None, description="In-cluster URL of the proxy Service.")
+    kv_transport: str | None = Field(
+        default=None, description="Transport the rendered configuration asks for: RDMA or TCP."
+    )
+    autoscaler: AutoscalerStatus | None = Field(default=None, description="Autoscaler state.")
+
+
+# ---------------------------------------------------------------------------------------------
+# The object
+
+#: Child names append up to 8 characters ("-prefill") and Service names are DNS labels (63).
+MAX_NAME_LENGTH: Final = 55
+
+_NAME_RE: Final = re.compile(r"^[a-z]([-a-z0-9]*[a-z0-9])?$")
+
+
+def valid_name(name: str) -> bool:
+    return len(name) <= MAX_NAME_LENGTH and bool(_NAME_RE.match(name))
+
+
+#: Applied to the root object in the CRD; in Python, ObjectMeta checks the name.
+NAME_RULE: Final = Rule(
+    cel=f"size(self.metadata.name) <= {MAX_NAME_LENGTH} && "
+    "self.metadata.name.matches('^[a-z]([-a-z0-9]*[a-z0-9])?$')",
+    message=f"metadata.name must be a DNS label of at most {MAX_NAME_LENGTH} characters (lowercase letters, "
+    "digits and '-', starting with a letter): child Services are named <name>-prefill and so on",
+    check=lambda obj: valid_name(obj.metadata.name),
+)
+
+
+class ObjectMeta(StatusModel):
+    """The parts of metadata the operator reads."""
+
+    name: str = Field(description="Object name.")
+    namespace: str = Field(default="default", description="Namespace.")
+    uid: str | None = Field(default=None, description="Object UID.")
+    generation: int | None = Field(default=None, description="Spec generation.")
+    labels: dict[str, str] = Field(default_factory=dict, description="Labels.")
+
+    @model_validator(mode="after")
+    def _check_name(self) -> ObjectMeta:
+        if not valid_name(self.name):
+            raise ValueError(NAME_RULE.message)
+        return self
+
+
+class DisaggregatedServing(StatusModel):
+    """A whole DisaggregatedServing object (as read from a file or the API server)."""
+
+    api_version: Literal["xpyd.io/v1alpha1"] = Field(description="API version.")
+    kind: Literal["DisaggregatedServing"] = Field(description="Kind.")
+    metadata: ObjectMeta = Field(description="Metadata.")
+    spec: DisaggregatedServingSpec = Field(description="Desired state.")
+    status: DisaggregatedServingStatus = Field(default_factory=DisaggregatedServingStatus, description="Status.")

@@ -1,0 +1,152 @@
+"""kopf handlers: thin entry points around `reconcile()`.
+
+- create/resume/update of a DisaggregatedServing reconcile it (kopf retries on errors);
+- events of child Deployments and Services (labelled managed-by xpyd-operator) reconcile their
+  owner, so status follows readiness and a deleted or edited child comes back at once;
+- a periodic sweep reconciles every object to catch any other drift. (A kopf timer would do
+  the same per object, but kopf guards timers with a finalizer, and a finalizer makes deleting a
+  DisaggregatedServing hang whenever the operator is not running.)
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import threading
+from dataclasses import dataclass, field
+from typing import Any
+
+import kopf
+
+from xpyd.api import models
+from xpyd.controller.kube import Kube, KubeError
+from xpyd.controller.reconcile import InvalidSpec, reconcile
+from xpyd.render.naming import FIELD_MANAGER, SERVING_LABEL
+
+log = logging.getLogger(__name__)
+
+#: Backoff of kopf retries after an API error.
+RETRY_DELAY_SECONDS = 10
+CHILD_SELECTOR = {"app.kubernetes.io/managed-by": FIELD_MANAGER}
+
+
+@dataclass
+class OperatorState:
+    """Per-operator state, kept in kopf's memo (no module globals)."""
+
+    kube: Kube
+    operator_image: str
+    resync_seconds: float
+    namespaces: list[str]
+    _locks: dict[tuple[str, str], threading.Lock] = field(default_factory=dict)
+    _locks_guard: threading.Lock = field(default_factory=threading.Lock)
+    sweeper: asyncio.Task[None] | None = None
+
+    def lock(self, namespace: str, name: str) -> threading.Lock:
+        """One reconcile at a time per object, whichever handler triggered it."""
+        with self._locks_guard:
+            return self._locks.setdefault((namespace, name), threading.Lock())
+
+    def reconcile(self, body: dict[str, Any]) -> None:
+        meta = body["metadata"]
+        with self.lock(meta["namespace"], meta["name"]):
+            outcome = reconcile(self.kube, body, self.operator_image)
+        if outcome.writes:
+            log.info("reconciled %s/%s: created %s, updated %s, status %s", meta["namespace"], meta["name"],
+                     outcome.created or "-", outcome.updated or "-", "written" if outcome.status_written else "-")
+
+
+def configure_settings(settings: kopf.OperatorSettings) -> None:
+    """The operator's own prefixes, quiet event posting and bounded watches."""
+    settings.persistence.finalizer = f"{models.GROUP}/finalizer"
+    settings.persistence.progress_storage = kopf.AnnotationsProgressStorage(prefix=models.GROUP)
+    settings.persistence.diffbase_storage = kopf.AnnotationsDiffBaseStorage(
+        prefix=models.GROUP, key="last-handled-configuration")
+    settings.posting.level = logging.WARNING  # Events are written by the reconciler itself.
+    settings.watching.server_timeout = 300
+    settings.watching.client_timeout = 330
+    settings.watching.connect_timeout = 30
+    settings.networking.request_timeout = 60
+    settings.execution.max_workers = 8
+
+
+def register(registry: kopf.OperatorRegistry) -> None:
+    """Register every handler on `registry` (the operator's own: no global registry)."""
+
+    @kopf.on.startup(registry=registry)
+    async def _startup(settings: kopf.OperatorSettings, memo: kopf.Memo, **_: Any) -> None:
+        configure_settings(settings)
+        state: OperatorState = memo.state
+        state.sweeper = asyncio.create_task(_sweep_forever(state))
+
+    @kopf.on.cleanup(registry=registry)
+    async def _cleanup(memo: kopf.Memo, **_: Any) -> None:
+        state: OperatorState = memo.state
+        if state.sweeper is not None:
+            state.sweeper.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await state.sweeper
+
+    @kopf.on.resume(models.GROUP, models.VERSION, models.PLURAL, registry=registry)
+    @kopf.on.create(models.GROUP, models.VERSION, models.PLURAL, registry=registry)
+    @kopf.on.update(models.GROUP, models.VERSION, models.PLURAL, registry=registry)
+    def _on_change(body: kopf.Body, memo: kopf.Memo, **_: Any) -> None:
+        state: OperatorState = memo.state
+        try:
+            state.reconcile(dict(body))
+        except InvalidSpec as error:
+            raise kopf.PermanentError(str(error)) from None
+        except KubeError as error:
+            raise kopf.TemporaryError(str(error), delay=RETRY_DELAY_SECONDS) from None
+
+    for group_version, plural in (("apps/v1", "deployments"), ("v1", "services")):
+        group, _, version = group_version.rpartition("/")
+
+        @kopf.on.event(group, version, plural, labels=CHILD_SELECTOR, registry=registry)
+        def _on_child(body: kopf.Body, memo: kopf.Memo, **_: Any) -> None:
+            owner = body.get("metadata", {}).get("labels", {}).get(SERVING_LABEL)
+            if owner:
+                _reconcile_by_name(memo.state, body["metadata"]["namespace"], owner)
+
+
+def _reconcile_quietly(state: OperatorState, body: dict[str, Any]) -> None:
+    """Reconcile from outside the object's own handlers: errors are logged, and the next event,
+    sweep or retry of its own handler brings it back."""
+    meta = body["metadata"]
+    if meta.get("deletionTimestamp"):
+        return
+    try:
+        state.reconcile(body)
+    except InvalidSpec:
+        pass  # reported in its status and Events
+    except KubeError as error:
+        log.warning("reconcile of %s/%s failed, will retry: %s", meta["namespace"], meta["name"], error)
+
+
+def _reconcile_by_name(state: OperatorState, namespace: str, name: str) -> None:
+    try:
+        body = state.kube.get(models.API_VERSION, models.KIND, namespace, name)
+    except KubeError as error:
+        log.warning("could not read %s/%s: %s", namespace, name, error)
+        return
+    if body is not None:
+        _reconcile_quietly(state, body)
+
+
+def _sweep(state: OperatorState) -> None:
+    scopes: list[str | None] = list(state.namespaces) or [None]
+    for namespace in scopes:
+        try:
+            servings = state.kube.list_servings(namespace)
+        except KubeError as error:
+            log.warning("drift sweep could not list DisaggregatedServings: %s", error)
+            continue
+        for body in servings:
+            _reconcile_quietly(state, body)
+
+
+async def _sweep_forever(state: OperatorState) -> None:
+    while True:
+        await asyncio.sleep(state.resync_seconds)
+        await asyncio.to_thread(_sweep, state)

@@ -1,0 +1,164 @@
+"""A thin, synchronous Kubernetes client for the kinds the operator touches.
+
+Everything goes through the official client's ApiClient (kubeconfig or in-cluster credentials,
+TLS, auth) but with raw JSON in and out: the operator works on plain dicts, the same shape
+rendering produces. Every call has a timeout, so a hung API server never wedges a worker.
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import logging
+from dataclasses import dataclass
+from typing import Any, Final
+
+import kubernetes
+
+from xpyd.api import models
+from xpyd.render.naming import FIELD_MANAGER
+
+JSON = dict[str, Any]
+log = logging.getLogger(__name__)
+
+#: (apiVersion, kind) -> plural, for every kind the operator reads or writes.
+PLURALS: Final[dict[tuple[str, str], str]] = {
+    ("apps/v1", "Deployment"): "deployments",
+    ("v1", "Service"): "services",
+    ("v1", "ServiceAccount"): "serviceaccounts",
+    ("v1", "Pod"): "pods",
+    ("v1", "Event"): "events",
+    ("policy/v1", "PodDisruptionBudget"): "poddisruptionbudgets",
+    ("rbac.authorization.k8s.io/v1", "Role"): "roles",
+    ("rbac.authorization.k8s.io/v1", "RoleBinding"): "rolebindings",
+    (models.API_VERSION, models.KIND): models.PLURAL,
+}
+
+REQUEST_TIMEOUT_SECONDS: Final = 15.0
+
+
+class KubeError(Exception):
+    """An API call failed; `status` is the HTTP status (0 when no answer came)."""
+
+    def __init__(self, status: int, message: str) -> None:
+        super().__init__(f"HTTP {status}: {message}" if status else message)
+        self.status = status
+
+
+def resource_path(api_version: str, kind: str, namespace: str, name: str | None = None,
+                  subresource: str | None = None) -> str:
+    prefix = "/api/v1" if api_version == "v1" else f"/apis/{api_version}"
+    path = f"{prefix}/namespaces/{namespace}/{PLURALS[(api_version, kind)]}"
+    if name:
+        path += f"/{name}"
+    if subresource:
+        path += f"/{subresource}"
+    return path
+
+
+def load_client_config() -> kubernetes.client.Configuration:
+    """In-cluster credentials when running in a pod, else the current kubeconfig."""
+    config = kubernetes.client.Configuration()
+    try:
+        kubernetes.config.load_incluster_config(client_configuration=config)  # type: ignore[no-untyped-call]
+    except kubernetes.config.ConfigException:
+        kubernetes.config.load_kube_config(client_configuration=config)  # type: ignore[no-untyped-call]
+    return config
+
+
+@dataclass
+class Kube:
+    """JSON-in, JSON-out access to the API server."""
+
+    api: kubernetes.client.ApiClient
+
+    @classmethod
+    def from_environment(cls) -> Kube:
+        return cls(kubernetes.client.ApiClient(load_client_config()))
+
+    def _call(self, method: str, path: str, body: Any = None, query: list[tuple[str, str]] | None = None,
+              content_type: str = "application/json") -> JSON | None:
+        """One request; None for a GET of a missing object, KubeError for any other failure."""
+        try:
+            method, url, headers, body, _ = self.api.param_serialize(
+                method=method, resource_path=path, query_params=query or [], body=body,
+                header_params={"Content-Type": content_type, "Accept": "application/json"},
+                auth_settings=["BearerToken"],
+            )
+            response = self.api.call_api(method, url, header_params=headers, body=body,
+                                         _request_timeout=REQUEST_TIMEOUT_SECONDS)
+            raw = response.read()  # type: ignore[no-untyped-call]
+        except Exception as error:  # connection refused, timeouts, TLS: all retried by the caller
+            raise KubeError(0, f"{method} {path}: {error}") from None
+        if response.status == 404 and method == "GET":
+            return None
+        if not 200 <= response.status < 300:
+            raise KubeError(response.status, f"{method} {path}: {_reason(raw)}")
+        result: JSON = json.loads(raw) if raw else {}
+        return result
+
+    def get(self, api_version: str, kind: str, namespace: str, name: str) -> JSON | None:
+        """The object, or None when it does not exist."""
+        return self._call("GET", resource_path(api_version, kind, namespace, name))
+
+    def list_objects(self, api_version: str, kind: str, namespace: str, selector: str) -> list[JSON]:
+        result = self._call("GET", resource_path(api_version, kind, namespace), query=[("labelSelector", selector)])
+        items: list[JSON] = (result or {}).get("items", [])
+        return items
+
+    def list_servings(self, namespace: str | None) -> list[JSON]:
+        """Every DisaggregatedServing in `namespace`, or in the cluster when None."""
+        path = (resource_path(models.API_VERSION, models.KIND, namespace) if namespace
+                else f"/apis/{models.API_VERSION}/{models.PLURAL}")
+        result = self._call("GET", path)
+        items: list[JSON] = (result or {}).get("items", [])
+        for item in items:  # lists omit these per item
+            item.setdefault("apiVersion", models.API_VERSION)
+            item.setdefault("kind", models.KIND)
+        return items
+
+    def apply(self, obj: JSON) -> JSON:
+        """Server-side apply with the operator's field manager, taking ownership of its fields."""
+        meta = obj["metadata"]
+        path = resource_path(obj["apiVersion"], obj["kind"], meta["namespace"], meta["name"])
+        result = self._call("PATCH", path, body=obj, content_type="application/apply-patch+yaml",
+                            query=[("fieldManager", FIELD_MANAGER), ("force", "true")])
+        return result or {}
+
+    def patch_status(self, namespace: str, name: str, status: JSON) -> None:
+        """Merge-patch the status subresource of a DisaggregatedServing."""
+        path = resource_path(models.API_VERSION, models.KIND, namespace, name, "status")
+        self._call("PATCH", path, body={"status": status}, content_type="application/merge-patch+json")
+
+    def event(self, owner: JSON, event_type: str, reason: str, message: str) -> None:
+        """Record an Event on `owner` (shown by `kubectl describe`). Failures are logged, not raised:
+        an Event is never worth failing a reconcile for."""
+        meta = owner["metadata"]
+        now = datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
+        event = {
+            "apiVersion": "v1",
+            "kind": "Event",
+            "metadata": {"generateName": f"{meta['name']}.", "namespace": meta["namespace"]},
+            "involvedObject": {"apiVersion": owner["apiVersion"], "kind": owner["kind"], "name": meta["name"],
+                               "namespace": meta["namespace"], "uid": meta.get("uid")},
+            "type": event_type,
+            "reason": reason,
+            "message": message[:1024],
+            "source": {"component": FIELD_MANAGER},
+            "reportingComponent": FIELD_MANAGER,
+            "firstTimestamp": now,
+            "lastTimestamp": now,
+            "count": 1,
+        }
+        try:
+            self._call("POST", resource_path("v1", "Event", meta["namespace"]), body=event)
+        except KubeError as error:
+            log.warning("could not record event %s on %s: %s", reason, meta["name"], error)
+
+
+def _reason(raw: bytes | None) -> str:
+    """The message of a Kubernetes Status body, or the raw text."""
+    try:
+        return str(json.loads(raw or b"{}").get("message") or raw)
+    except (TypeError, ValueError, AttributeError):
+        return str(raw)

@@ -1,0 +1,47 @@
+"""`xpyd operator`: run the kopf operator with this project's settings."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+
+import kopf
+
+from xpyd.controller.handlers import OperatorState, register
+from xpyd.controller.kube import Kube
+from xpyd.render import DEFAULT_OPERATOR_IMAGE
+
+
+def build(operator_image: str | None, resync_seconds: float, namespaces: list[str],
+          kube: Kube | None = None) -> tuple[kopf.OperatorRegistry, kopf.Memo]:
+    """The registry and memo of one operator instance (tests run several in one process)."""
+    registry = kopf.OperatorRegistry()
+    register(registry)
+    state = OperatorState(kube=kube or Kube.from_environment(), operator_image=operator_image or DEFAULT_OPERATOR_IMAGE,
+                          resync_seconds=resync_seconds, namespaces=namespaces)
+    return registry, kopf.Memo(state=state)
+
+
+async def serve(registry: kopf.OperatorRegistry, memo: kopf.Memo, namespaces: list[str], liveness: str | None,
+                stop_flag: threading.Event | None = None, ready_flag: threading.Event | None = None) -> None:
+    await kopf.operator(
+        registry=registry,
+        memo=memo,
+        clusterwide=not namespaces,
+        namespaces=namespaces,
+        standalone=True,  # one replica (Recreate strategy): no peering objects needed
+        liveness_endpoint=liveness or None,
+        stop_flag=stop_flag,
+        ready_flag=ready_flag,
+    )
+
+
+def run(namespaces: list[str], all_namespaces: bool, liveness: str | None, operator_image: str | None,
+        resync_seconds: float, verbose: bool) -> int:
+    kopf.configure(verbose=verbose, log_format=kopf.LogFormat.JSON)
+    logging.getLogger("xpyd").setLevel(logging.DEBUG if verbose else logging.INFO)
+    scope = [] if all_namespaces else namespaces
+    registry, memo = build(operator_image, resync_seconds, scope)
+    asyncio.run(serve(registry, memo, scope, liveness))
+    return 0

@@ -1,0 +1,130 @@
+"""One level-based reconcile of a DisaggregatedServing: render, adopt, apply what differs,
+then write the status computed from what exists. Called on create, resume and update, on
+changes of child Deployments and Services, and by the periodic drift sweep.
+"""
+
+from __future__ import annotations
+
+import datetime
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import kopf
+
+from xpyd.api.load import SpecError, parse_serving
+from xpyd.api.models import AutoscalingMode, DisaggregatedServing
+from xpyd.controller.diff import is_subset
+from xpyd.controller.kube import Kube
+from xpyd.controller.status import Observed, compute_status, invalid_status, status_changed
+from xpyd.render import RenderOptions, endpoint, render
+from xpyd.render.engine import transport
+from xpyd.render.naming import ROLES, SERVING_LABEL, Component, child_name
+
+JSON = dict[str, Any]
+log = logging.getLogger(__name__)
+
+
+class InvalidSpec(Exception):
+    """The object passed the CRD schema but not the models (e.g. a CRD older than the operator)."""
+
+
+@dataclass
+class Outcome:
+    """What one reconcile did: the API writes it sent, by kind."""
+
+    created: list[str] = field(default_factory=list)
+    updated: list[str] = field(default_factory=list)
+    status_written: bool = False
+
+    @property
+    def writes(self) -> int:
+        return len(self.created) + len(self.updated) + int(self.status_written)
+
+
+def utc_now() -> str:
+    return datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
+
+
+def desired_replicas(serving: DisaggregatedServing) -> dict[Component, int]:
+    """Replicas per pool. The spec rules, except in Auto mode, where the autoscaler's decision in
+    status wins (clamped to the bounds, which the user may just have changed)."""
+    spec = serving.spec
+    result: dict[Component, int] = {"proxy": spec.proxy.replicas}
+    for role in ROLES:
+        replicas = getattr(spec, role).replicas
+        if spec.autoscaling.mode == AutoscalingMode.AUTO:
+            bounds = getattr(spec.autoscaling, role)
+            decided = getattr(serving.status, role)
+            if decided is not None and decided.desired_replicas:
+                replicas = decided.desired_replicas
+            replicas = max(bounds.min_replicas, min(bounds.max_replicas, replicas))
+        result[role] = replicas
+    return result
+
+
+def reconcile(kube: Kube, body: JSON, operator_image: str, now: Callable[[], str] = utc_now) -> Outcome:
+    """Bring the children of `body` to their desired state and update its status."""
+    meta = body["metadata"]
+    name, namespace, generation = meta["name"], meta["namespace"], meta.get("generation")
+    old_status: JSON = body.get("status") or {}
+    outcome = Outcome()
+    try:
+        serving = parse_serving(body)
+    except SpecError as error:
+        message = str(error)
+        status = invalid_status(old_status, generation, message, now())
+        if status_changed(old_status, status):
+            kube.patch_status(namespace, name, status)
+            kube.event(body, "Warning", "InvalidSpec", message)
+            outcome.status_written = True
+        raise InvalidSpec(message) from None
+
+    replicas = desired_replicas(serving)
+    objects = render(name, namespace, serving.spec,
+                     RenderOptions(operator_image=operator_image,
+                                   replicas={role: replicas[role] for role in ROLES}))
+    kopf.adopt(objects, owner=kopf.Body(body))  # type: ignore[arg-type]
+
+    live_deployments: dict[str, JSON] = {}
+    for obj in objects:
+        kind, child = obj["kind"], obj["metadata"]["name"]
+        live = kube.get(obj["apiVersion"], kind, namespace, child)
+        if live is None or not is_subset(obj, live):
+            (outcome.created if live is None else outcome.updated).append(f"{kind}/{child}")
+            live = kube.apply(obj)
+        if kind == "Deployment":
+            live_deployments[child] = live
+
+    components: tuple[Component, ...] = ("prefill", "decode", "proxy")
+    deployments = {c: live_deployments.get(child_name(name, c)) for c in components}
+    # Pods explain a pool short of ready replicas (Pending for lack of GPUs, crash loops).
+    short = any((deployments[c] or {}).get("status", {}).get("readyReplicas", 0) < replicas[c]
+                for c in deployments)
+    pods = kube.list_objects("v1", "Pod", namespace, f"{SERVING_LABEL}={name}") if short else []
+    observed = Observed(deployments=deployments, desired=replicas, pods=pods)
+    status = compute_status(serving.spec, observed, old_status, generation,
+                            endpoint(name, namespace, serving.spec), transport(serving.spec), now())
+    if status_changed(old_status, status):
+        kube.patch_status(namespace, name, status)
+        outcome.status_written = True
+        _report_transitions(kube, body, old_status, status)
+    if outcome.created:
+        kube.event(body, "Normal", "Created", "created " + ", ".join(outcome.created))
+    if outcome.updated:
+        kube.event(body, "Normal", "Updated", "applied the desired state to " + ", ".join(outcome.updated))
+    return outcome
+
+
+def _report_transitions(kube: Kube, body: JSON, old: JSON, new: JSON) -> None:
+    """An Event for every condition that changed status (Ready, Degraded, ...)."""
+    before = {c["type"]: c["status"] for c in old.get("conditions", [])}
+    for condition in new.get("conditions", []):
+        if before.get(condition["type"]) == condition["status"]:
+            continue
+        bad = (condition["type"] == "Ready" and condition["status"] == "False") or (
+            condition["type"] == "Degraded" and condition["status"] == "True")
+        if condition["type"] in ("Ready", "Degraded") and (bad or condition["type"] in before):
+            kube.event(body, "Warning" if bad else "Normal", condition["reason"],
+                       f"{condition['type']}={condition['status']}: {condition['message']}")

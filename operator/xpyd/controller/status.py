@@ -1,0 +1,173 @@
+"""Status of a DisaggregatedServing, computed from what exists. Pure: no I/O.
+
+Conditions follow metav1.Condition: `lastTransitionTime` moves only when `status` changes, so
+a converged pool computes exactly the status it already has and nothing is written.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from xpyd.api.models import AutoscalingMode, ConditionType, DisaggregatedServingSpec
+from xpyd.render.naming import Component
+
+JSON = dict[str, Any]
+
+
+@dataclass(frozen=True)
+class ConditionValue:
+    type: ConditionType
+    status: bool | None  # None: Unknown
+    reason: str
+    message: str = ""
+
+
+def merge_conditions(old: Sequence[JSON], new: Sequence[ConditionValue], generation: int | None,
+                     now: str) -> list[JSON]:
+    """New conditions in the metav1.Condition shape, keeping each one's lastTransitionTime
+    when its status did not change."""
+    previous = {c.get("type"): c for c in old}
+    result = []
+    for condition in new:
+        status = "Unknown" if condition.status is None else ("True" if condition.status else "False")
+        before = previous.get(condition.type.value, {})
+        since = before.get("lastTransitionTime") if before.get("status") == status else None
+        result.append({
+            "type": condition.type.value,
+            "status": status,
+            "reason": condition.reason,
+            "message": condition.message,
+            "observedGeneration": generation,
+            "lastTransitionTime": since or now,
+        })
+    return result
+
+
+def role_status(deployment: JSON | None, desired: int) -> JSON:
+    st = (deployment or {}).get("status", {})
+    ready = st.get("readyReplicas", 0)
+    return {
+        "replicas": st.get("replicas", 0),
+        "readyReplicas": ready,
+        "desiredReplicas": desired,
+        "updatedReplicas": st.get("updatedReplicas", 0),
+        "ready": f"{ready}/{desired}",
+    }
+
+
+def _rolled_out(deployment: JSON | None, desired: int) -> bool:
+    if deployment is None:
+        return desired == 0
+    st = deployment.get("status", {})
+    return bool(st.get("observedGeneration", 0) >= deployment["metadata"].get("generation", 0)
+                and st.get("updatedReplicas", 0) >= desired
+                and st.get("readyReplicas", 0) >= desired
+                and st.get("replicas", 0) == desired)
+
+
+def pending_problem(pods: Sequence[JSON], gpu_resources: set[str]) -> ConditionValue | None:
+    """Degraded when pods cannot be scheduled (for lack of GPUs, or otherwise) or crash-loop."""
+    unschedulable = []
+    for pod in pods:
+        if pod.get("metadata", {}).get("deletionTimestamp"):
+            continue
+        for condition in pod.get("status", {}).get("conditions", []):
+            if condition.get("type") == "PodScheduled" and condition.get("status") == "False" \
+                    and condition.get("reason") == "Unschedulable":
+                unschedulable.append((pod["metadata"]["name"], condition.get("message", "")))
+    if unschedulable:
+        name, message = unschedulable[0]
+        gpus = any(f"Insufficient {resource}" in msg for _, msg in unschedulable for resource in gpu_resources)
+        return ConditionValue(
+            ConditionType.DEGRADED, True, "InsufficientGPUs" if gpus else "Unschedulable",
+            f"{len(unschedulable)} pod(s) cannot be scheduled; {name}: {message}",
+        )
+    for pod in pods:
+        for status in pod.get("status", {}).get("containerStatuses", []):
+            waiting = status.get("state", {}).get("waiting", {})
+            if waiting.get("reason") == "CrashLoopBackOff":
+                return ConditionValue(ConditionType.DEGRADED, True, "EngineCrashLoop",
+                                      f"{pod['metadata']['name']}: {waiting.get('message', 'CrashLoopBackOff')}")
+    return None
+
+
+@dataclass(frozen=True)
+class Observed:
+    """What exists in the cluster for one DisaggregatedServing."""
+
+    deployments: Mapping[Component, JSON | None]
+    desired: Mapping[Component, int]
+    pods: Sequence[JSON] = ()
+
+
+def compute_status(spec: DisaggregatedServingSpec, observed: Observed, old_status: JSON,
+                   generation: int | None, endpoint: str, transport: str, now: str) -> JSON:
+    """The status fields the reconciler owns (the autoscaler block is written elsewhere)."""
+    roles = {c: role_status(observed.deployments.get(c), observed.desired[c]) for c in ("prefill", "decode")}
+    proxy = observed.deployments.get("proxy")
+    proxy_status = {"replicas": (proxy or {}).get("status", {}).get("replicas", 0),
+                    "readyReplicas": (proxy or {}).get("status", {}).get("readyReplicas", 0)}
+
+    ready_counts: dict[Component, int] = {
+        "prefill": roles["prefill"]["readyReplicas"],
+        "decode": roles["decode"]["readyReplicas"],
+        "proxy": proxy_status["readyReplicas"],
+    }
+    missing = [c for c, n in ready_counts.items() if n == 0]
+    if all(observed.desired[c] == 0 for c in ready_counts):
+        ready = ConditionValue(ConditionType.READY, False, "ScaledToZero", "every pool has 0 replicas")
+    elif missing:
+        ready = ConditionValue(ConditionType.READY, False, f"{missing[0].capitalize()}Unavailable",
+                               "no ready pod in: " + ", ".join(missing))
+    else:
+        complete = all(ready_counts[c] >= observed.desired[c] for c in ready_counts)
+        ready = ConditionValue(ConditionType.READY, True, "AllReplicasReady" if complete else "PartiallyReady",
+                               "prefill {prefill}, decode {decode}, proxy {proxy} ready".format(**ready_counts))
+
+    rolling = [c for c in ("prefill", "decode", "proxy")
+               if not _rolled_out(observed.deployments.get(c), observed.desired[c])]
+    progressing = (ConditionValue(ConditionType.PROGRESSING, True, "RollingOut",
+                                  "waiting for " + ", ".join(rolling) + " to reach the desired state")
+                   if rolling else ConditionValue(ConditionType.PROGRESSING, False, "Converged",
+                                                  "every pool runs the desired template and replicas"))
+
+    gpu_resources = {spec.prefill.gpu.resource_name, spec.decode.gpu.resource_name}
+    if spec.kv_transfer.rdma:
+        gpu_resources.add(spec.kv_transfer.rdma.resource_name)
+    degraded = pending_problem(observed.pods, gpu_resources) or ConditionValue(
+        ConditionType.DEGRADED, False, "AsExpected", "")
+
+    if spec.autoscaling.mode == AutoscalingMode.OFF:
+        scaling = ConditionValue(ConditionType.SCALING_ACTIVE, False, "AutoscalingOff",
+                                 "spec replicas rule (autoscaling.mode is Off)")
+    else:
+        scaling = ConditionValue(ConditionType.SCALING_ACTIVE, None, "AutoscalerNotRunning",
+                                 f"autoscaling.mode is {spec.autoscaling.mode.value}; no decision has been made yet")
+
+    conditions = merge_conditions(old_status.get("conditions", []), [ready, progressing, degraded, scaling],
+                                  generation, now)
+    return {
+        "observedGeneration": generation,
+        "conditions": conditions,
+        "prefill": roles["prefill"],
+        "decode": roles["decode"],
+        "proxy": proxy_status,
+        "endpoint": endpoint,
+        "kvTransport": transport,
+    }
+
+
+def invalid_status(old_status: JSON, generation: int | None, message: str, now: str) -> JSON:
+    """Status of a spec that got past the schema but not the models: nothing is touched."""
+    conditions = merge_conditions(old_status.get("conditions", []), [
+        ConditionValue(ConditionType.READY, False, "InvalidSpec", message),
+        ConditionValue(ConditionType.PROGRESSING, False, "InvalidSpec", "fix the spec to continue"),
+    ], generation, now)
+    return {"observedGeneration": generation, "conditions": conditions}
+
+
+def status_changed(old: JSON, new: JSON) -> bool:
+    """Whether writing `new` would change anything in `old` (only the keys `new` sets)."""
+    return any(old.get(key) != value for key, value in new.items())

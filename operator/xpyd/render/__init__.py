@@ -1,0 +1,153 @@
+"""Rendering: a validated DisaggregatedServing in, every desired child object out. Pure: no I/O.
+
+The shape of each object lives in a jinja2 template under `xpyd/templates/`; the values that
+depend on the connector, role and vLLM version are computed in `engine` and `kvconfig`.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any, Final
+
+import jinja2
+import yaml
+
+from xpyd import __version__
+from xpyd.api.models import DisaggregatedServingSpec
+from xpyd.render import engine, naming
+from xpyd.render.kvconfig import Role
+
+JSON = dict[str, Any]
+
+DEFAULT_OPERATOR_IMAGE: Final = f"ghcr.io/xpyd-operator/xpyd-operator:{__version__}"
+
+_ENV = jinja2.Environment(
+    loader=jinja2.PackageLoader("xpyd", "templates"),
+    undefined=jinja2.StrictUndefined,
+    autoescape=False,
+    keep_trailing_newline=True,
+)
+# JSON is YAML: every structured value goes into the templates as JSON, so quoting is never wrong.
+_ENV.filters["json"] = lambda value: json.dumps(value, separators=(", ", ": "))
+
+
+@dataclass(frozen=True)
+class RenderOptions:
+    """What the operator adds to the spec: its own image (for the proxy) and replica counts
+    decided by the autoscaler (when absent, the spec's replicas)."""
+
+    operator_image: str = DEFAULT_OPERATOR_IMAGE
+    replicas: Mapping[Role, int] = field(default_factory=dict)
+
+
+def _render(template: str, **values: Any) -> list[JSON]:
+    text = _ENV.get_template(template).render(**values)
+    return [doc for doc in yaml.safe_load_all(text) if doc]
+
+
+def proxy_host(name: str, namespace: str) -> str:
+    """DNS name of the proxy Service (engines of P2pNcclConnector register with it)."""
+    return f"{naming.child_name(name, 'proxy')}.{namespace}.svc"
+
+
+def endpoint(name: str, namespace: str, spec: DisaggregatedServingSpec) -> str:
+    """The in-cluster URL clients use."""
+    return f"http://{naming.child_name(name, 'proxy')}.{namespace}:{spec.proxy.port}"
+
+
+def _engine_objects(name: str, namespace: str, spec: DisaggregatedServingSpec, role: Role,
+                    options: RenderOptions) -> list[JSON]:
+    role_spec = getattr(spec, role)
+    common = {
+        "name": naming.child_name(name, role),
+        "namespace": namespace,
+        "labels": naming.labels(name, role),
+        "selector": naming.selector_labels(name, role),
+    }
+    vols, mounts = engine.volumes(spec, role)
+    deployment = _render(
+        "engine-deployment.yaml.j2",
+        **common,
+        role=role_spec,
+        engine=spec.engine,
+        replicas=options.replicas.get(role, role_spec.replicas),
+        connector=spec.kv_transfer.connector.value,
+        transport=engine.transport(spec),
+        rdma=spec.kv_transfer.rdma is not None,
+        args=engine.args(spec, role, proxy_host(name, namespace)),
+        env=engine.env(spec, role),
+        ports=engine.ports(spec, role),
+        resources=engine.resources(spec, role),
+        volumes=vols,
+        volume_mounts=mounts,
+        tolerations=engine.tolerations(role_spec),
+        node_selector=engine.node_selector(role_spec),
+        image_pull_secrets=[s.to_wire() for s in spec.engine.image_pull_secrets],
+        drain_command=engine.drain_command(spec, role),
+        termination_grace_seconds=engine.termination_grace_seconds(spec, role),
+        startup_failure_threshold=engine.startup_failure_threshold(role_spec),
+    )
+    service_ports = [{"name": p["name"], "port": p["containerPort"], "targetPort": p["name"], "protocol": "TCP"}
+                     for p in engine.ports(spec, role)]
+    return (deployment
+            + _render("engine-service.yaml.j2", **common, ports=service_ports)
+            + _render("pdb.yaml.j2", **common))
+
+
+def proxy_args(name: str, namespace: str, spec: DisaggregatedServingSpec) -> list[str]:
+    """`xpyd proxy` arguments: where the pools are and how to talk to them."""
+    return [
+        f"--port={spec.proxy.port}",
+        f"--connector={spec.kv_transfer.connector.value}",
+        f"--namespace={namespace}",
+        f"--prefill-selector={naming.selector_string(name, 'prefill')}",
+        f"--decode-selector={naming.selector_string(name, 'decode')}",
+        f"--engine-port={spec.engine.port}",
+        f"--routing-policy={spec.proxy.routing_policy.value}",
+        f"--served-model-name={spec.model.served_name}",
+        *spec.proxy.extra_args,
+    ]
+
+
+def _proxy_objects(name: str, namespace: str, spec: DisaggregatedServingSpec,
+                   options: RenderOptions) -> list[JSON]:
+    common = {
+        "name": naming.child_name(name, "proxy"),
+        "namespace": namespace,
+        "labels": naming.labels(name, "proxy"),
+        "selector": naming.selector_labels(name, "proxy"),
+    }
+    proxy_env: list[JSON] = []
+    if spec.proxy.api_key_secret_ref is not None:
+        ref = spec.proxy.api_key_secret_ref
+        proxy_env.append({"name": "XPYD_PROXY_API_KEY",
+                          "valueFrom": {"secretKeyRef": {"name": ref.name, "key": ref.key}}})
+    resources = spec.proxy.resources
+    requests = {k: v for k, v in (("cpu", resources.cpu), ("memory", resources.memory)) if v}
+    limits = {"memory": resources.memory} if resources.memory else {}
+    return (
+        _render("proxy-rbac.yaml.j2", **common)
+        + _render(
+            "proxy-deployment.yaml.j2",
+            **common,
+            proxy=spec.proxy,
+            image=spec.proxy.image or options.operator_image,
+            args=proxy_args(name, namespace, spec),
+            env=proxy_env,
+            resources={"requests": requests, "limits": limits},
+        )
+        + _render("proxy-service.yaml.j2", **common, proxy=spec.proxy)
+        + _render("pdb.yaml.j2", **common)
+    )
+
+
+def render(name: str, namespace: str, spec: DisaggregatedServingSpec,
+           options: RenderOptions | None = None) -> list[JSON]:
+    """Every child object of a DisaggregatedServing, in apply order (RBAC before the pods using it)."""
+    options = options or RenderOptions()
+    objects: list[JSON] = []
+    for role in naming.ROLES:
+        objects += _engine_objects(name, namespace, spec, role, options)
+    return objects + _proxy_objects(name, namespace, spec, options)

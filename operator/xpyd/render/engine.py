@@ -1,0 +1,214 @@
+"""The parts of an engine pod that depend on the connector, the role and the vLLM version."""
+
+from __future__ import annotations
+
+import ast
+import inspect
+import math
+from typing import Any, Final
+
+from xpyd import vllm
+from xpyd.api.models import Connector, DisaggregatedServingSpec, EnvVar, RoleSpec
+from xpyd.render import drain
+from xpyd.render.kvconfig import Role, kv_transfer_config
+
+JSON = dict[str, Any]
+
+MODEL_MOUNT: Final = "/models"
+HF_HOME: Final = "/cache/huggingface"
+LMCACHE_MOUNT: Final = "/etc/lmcache"
+#: NIXL's default kv_lease_duration: how long prefill holds blocks for decode to pull.
+NIXL_KV_LEASE_SECONDS: Final = 30
+#: Seconds between the end of the drain and SIGKILL, for vLLM's own shutdown.
+SHUTDOWN_MARGIN_SECONDS: Final = 30
+
+
+
+def _compact_source(module: object) -> str:
+    """The module's code without docstrings: it is embedded in every engine pod spec."""
+    tree = ast.parse(inspect.getsource(module))  # type: ignore[arg-type]
+    for node in ast.walk(tree):
+        body = getattr(node, "body", None)
+        if isinstance(body, list) and body and isinstance(body[0], ast.Expr) \
+                and isinstance(body[0].value, ast.Constant) and isinstance(body[0].value.value, str):
+            del body[0]
+    return ast.unparse(tree)
+
+
+_DRAIN_SOURCE: Final = _compact_source(drain)
+
+
+def _env(name: str, value: str) -> JSON:
+    return {"name": name, "value": value}
+
+
+def _field_env(name: str, field_path: str) -> JSON:
+    return {"name": name, "valueFrom": {"fieldRef": {"fieldPath": field_path}}}
+
+
+def _user_env(env: list[EnvVar]) -> list[JSON]:
+    return [var.to_wire() for var in env]
+
+
+def transport(spec: DisaggregatedServingSpec) -> str:
+    """The KV transport the rendered configuration asks for: RDMA or TCP."""
+    kv = spec.kv_transfer
+    if kv.connector == Connector.MOONCAKE:
+        return "RDMA" if kv.mooncake_settings.protocol == "rdma" else "TCP"
+    return "RDMA" if kv.rdma is not None else "TCP"
+
+
+def ucx_tls(spec: DisaggregatedServingSpec) -> str:
+    """UCX_TLS: RDMA transports when RDMA is requested, so a missing device fails instead of
+    silently falling back to TCP (which is orders of magnitude slower)."""
+    if spec.kv_transfer.ucx.tls:
+        return spec.kv_transfer.ucx.tls
+    return "rc,cuda_copy,cuda_ipc" if spec.kv_transfer.rdma else "tcp,cuda_copy,cuda_ipc"
+
+
+def kv_lease_seconds(spec: DisaggregatedServingSpec) -> int:
+    """How long a prefill engine keeps KV blocks for decode after answering (NIXL's lease)."""
+    if not spec.kv_transfer.connector.is_nixl:
+        return 0
+    return int(spec.kv_transfer.extra_config.get("kv_lease_duration", NIXL_KV_LEASE_SECONDS))
+
+
+def args(spec: DisaggregatedServingSpec, role: Role, proxy_host: str) -> list[str]:
+    """`vllm serve` arguments (after `vllm serve`)."""
+    role_spec: RoleSpec = getattr(spec, role)
+    version = vllm.parse_version(spec.engine.vllm_version)
+    pvc = spec.model.source.pvc
+    model = f"{MODEL_MOUNT}/{pvc.path.strip('/')}".rstrip("/") if pvc else spec.model.name
+    result = [
+        model,
+        f"--served-model-name={spec.model.served_name}",
+        f"--port={spec.engine.port}",
+        f"--tensor-parallel-size={role_spec.tensor_parallel_size}",
+    ]
+    if role_spec.pipeline_parallel_size > 1:
+        result.append(f"--pipeline-parallel-size={role_spec.pipeline_parallel_size}")
+    if role_spec.data_parallel_size > 1:
+        result.append(f"--data-parallel-size={role_spec.data_parallel_size}")
+    if spec.model.max_model_len:
+        result.append(f"--max-model-len={spec.model.max_model_len}")
+    if spec.model.source.hub and spec.model.source.hub.revision:
+        result.append(f"--revision={spec.model.source.hub.revision}")
+    if version >= vllm.SHUTDOWN_TIMEOUT_ADDED:
+        result.append(f"--shutdown-timeout={role_spec.drain_timeout_seconds}")
+    result.append(f"--kv-transfer-config={kv_transfer_config(spec, role, proxy_host).to_json()}")
+    return result + list(spec.engine.extra_args) + list(role_spec.extra_args)
+
+
+def env(spec: DisaggregatedServingSpec, role: Role) -> list[JSON]:
+    """Environment of the engine container: connector settings, then the user's (which win)."""
+    kv = spec.kv_transfer
+    result = [_field_env("POD_IP", "status.podIP")]
+    if kv.connector.is_nixl:
+        # NIXL's side channel defaults to localhost; decode dials it, so it must be the pod IP.
+        result += [
+            _field_env("VLLM_NIXL_SIDE_CHANNEL_HOST", "status.podIP"),
+            _env("VLLM_NIXL_SIDE_CHANNEL_PORT", str(kv.nixl_settings.side_channel_port)),
+        ]
+    if kv.connector.is_nixl or kv.connector == Connector.LMCACHE:
+        result.append(_env("UCX_TLS", ucx_tls(spec)))
+        if kv.ucx.net_devices:
+            result.append(_env("UCX_NET_DEVICES", kv.ucx.net_devices))
+        # UCX logs the transport it picked per endpoint: the way to tell RDMA from TCP fallback.
+        result.append(_env("UCX_PROTO_INFO", "y"))
+    if kv.connector == Connector.MOONCAKE and role == "prefill":
+        result.append(_env("VLLM_MOONCAKE_BOOTSTRAP_PORT", str(kv.mooncake_settings.bootstrap_port)))
+    if kv.lmcache is not None:
+        result += [
+            _env("LMCACHE_CONFIG_FILE", f"{LMCACHE_MOUNT}/{role}.yaml"),
+            _env("PYTHONHASHSEED", kv.lmcache.python_hash_seed),
+        ]
+    if spec.model.source.hub is not None:
+        result.append(_env("HF_HOME", HF_HOME))
+    if spec.model.hf_token_secret_ref is not None:
+        ref = spec.model.hf_token_secret_ref
+        result.append({"name": "HF_TOKEN", "valueFrom": {"secretKeyRef": {"name": ref.name, "key": ref.key}}})
+    role_spec: RoleSpec = getattr(spec, role)
+    return result + _user_env(spec.engine.env) + _user_env(role_spec.env)
+
+
+def ports(spec: DisaggregatedServingSpec, role: Role) -> list[JSON]:
+    """Container ports: HTTP plus the connector's listening ports (documentation and policies)."""
+    kv = spec.kv_transfer
+    result: list[JSON] = [{"name": "http", "containerPort": spec.engine.port, "protocol": "TCP"}]
+    if kv.connector.is_nixl:
+        result.append({"name": "nixl", "containerPort": kv.nixl_settings.side_channel_port, "protocol": "TCP"})
+    if kv.connector == Connector.MOONCAKE and role == "prefill":
+        result.append(
+            {"name": "mooncake", "containerPort": kv.mooncake_settings.bootstrap_port, "protocol": "TCP"}
+        )
+    return result
+
+
+def resources(spec: DisaggregatedServingSpec, role: Role) -> JSON:
+    """GPU (and RDMA) requests equal to limits, as extended resources require."""
+    role_spec: RoleSpec = getattr(spec, role)
+    limits: dict[str, Any] = {role_spec.gpu.resource_name: role_spec.gpus}
+    if spec.kv_transfer.rdma:
+        limits[spec.kv_transfer.rdma.resource_name] = spec.kv_transfer.rdma.per_replica
+    requests = dict(limits)
+    if role_spec.resources.cpu:
+        requests["cpu"] = role_spec.resources.cpu
+    if role_spec.resources.memory:
+        requests["memory"] = limits["memory"] = role_spec.resources.memory
+    return {"requests": requests, "limits": limits}
+
+
+def volumes(spec: DisaggregatedServingSpec, role: Role) -> tuple[list[JSON], list[JSON]]:
+    """(volumes, volumeMounts) of the engine pod."""
+    role_spec: RoleSpec = getattr(spec, role)
+    vols: list[JSON] = [{"name": "dshm", "emptyDir": {"medium": "Memory", "sizeLimit": role_spec.shm_size}}]
+    mounts: list[JSON] = [{"name": "dshm", "mountPath": "/dev/shm"}]
+    source = spec.model.source
+    if source.pvc is not None:
+        vols.append({"name": "model", "persistentVolumeClaim": {"claimName": source.pvc.claim_name,
+                                                                "readOnly": True}})
+        mounts.append({"name": "model", "mountPath": MODEL_MOUNT, "readOnly": True})
+    elif source.hub is not None:
+        empty_dir: JSON = {"sizeLimit": source.hub.cache_size_limit} if source.hub.cache_size_limit else {}
+        vols.append({"name": "model-cache", "emptyDir": empty_dir})
+        mounts.append({"name": "model-cache", "mountPath": HF_HOME})
+    lmcache = spec.kv_transfer.lmcache
+    if lmcache is not None:
+        vols.append({"name": "lmcache-config", "configMap": {"name": lmcache.config_map_ref.name,
+                                                             "items": [{"key": f"{role}.yaml",
+                                                                        "path": f"{role}.yaml"}]}})
+        mounts.append({"name": "lmcache-config", "mountPath": LMCACHE_MOUNT, "readOnly": True})
+    return vols, mounts
+
+
+def tolerations(role_spec: RoleSpec) -> list[JSON]:
+    """The user's tolerations, plus one for the taint GPU nodes carry under the GPU resource's
+    name (the ExtendedResourceToleration convention)."""
+    result = [t.to_wire() for t in role_spec.tolerations]
+    gpu_taint = {"key": role_spec.gpu.resource_name, "operator": "Exists", "effect": "NoSchedule"}
+    if gpu_taint not in result:
+        result.append(gpu_taint)
+    return result
+
+
+def node_selector(role_spec: RoleSpec) -> dict[str, str]:
+    selector = dict(role_spec.node_selector)
+    if role_spec.gpu.product:
+        selector["nvidia.com/gpu.product"] = role_spec.gpu.product
+    return selector
+
+
+def drain_command(spec: DisaggregatedServingSpec, role: Role) -> list[str]:
+    role_spec: RoleSpec = getattr(spec, role)
+    hold = kv_lease_seconds(spec) if role == "prefill" else 0
+    return ["python3", "-c", _DRAIN_SOURCE, str(spec.engine.port), str(role_spec.drain_timeout_seconds), str(hold)]
+
+
+def termination_grace_seconds(spec: DisaggregatedServingSpec, role: Role) -> int:
+    role_spec: RoleSpec = getattr(spec, role)
+    hold = kv_lease_seconds(spec) if role == "prefill" else 0
+    return role_spec.drain_timeout_seconds + hold + SHUTDOWN_MARGIN_SECONDS
+
+
+def startup_failure_threshold(role_spec: RoleSpec) -> int:
+    return max(1, math.ceil(role_spec.probes.startup_timeout_seconds / role_spec.probes.period_seconds))

@@ -1,0 +1,39 @@
+"""Names and labels of the child objects (shared by rendering, the operator and the proxy)."""
+
+from __future__ import annotations
+
+from typing import Final, Literal
+
+Component = Literal["prefill", "decode", "proxy"]
+ROLES: Final[tuple[Literal["prefill", "decode"], ...]] = ("prefill", "decode")
+
+FIELD_MANAGER: Final = "xpyd-operator"
+SERVING_LABEL: Final = "xpyd.io/serving"
+ROLE_LABEL: Final = "xpyd.io/role"
+
+
+def child_name(serving: str, component: Component) -> str:
+    """`llama-prefill`, `llama-decode`, `llama-proxy`."""
+    return f"{serving}-{component}"
+
+
+def selector_labels(serving: str, component: Component) -> dict[str, str]:
+    """The labels a child's selector matches: stable for the life of the object."""
+    return {SERVING_LABEL: serving, ROLE_LABEL: component}
+
+
+def selector_string(serving: str, component: Component) -> str:
+    """`selector_labels` as a label-selector string for list/watch calls."""
+    return ",".join(f"{key}={value}" for key, value in selector_labels(serving, component).items())
+
+
+def labels(serving: str, component: Component) -> dict[str, str]:
+    """Every label a child carries: the selector labels plus the app.kubernetes.io set."""
+    return {
+        "app.kubernetes.io/name": "xpyd-proxy" if component == "proxy" else "vllm",
+        "app.kubernetes.io/instance": serving,
+        "app.kubernetes.io/component": component,
+        "app.kubernetes.io/part-of": "xpyd",
+        "app.kubernetes.io/managed-by": FIELD_MANAGER,
+        **selector_labels(serving, component),
+    }

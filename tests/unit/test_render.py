@@ -1,0 +1,285 @@
+"""Rendering: golden files per sample, tables of what each connector, option and vLLM version
+renders, and every object valid against the Kubernetes 1.37 schemas.
+
+Regenerate goldens after an intended change with `XPYD_UPDATE_GOLDEN=1 pytest tests/unit/test_render.py`.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+import kubernetes_validate
+import pytest
+import yaml
+
+from tests.unit.test_api import serving
+from xpyd.api.load import load_servings, parse_serving
+from xpyd.cli import main
+from xpyd.render import RenderOptions, render
+
+pytestmark = pytest.mark.unit
+
+ROOT = Path(__file__).resolve().parents[2]
+SAMPLES = sorted((ROOT / "manifests" / "samples").glob("*.yaml"))
+GOLDEN = ROOT / "tests" / "golden"
+K8S_VERSION = "1.37"
+
+
+def render_file(path: Path) -> str:
+    objects = []
+    for s in load_servings(path.read_text(), str(path)):
+        objects += render(s.metadata.name, s.metadata.namespace, s.spec)
+    return yaml.safe_dump_all(objects, sort_keys=False, width=1000)
+
+
+@pytest.mark.parametrize("sample", SAMPLES, ids=[s.stem for s in SAMPLES])
+def test_sample_matches_golden(sample: Path) -> None:
+    golden = GOLDEN / f"{sample.stem}.yaml"
+    rendered = render_file(sample)
+    if os.environ.get("XPYD_UPDATE_GOLDEN"):
+        golden.write_text(rendered)
+    assert golden.exists(), f"no golden for {sample.name}: run with XPYD_UPDATE_GOLDEN=1"
+    assert rendered == golden.read_text()
+
+
+@pytest.mark.parametrize("sample", SAMPLES, ids=[s.stem for s in SAMPLES])
+def test_sample_objects_are_valid_kubernetes(sample: Path) -> None:
+    for obj in yaml.safe_load_all(render_file(sample)):
+        kubernetes_validate.validate(obj, K8S_VERSION, strict=True)
+
+
+def test_every_connector_has_a_sample() -> None:
+    connectors = {s.spec.kv_transfer.connector for p in SAMPLES for s in load_servings(p.read_text())}
+    assert {c.value for c in connectors} == {"NixlConnector", "NixlPushConnector", "MooncakeConnector",
+                                             "LMCacheConnectorV1", "P2pNcclConnector"}
+
+
+# ------------------------------------------------------------------------------------------------
+# Tables over options
+
+
+def objects_of(spec: dict[str, Any], options: RenderOptions | None = None) -> dict[tuple[str, str], Any]:
+    s = parse_serving(serving(spec))
+    return {(o["kind"], o["metadata"]["name"]): o for o in render(s.metadata.name, "ns", s.spec, options)}
+
+
+def engine(spec: dict[str, Any], role: str = "prefill") -> dict[str, Any]:
+    return objects_of(spec)[("Deployment", f"llama-{role}")]  # type: ignore[no-any-return]
+
+
+def container(spec: dict[str, Any], role: str = "prefill") -> dict[str, Any]:
+    return engine(spec, role)["spec"]["template"]["spec"]["containers"][0]  # type: ignore[no-any-return]
+
+
+def kv_config(spec: dict[str, Any], role: str = "prefill") -> dict[str, Any]:
+    (arg,) = [a for a in container(spec, role)["args"] if a.startswith("--kv-transfer-config=")]
+    return json.loads(arg.split("=", 1)[1])  # type: ignore[no-any-return]
+
+
+def env_of(spec: dict[str, Any], role: str = "prefill") -> dict[str, Any]:
+    return {e["name"]: e.get("value", e.get("valueFrom")) for e in container(spec, role)["env"]}
+
+
+REMOVED_IN_0_32 = {"kv_buffer_size", "kv_rank", "kv_parallel_size", "kv_ip"}
+
+
+@pytest.mark.parametrize("connector", ["NixlConnector", "MooncakeConnector", "LMCacheConnectorV1"])
+@pytest.mark.parametrize("version", ["0.32", "0.33", "1.0"])
+def test_no_removed_kv_fields_from_0_32(connector: str, version: str) -> None:
+    extra = {"lmcache": {"configMapRef": {"name": "c"}}} if connector == "LMCacheConnectorV1" else {}
+    spec = {"kvTransfer": {"connector": connector, **extra}, "engine": {"vllmVersion": version}}
+    for role in ("prefill", "decode"):
+        assert REMOVED_IN_0_32.isdisjoint(kv_config(spec, role))
+
+
+@pytest.mark.parametrize(("connector", "role", "expected"), [
+    ("NixlConnector", "prefill", {"kv_connector": "NixlConnector", "kv_role": "kv_producer",
+                                  "kv_connector_extra_config": {"backends": ["UCX"]}}),
+    ("NixlConnector", "decode", {"kv_role": "kv_consumer"}),
+    ("NixlPushConnector", "decode", {"kv_connector": "NixlPushConnector", "kv_role": "kv_consumer"}),
+    ("MooncakeConnector", "prefill", {"kv_connector_extra_config": {"mooncake_protocol": "rdma"}}),
+    ("LMCacheConnectorV1", "prefill", {"kv_connector_extra_config": {"discard_partial_chunks": False,
+                                                                     "lmcache_rpc_port": "producer1"}}),
+    ("LMCacheConnectorV1", "decode", {"kv_connector_extra_config": {"discard_partial_chunks": False,
+                                                                    "lmcache_rpc_port": "consumer1"}}),
+])
+def test_kv_transfer_config_per_connector(connector: str, role: str, expected: dict[str, Any]) -> None:
+    extra = {"lmcache": {"configMapRef": {"name": "c"}}} if connector == "LMCacheConnectorV1" else {}
+    config = kv_config({"kvTransfer": {"connector": connector, **extra}}, role)
+    assert {key: config[key] for key in expected} == expected
+
+
+def test_p2p_nccl_config_on_0_23() -> None:
+    spec = {"kvTransfer": {"connector": "P2pNcclConnector", "p2pNccl": {"bufferSize": "8G"}},
+            "engine": {"vllmVersion": "0.23"}}
+    prefill, decode = kv_config(spec, "prefill"), kv_config(spec, "decode")
+    assert decode["kv_buffer_size"] == 8_000_000_000 and prefill["kv_buffer_size"] == 10
+    assert prefill["kv_port"] == decode["kv_port"] == 14579
+    assert prefill["kv_connector_extra_config"] == {
+        "proxy_ip": "llama-proxy.ns.svc", "proxy_port": "30001", "http_port": "8000",
+        "send_type": "PUT_ASYNC", "nccl_num_channels": "16"}
+    pulling = {**spec, "kvTransfer": {**spec["kvTransfer"], "p2pNccl": {"sendType": "GET", "bufferSize": "1Gi"}}}
+    assert kv_config(pulling, "prefill")["kv_buffer_size"] == 2**30
+
+
+@pytest.mark.parametrize(("version", "policy_rendered", "shutdown_rendered"), [
+    ("0.10", False, False), ("0.11", False, False), ("0.12", True, False),
+    ("0.17", True, False), ("0.18", True, True), ("0.33", True, True),
+])
+def test_version_boundaries(version: str, policy_rendered: bool, shutdown_rendered: bool) -> None:
+    spec = {"engine": {"vllmVersion": version}, "kvTransfer": {"loadFailurePolicy": "recompute"}}
+    config = kv_config(spec, "decode")
+    assert ("kv_load_failure_policy" in config) == policy_rendered
+    if policy_rendered:
+        assert config["kv_load_failure_policy"] == "recompute"
+    args = container(spec, "decode")["args"]
+    assert any(a.startswith("--shutdown-timeout=") for a in args) == shutdown_rendered
+
+
+def test_user_extra_config_overrides_rendered() -> None:
+    config = kv_config({"kvTransfer": {"extraConfig": {"backends": ["LIBFABRIC"], "kv_lease_duration": 60}}})
+    assert config["kv_connector_extra_config"] == {"backends": ["LIBFABRIC"], "kv_lease_duration": 60}
+    # The prefill drain holds the engine for the lease the user set.
+    assert engine({"kvTransfer": {"extraConfig": {"kv_lease_duration": 60}}})["spec"]["template"]["spec"][
+        "terminationGracePeriodSeconds"] == 60 + 60 + 30
+
+
+def test_nixl_env_side_channel_on_pod_ip() -> None:
+    env = env_of({})
+    assert env["VLLM_NIXL_SIDE_CHANNEL_HOST"] == {"fieldRef": {"fieldPath": "status.podIP"}}
+    assert env["VLLM_NIXL_SIDE_CHANNEL_PORT"] == "5600"
+    assert env["UCX_TLS"] == "tcp,cuda_copy,cuda_ipc"
+
+
+@pytest.mark.parametrize("rdma", [True, False])
+def test_rdma_on_off(rdma: bool) -> None:
+    spec: dict[str, Any] = {"kvTransfer": {"rdma": {"resourceName": "rdma/roce", "perReplica": 2}}} if rdma else {}
+    c = container(spec)
+    assert ("rdma/roce" in c["resources"]["limits"]) == rdma
+    assert c["resources"]["requests"] == c["resources"]["limits"]
+    assert c["securityContext"]["capabilities"].get("add") == (["IPC_LOCK"] if rdma else None)
+    assert env_of(spec)["UCX_TLS"] == ("rc,cuda_copy,cuda_ipc" if rdma else "tcp,cuda_copy,cuda_ipc")
+    assert engine(spec)["metadata"]["annotations"]["xpyd.io/kv-transport"] == ("RDMA" if rdma else "TCP")
+
+
+def test_mooncake_bootstrap_port_only_on_prefill() -> None:
+    spec = {"kvTransfer": {"connector": "MooncakeConnector"}}
+    assert env_of(spec, "prefill")["VLLM_MOONCAKE_BOOTSTRAP_PORT"] == "8998"
+    assert "VLLM_MOONCAKE_BOOTSTRAP_PORT" not in env_of(spec, "decode")
+
+
+def test_lmcache_same_hash_seed_and_role_config() -> None:
+    spec = {"kvTransfer": {"connector": "LMCacheConnectorV1",
+                           "lmcache": {"configMapRef": {"name": "cfg"}, "pythonHashSeed": "42"}}}
+    prefill, decode = env_of(spec, "prefill"), env_of(spec, "decode")
+    assert prefill["PYTHONHASHSEED"] == decode["PYTHONHASHSEED"] == "42"
+    assert prefill["LMCACHE_CONFIG_FILE"] == "/etc/lmcache/prefill.yaml"
+    assert decode["LMCACHE_CONFIG_FILE"] == "/etc/lmcache/decode.yaml"
+
+
+@pytest.mark.parametrize(("prefill", "decode"), [({"tensorParallelSize": 2}, {"tensorParallelSize": 4}),
+                                                 ({"tensorParallelSize": 4, "dataParallelSize": 2}, {})])
+def test_multi_gpu_and_hetero_tp(prefill: dict[str, Any], decode: dict[str, Any]) -> None:
+    spec = {"prefill": prefill, "decode": decode}
+    for role, role_spec in (("prefill", prefill), ("decode", decode)):
+        tp, dp = role_spec.get("tensorParallelSize", 1), role_spec.get("dataParallelSize", 1)
+        c = container(spec, role)
+        assert c["resources"]["limits"]["nvidia.com/gpu"] == tp * dp
+        assert f"--tensor-parallel-size={tp}" in c["args"]
+        assert (f"--data-parallel-size={dp}" in c["args"]) == (dp > 1)
+
+
+def test_gpu_product_selector_and_taint_toleration() -> None:
+    pod = engine({"prefill": {"gpu": {"product": "NVIDIA-H200"}, "nodeSelector": {"pool": "a"}}})["spec"]["template"]
+    assert pod["spec"]["nodeSelector"] == {"pool": "a", "nvidia.com/gpu.product": "NVIDIA-H200"}
+    assert {"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"} in pod["spec"]["tolerations"]
+
+
+def test_gpu_pools_roll_without_spare_gpus() -> None:
+    strategy = engine({})["spec"]["strategy"]["rollingUpdate"]
+    assert strategy == {"maxSurge": 0, "maxUnavailable": 1}
+    assert engine({"decode": {"updateStrategy": {"maxSurge": "25%"}}}, "decode")["spec"]["strategy"][
+        "rollingUpdate"]["maxSurge"] == "25%"
+
+
+def test_probes_budget_model_loading() -> None:
+    c = container({"prefill": {"probes": {"startupTimeoutSeconds": 3600, "periodSeconds": 15}}})
+    assert c["startupProbe"]["failureThreshold"] * c["startupProbe"]["periodSeconds"] >= 3600
+    assert c["readinessProbe"]["httpGet"]["path"] == "/health"
+
+
+def test_model_from_pvc_and_token_secret() -> None:
+    spec = {"model": {"name": "m", "source": {"pvc": {"claimName": "models", "path": "/llama/"}},
+                      "hfTokenSecretRef": {"name": "hf"}}}
+    c = container(spec)
+    assert c["args"][0] == "/models/llama"
+    assert {"name": "model", "mountPath": "/models", "readOnly": True} in c["volumeMounts"]
+    assert env_of(spec)["HF_TOKEN"] == {"secretKeyRef": {"name": "hf", "key": "token"}}
+
+
+def test_replicas_from_options_override_spec() -> None:
+    objs = objects_of({"decode": {"replicas": 2}}, RenderOptions(replicas={"decode": 5}))
+    assert objs[("Deployment", "llama-decode")]["spec"]["replicas"] == 5
+    assert objs[("Deployment", "llama-prefill")]["spec"]["replicas"] == 1
+
+
+def test_children_and_labels() -> None:
+    objs = objects_of({})
+    assert set(objs) == {
+        (kind, f"llama-{c}") for c in ("prefill", "decode") for kind in ("Deployment", "Service", "PodDisruptionBudget")
+    } | {(kind, "llama-proxy") for kind in ("Deployment", "Service", "PodDisruptionBudget", "ServiceAccount",
+                                             "Role", "RoleBinding")}
+    for (_, name), obj in objs.items():
+        labels = obj["metadata"]["labels"]
+        assert labels["app.kubernetes.io/managed-by"] == "xpyd-operator", name
+        assert labels["app.kubernetes.io/instance"] == "llama" and labels["xpyd.io/serving"] == "llama"
+        assert name.endswith(labels["xpyd.io/role"]) and labels["app.kubernetes.io/component"] == labels["xpyd.io/role"]
+    assert objs[("Service", "llama-prefill")]["spec"]["clusterIP"] == "None"
+    role = objs[("Role", "llama-proxy")]
+    assert role["rules"] == [{"apiGroups": [""], "resources": ["pods"], "verbs": ["get", "list", "watch"]}]
+
+
+def test_proxy_gets_connector_and_selectors() -> None:
+    proxy = objects_of({"kvTransfer": {"connector": "MooncakeConnector"}},
+                       RenderOptions(operator_image="example/xpyd:1"))[("Deployment", "llama-proxy")]
+    c = proxy["spec"]["template"]["spec"]["containers"][0]
+    assert c["image"] == "example/xpyd:1" and c["command"] == ["xpyd", "proxy"]
+    assert "--connector=MooncakeConnector" in c["args"]
+    assert "--prefill-selector=xpyd.io/serving=llama,xpyd.io/role=prefill" in c["args"]
+    assert c["securityContext"]["readOnlyRootFilesystem"] is True
+
+
+# ------------------------------------------------------------------------------------------------
+# The command
+
+
+def test_render_command_prints_all_objects(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["render", "-f", str(ROOT / "manifests/samples/nixl.yaml")]) == 0
+    docs = list(yaml.safe_load_all(capsys.readouterr().out))
+    assert len(docs) == 12
+
+
+def test_render_command_vllm_version_flag(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["render", "-f", str(ROOT / "manifests/samples/p2pnccl.yaml"), "--vllm-version", "0.24"]) == 1
+    assert "P2pNcclConnector was removed in vLLM 0.24" in capsys.readouterr().err
+    assert main(["render", "-f", str(ROOT / "manifests/samples/nixl.yaml"), "--vllm-version", "0.17"]) == 0
+    assert "--shutdown-timeout" not in capsys.readouterr().out
+
+
+@pytest.mark.parametrize(("content", "message"), [
+    ("kind: DisaggregatedServing\napiVersion: xpyd.io/v1alpha1\nmetadata: {name: a}\nspec: {model: {name: m}, "
+     "decode: {replicas: -2}}", "spec.decode.replicas: Input should be greater than or equal to 0"),
+    ("apiVersion: v1\nkind: ConfigMap\nmetadata: {name: a}", "no DisaggregatedServing found"),
+    ("a: [", "not valid YAML"),
+    ("kind: DisaggregatedServing\napiVersion: xpyd.io/v1\nmetadata: {name: a}", "expected apiVersion xpyd.io/v1alpha1"),
+])
+def test_render_command_rejects_bad_files(tmp_path: Path, capsys: pytest.CaptureFixture[str], content: str,
+                                          message: str) -> None:
+    path = tmp_path / "bad.yaml"
+    path.write_text(content)
+    assert main(["render", "-f", str(path)]) == 1
+    captured = capsys.readouterr()
+    assert message in captured.err and captured.out == ""
