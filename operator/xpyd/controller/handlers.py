@@ -26,8 +26,6 @@ from xpyd.render.naming import FIELD_MANAGER, SERVING_LABEL
 
 log = logging.getLogger(__name__)
 
-#: Backoff of kopf retries after an API error.
-RETRY_DELAY_SECONDS = 10
 CHILD_SELECTOR = {"app.kubernetes.io/managed-by": FIELD_MANAGER}
 
 
@@ -39,6 +37,8 @@ class OperatorState:
     operator_image: str
     resync_seconds: float
     namespaces: list[str]
+    #: Backoff of kopf's retries after an API error.
+    retry_seconds: float = 10.0
     _locks: dict[tuple[str, str], threading.Lock] = field(default_factory=dict)
     _locks_guard: threading.Lock = field(default_factory=threading.Lock)
     sweeper: asyncio.Task[None] | None = None
@@ -48,12 +48,16 @@ class OperatorState:
         with self._locks_guard:
             return self._locks.setdefault((namespace, name), threading.Lock())
 
-    def reconcile(self, body: dict[str, Any]) -> None:
-        meta = body["metadata"]
-        with self.lock(meta["namespace"], meta["name"]):
+    def reconcile(self, namespace: str, name: str) -> None:
+        """Read the object and reconcile it, under its lock: a reconcile that waited for another
+        must see that one's writes, or it would write a stale status again."""
+        with self.lock(namespace, name):
+            body = self.kube.get(models.API_VERSION, models.KIND, namespace, name)
+            if body is None or body["metadata"].get("deletionTimestamp"):
+                return
             outcome = reconcile(self.kube, body, self.operator_image)
         if outcome.writes:
-            log.info("reconciled %s/%s: created %s, updated %s, status %s", meta["namespace"], meta["name"],
+            log.info("reconciled %s/%s: created %s, updated %s, status %s", namespace, name,
                      outcome.created or "-", outcome.updated or "-", "written" if outcome.status_written else "-")
 
 
@@ -91,14 +95,14 @@ def register(registry: kopf.OperatorRegistry) -> None:
     @kopf.on.resume(models.GROUP, models.VERSION, models.PLURAL, registry=registry)
     @kopf.on.create(models.GROUP, models.VERSION, models.PLURAL, registry=registry)
     @kopf.on.update(models.GROUP, models.VERSION, models.PLURAL, registry=registry)
-    def _on_change(body: kopf.Body, memo: kopf.Memo, **_: Any) -> None:
+    def _on_change(namespace: str, name: str, memo: kopf.Memo, **_: Any) -> None:
         state: OperatorState = memo.state
         try:
-            state.reconcile(dict(body))
+            state.reconcile(namespace, name)
         except InvalidSpec as error:
             raise kopf.PermanentError(str(error)) from None
         except KubeError as error:
-            raise kopf.TemporaryError(str(error), delay=RETRY_DELAY_SECONDS) from None
+            raise kopf.TemporaryError(str(error), delay=state.retry_seconds) from None
 
     for group_version, plural in (("apps/v1", "deployments"), ("v1", "services")):
         group, _, version = group_version.rpartition("/")
@@ -107,43 +111,30 @@ def register(registry: kopf.OperatorRegistry) -> None:
         def _on_child(body: kopf.Body, memo: kopf.Memo, **_: Any) -> None:
             owner = body.get("metadata", {}).get("labels", {}).get(SERVING_LABEL)
             if owner:
-                _reconcile_by_name(memo.state, body["metadata"]["namespace"], owner)
+                _reconcile_quietly(memo.state, body["metadata"]["namespace"], owner)
 
 
-def _reconcile_quietly(state: OperatorState, body: dict[str, Any]) -> None:
+def _reconcile_quietly(state: OperatorState, namespace: str, name: str) -> None:
     """Reconcile from outside the object's own handlers: errors are logged, and the next event,
     sweep or retry of its own handler brings it back."""
-    meta = body["metadata"]
-    if meta.get("deletionTimestamp"):
-        return
     try:
-        state.reconcile(body)
+        state.reconcile(namespace, name)
     except InvalidSpec:
         pass  # reported in its status and Events
     except KubeError as error:
-        log.warning("reconcile of %s/%s failed, will retry: %s", meta["namespace"], meta["name"], error)
-
-
-def _reconcile_by_name(state: OperatorState, namespace: str, name: str) -> None:
-    try:
-        body = state.kube.get(models.API_VERSION, models.KIND, namespace, name)
-    except KubeError as error:
-        log.warning("could not read %s/%s: %s", namespace, name, error)
-        return
-    if body is not None:
-        _reconcile_quietly(state, body)
+        log.warning("reconcile of %s/%s failed, will retry: %s", namespace, name, error)
 
 
 def _sweep(state: OperatorState) -> None:
     scopes: list[str | None] = list(state.namespaces) or [None]
-    for namespace in scopes:
+    for scope in scopes:
         try:
-            servings = state.kube.list_servings(namespace)
+            servings = state.kube.list_servings(scope)
         except KubeError as error:
             log.warning("drift sweep could not list DisaggregatedServings: %s", error)
             continue
         for body in servings:
-            _reconcile_quietly(state, body)
+            _reconcile_quietly(state, body["metadata"]["namespace"], body["metadata"]["name"])
 
 
 async def _sweep_forever(state: OperatorState) -> None:

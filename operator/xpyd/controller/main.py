@@ -14,12 +14,12 @@ from xpyd.render import DEFAULT_OPERATOR_IMAGE
 
 
 def build(operator_image: str | None, resync_seconds: float, namespaces: list[str],
-          kube: Kube | None = None) -> tuple[kopf.OperatorRegistry, kopf.Memo]:
+          kube: Kube | None = None, retry_seconds: float = 10.0) -> tuple[kopf.OperatorRegistry, kopf.Memo]:
     """The registry and memo of one operator instance (tests run several in one process)."""
     registry = kopf.OperatorRegistry()
     register(registry)
     state = OperatorState(kube=kube or Kube.from_environment(), operator_image=operator_image or DEFAULT_OPERATOR_IMAGE,
-                          resync_seconds=resync_seconds, namespaces=namespaces)
+                          resync_seconds=resync_seconds, namespaces=namespaces, retry_seconds=retry_seconds)
     return registry, kopf.Memo(state=state)
 
 
