@@ -95,10 +95,10 @@ def register(registry: kopf.OperatorRegistry) -> None:
     @kopf.on.resume(models.GROUP, models.VERSION, models.PLURAL, registry=registry)
     @kopf.on.create(models.GROUP, models.VERSION, models.PLURAL, registry=registry)
     @kopf.on.update(models.GROUP, models.VERSION, models.PLURAL, registry=registry)
-    def _on_change(namespace: str, name: str, memo: kopf.Memo, **_: Any) -> None:
+    def _on_change(namespace: str | None, name: str, memo: kopf.Memo, **_: Any) -> None:
         state: OperatorState = memo.state
         try:
-            state.reconcile(namespace, name)
+            state.reconcile(namespace or "default", name)  # the resource is namespaced: always set
         except InvalidSpec as error:
             raise kopf.PermanentError(str(error)) from None
         except KubeError as error:
