@@ -123,7 +123,7 @@ class FakeKube(kmock.KubernetesEmulator):  # type: ignore[misc]
             meta.setdefault("namespace", request.namespace)
             return
         key = (request.resource, request.namespace, request.name)
-        existing = self._objects.get(key, None)
+        existing = self._objects[key] if key in self._objects else None  # noqa: SIM401 (no .get on it)
         if existing is None or existing.deleted:
             if "apply-patch" not in request.headers.get("Content-Type", ""):
                 return  # kmock answers 404
