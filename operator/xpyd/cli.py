@@ -46,6 +46,42 @@ def _cmd_operator(args: argparse.Namespace) -> int:
                operator_image=args.operator_image, resync_seconds=args.resync_seconds, verbose=args.verbose)
 
 
+def _cmd_cluster(args: argparse.Namespace) -> int:
+    import json
+
+    from xpyd.cluster.binaries import BinariesMissing
+    from xpyd.cluster.controlplane import ClusterError, ControlPlane
+
+    plane = ControlPlane(Path(args.state_dir) if args.state_dir else None)
+    if args.action == "runtime":
+        from xpyd.cluster import runtime
+
+        return runtime.main(plane.state_dir)
+    try:
+        if args.action == "up":
+            plane.up(runtime=not args.no_runtime)
+        elif args.action == "down":
+            plane.down()
+        else:
+            status = plane.status()
+            if args.json:
+                print(json.dumps(status, indent=2))
+            elif not status["running"] and "processes" not in status:
+                print(f"no cluster (state directory {status['state_dir']})")
+            else:
+                print(f"cluster {'running' if status['running'] else 'DEGRADED'}: {status['server']}  "
+                      f"up {status['uptime_seconds']}s")
+                print(f"  export KUBECONFIG={status['kubeconfig']}")
+                for name, process in status["processes"].items():
+                    print(f"  {name:<24} pid {process['pid']:<8} {'running' if process['alive'] else 'EXITED'}")
+                print(f"  nodes: {', '.join(status['nodes'])}")
+            return 0 if status["running"] else 1
+    except (ClusterError, BinariesMissing) as error:
+        print(f"xpyd cluster {args.action}: {error}", file=sys.stderr)
+        return 1
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="xpyd", description="vLLM prefill/decode-disaggregated serving on "
                                      "Kubernetes.")
@@ -76,6 +112,15 @@ def build_parser() -> argparse.ArgumentParser:
                           help="period of the drift check of every DisaggregatedServing")
     operator.add_argument("-v", "--verbose", action="store_true", help="debug logging")
     operator.set_defaults(func=_cmd_operator)
+    cluster = commands.add_parser("cluster", help="the local control plane (real API server, fake GPU nodes)")
+    cluster.add_argument("action", choices=["up", "down", "status", "runtime"],
+                         help="up: start (building binaries if needed); down: stop and remove state; "
+                         "status: what runs; runtime: the pod process runtime (started by up)")
+    cluster.add_argument("--state-dir", help="cluster state directory (default $XPYD_CLUSTER_DIR or "
+                         "~/.cache/xpyd/cluster)")
+    cluster.add_argument("--no-runtime", action="store_true", help="up: do not start the pod process runtime")
+    cluster.add_argument("--json", action="store_true", help="status: machine-readable output")
+    cluster.set_defaults(func=_cmd_cluster)
     return parser
 
 

@@ -16,8 +16,8 @@ import kubernetes
 import pytest
 
 from tests.integration.fakekube import FakeKube
-from xpyd.controller.kube import Kube
 from xpyd.controller.main import build, serve
+from xpyd.kube import Kube
 
 pytestmark = pytest.mark.integration
 
@@ -58,12 +58,12 @@ class Operator:
 
     async def start(self) -> None:
         kube = Kube(kubernetes.client.ApiClient(kubernetes.client.Configuration(host=self.url)))
-        # Cluster-wide, as the chart installs it (kmock cannot serve kopf's namespace watch).
-        registry, memo = build("example/xpyd:test", self.resync_seconds, [], kube=kube, retry_seconds=0.5)
-
-        @kopf.on.login(registry=registry)
-        def _login(**_: Any) -> kopf.ConnectionInfo:
+        def login(**_: Any) -> kopf.ConnectionInfo:
             return kopf.ConnectionInfo(server=self.url, insecure=True)
+
+        # Cluster-wide, as the chart installs it (kmock cannot serve kopf's namespace watch).
+        registry, memo = build("example/xpyd:test", self.resync_seconds, [], kube=kube, retry_seconds=0.5,
+                               login=login)
 
         self.stop_flag = asyncio.Event()
         self.task = asyncio.create_task(serve(registry, memo, [], liveness=None,

@@ -33,8 +33,9 @@ class _CRDSchemaGenerator(GenerateJsonSchema):
 
     def encode_default(self, dft: Any) -> Any:
         if isinstance(dft, BaseModel):
-            # Only what differs from the nested defaults: the API server fills in the rest.
-            return dft.model_dump(by_alias=True, exclude_defaults=True, mode="json")
+            # Complete: the API server checks each default against the CEL rules of its node as
+            # written, without filling in the defaults nested inside it.
+            return dft.model_dump(by_alias=True, exclude_none=True, mode="json")
         return super().encode_default(dft)
 
 
@@ -116,7 +117,8 @@ def build_crd() -> JSON:
         "properties": {
             "apiVersion": {"type": "string", "description": "API version of this object (xpyd.io/v1alpha1)."},
             "kind": {"type": "string", "description": "Kind of this object (DisaggregatedServing)."},
-            "metadata": {"type": "object", "description": "Standard object metadata."},
+            # The API server refuses anything but a bare type here (metadata is its own schema).
+            "metadata": {"type": "object"},
             "spec": spec_schema,
             "status": status_schema,
         },

@@ -20,8 +20,8 @@ from typing import Any
 import kopf
 
 from xpyd.api import models
-from xpyd.controller.kube import Kube, KubeError
 from xpyd.controller.reconcile import InvalidSpec, reconcile
+from xpyd.kube import Kube, KubeError
 from xpyd.render.naming import FIELD_MANAGER, SERVING_LABEL
 
 log = logging.getLogger(__name__)

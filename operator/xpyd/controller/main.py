@@ -5,19 +5,27 @@ from __future__ import annotations
 import asyncio
 import logging
 import threading
+from collections.abc import Callable
+from typing import Any
 
 import kopf
 
 from xpyd.controller.handlers import OperatorState, register
-from xpyd.controller.kube import Kube
+from xpyd.kube import Kube
 from xpyd.render import DEFAULT_OPERATOR_IMAGE
 
 
 def build(operator_image: str | None, resync_seconds: float, namespaces: list[str],
-          kube: Kube | None = None, retry_seconds: float = 10.0) -> tuple[kopf.OperatorRegistry, kopf.Memo]:
-    """The registry and memo of one operator instance (tests run several in one process)."""
+          kube: Kube | None = None, retry_seconds: float = 10.0,
+          login: Callable[..., Any] | None = None) -> tuple[kopf.OperatorRegistry, kopf.Memo]:
+    """The registry and memo of one operator instance (tests run several in one process).
+
+    kopf's own credentials come from `login`, by default the kubernetes client's: in-cluster
+    service account, else the current kubeconfig (the same as `Kube.from_environment`).
+    """
     registry = kopf.OperatorRegistry()
     register(registry)
+    kopf.on.login(registry=registry)(login or kopf.login_via_client)
     state = OperatorState(kube=kube or Kube.from_environment(), operator_image=operator_image or DEFAULT_OPERATOR_IMAGE,
                           resync_seconds=resync_seconds, namespaces=namespaces, retry_seconds=retry_seconds)
     return registry, kopf.Memo(state=state)

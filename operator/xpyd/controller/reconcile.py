@@ -16,8 +16,8 @@ import kopf
 from xpyd.api.load import SpecError, parse_serving
 from xpyd.api.models import AutoscalingMode, DisaggregatedServing
 from xpyd.controller.diff import is_subset
-from xpyd.controller.kube import Kube
 from xpyd.controller.status import Observed, compute_status, invalid_status, status_changed
+from xpyd.kube import Kube
 from xpyd.render import RenderOptions, endpoint, render
 from xpyd.render.engine import transport
 from xpyd.render.naming import ROLES, SERVING_LABEL, Component, child_name

@@ -1,4 +1,4 @@
-"""A thin, synchronous Kubernetes client for the kinds the operator touches.
+"""A thin, synchronous Kubernetes client for the kinds the operator and the local cluster touch.
 
 Everything goes through the official client's ApiClient (kubeconfig or in-cluster credentials,
 TLS, auth) but with raw JSON in and out: the operator works on plain dicts, the same shape
@@ -11,6 +11,7 @@ import datetime
 import json
 import logging
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, Final
 
 import kubernetes
@@ -28,11 +29,17 @@ PLURALS: Final[dict[tuple[str, str], str]] = {
     ("v1", "ServiceAccount"): "serviceaccounts",
     ("v1", "Pod"): "pods",
     ("v1", "Event"): "events",
+    ("v1", "Node"): "nodes",
+    ("v1", "Namespace"): "namespaces",
+    ("v1", "Secret"): "secrets",
+    ("v1", "ConfigMap"): "configmaps",
     ("policy/v1", "PodDisruptionBudget"): "poddisruptionbudgets",
     ("rbac.authorization.k8s.io/v1", "Role"): "roles",
     ("rbac.authorization.k8s.io/v1", "RoleBinding"): "rolebindings",
     (models.API_VERSION, models.KIND): models.PLURAL,
 }
+
+CLUSTER_SCOPED: Final = frozenset({"Node", "Namespace"})
 
 REQUEST_TIMEOUT_SECONDS: Final = 15.0
 
@@ -45,10 +52,14 @@ class KubeError(Exception):
         self.status = status
 
 
-def resource_path(api_version: str, kind: str, namespace: str, name: str | None = None,
+def resource_path(api_version: str, kind: str, namespace: str | None, name: str | None = None,
                   subresource: str | None = None) -> str:
+    """The URL path of a kind's collection, or of one object (and its subresource).
+    `namespace` None means every namespace (or a cluster-scoped kind)."""
     prefix = "/api/v1" if api_version == "v1" else f"/apis/{api_version}"
-    path = f"{prefix}/namespaces/{namespace}/{PLURALS[(api_version, kind)]}"
+    plural = PLURALS[(api_version, kind)]
+    path = f"{prefix}/{plural}" if namespace is None or kind in CLUSTER_SCOPED else \
+        f"{prefix}/namespaces/{namespace}/{plural}"
     if name:
         path += f"/{name}"
     if subresource:
@@ -97,14 +108,55 @@ class Kube:
         result: JSON = json.loads(raw) if raw else {}
         return result
 
-    def get(self, api_version: str, kind: str, namespace: str, name: str) -> JSON | None:
+    @classmethod
+    def from_kubeconfig(cls, path: Path) -> Kube:
+        config = kubernetes.client.Configuration()
+        kubernetes.config.load_kube_config(config_file=str(path), client_configuration=config)  # type: ignore[no-untyped-call]
+        return cls(kubernetes.client.ApiClient(config))
+
+    def get(self, api_version: str, kind: str, namespace: str | None, name: str) -> JSON | None:
         """The object, or None when it does not exist."""
         return self._call("GET", resource_path(api_version, kind, namespace, name))
 
-    def list_objects(self, api_version: str, kind: str, namespace: str, selector: str) -> list[JSON]:
-        result = self._call("GET", resource_path(api_version, kind, namespace), query=[("labelSelector", selector)])
+    def list_objects(self, api_version: str, kind: str, namespace: str | None, selector: str = "",
+                     field_selector: str = "") -> list[JSON]:
+        query = [(k, v) for k, v in (("labelSelector", selector), ("fieldSelector", field_selector)) if v]
+        result = self._call("GET", resource_path(api_version, kind, namespace), query=query)
         items: list[JSON] = (result or {}).get("items", [])
         return items
+
+    def create(self, obj: JSON) -> JSON:
+        meta = obj["metadata"]
+        result = self._call("POST", resource_path(obj["apiVersion"], obj["kind"], meta.get("namespace")), body=obj)
+        return result or {}
+
+    def patch(self, api_version: str, kind: str, namespace: str | None, name: str, patch: JSON,
+              subresource: str | None = None) -> JSON:
+        """A JSON merge patch of an object or of its subresource."""
+        result = self._call("PATCH", resource_path(api_version, kind, namespace, name, subresource), body=patch,
+                            content_type="application/merge-patch+json")
+        return result or {}
+
+    def delete(self, api_version: str, kind: str, namespace: str | None, name: str,
+               grace_seconds: int | None = None, uid: str | None = None) -> None:
+        """Delete an object (already gone is fine); `uid` guards against deleting a successor."""
+        options: JSON = {"kind": "DeleteOptions", "apiVersion": "v1"}
+        if grace_seconds is not None:
+            options["gracePeriodSeconds"] = grace_seconds
+        if uid is not None:
+            options["preconditions"] = {"uid": uid}
+        try:
+            self._call("DELETE", resource_path(api_version, kind, namespace, name), body=options)
+        except KubeError as error:
+            if error.status not in (404, 409):
+                raise
+
+    def service_account_token(self, namespace: str, service_account: str, seconds: int = 3600) -> str:
+        """A bound token of a ServiceAccount (the TokenRequest API, as the kubelet uses)."""
+        path = resource_path("v1", "ServiceAccount", namespace, service_account, "token")
+        result = self._call("POST", path, body={"apiVersion": "authentication.k8s.io/v1", "kind": "TokenRequest",
+                                                "spec": {"expirationSeconds": seconds}})
+        return str((result or {}).get("status", {}).get("token", ""))
 
     def list_servings(self, namespace: str | None) -> list[JSON]:
         """Every DisaggregatedServing in `namespace`, or in the cluster when None."""

@@ -1,0 +1,83 @@
+"""Where the control-plane binaries are: the env file `e2e/build/build.sh` writes."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+from dataclasses import dataclass
+from pathlib import Path
+
+
+class BinariesMissing(RuntimeError):
+    """The binaries are not built and cannot be built from here."""
+
+
+@dataclass(frozen=True)
+class Binaries:
+    etcd: Path
+    kube_apiserver: Path
+    kube_controller_manager: Path
+    kube_scheduler: Path
+    kubectl: Path
+    kwok: Path
+    helm: Path
+    prometheus: Path | None = None
+
+    @property
+    def bin_dir(self) -> Path:
+        return self.kubectl.parent
+
+
+def cache_dir() -> Path:
+    return Path(os.environ.get("XPYD_CACHE", Path.home() / ".cache" / "xpyd"))
+
+
+def env_file() -> Path:
+    return cache_dir() / "bin" / "current.env"
+
+
+def build_script() -> Path | None:
+    """`e2e/build/build.sh` of the source tree this package runs from, if it is a source tree."""
+    candidate = Path(__file__).resolve().parents[3] / "e2e" / "build" / "build.sh"
+    return candidate if candidate.exists() else None
+
+
+def read_env_file(path: Path) -> dict[str, str]:
+    values = {}
+    for line in path.read_text().splitlines():
+        if line and not line.startswith("#") and "=" in line:
+            key, value = line.split("=", 1)
+            values[key.strip()] = value.strip()
+    return values
+
+
+def locate_binaries(build: bool = True) -> Binaries:
+    """The built binaries; runs the build script first when they are missing (and `build`)."""
+    path = env_file()
+    if not _complete(path) and build:
+        script = build_script()
+        if script is None:
+            raise BinariesMissing(f"{path} is missing and no e2e/build/build.sh is at hand: run it from a "
+                                  "checkout of xpyd-operator")
+        subprocess.run(["bash", str(script)], check=True)
+    if not _complete(path):
+        raise BinariesMissing(f"{path} does not list every binary: run e2e/build/build.sh")
+    values = read_env_file(path)
+    prometheus = values.get("PROMETHEUS")
+    return Binaries(
+        etcd=Path(values["ETCD"]), kube_apiserver=Path(values["KUBE_APISERVER"]),
+        kube_controller_manager=Path(values["KUBE_CONTROLLER_MANAGER"]),
+        kube_scheduler=Path(values["KUBE_SCHEDULER"]), kubectl=Path(values["KUBECTL"]),
+        kwok=Path(values["KWOK"]), helm=Path(values["HELM"]),
+        prometheus=Path(prometheus) if prometheus else None,
+    )
+
+
+_REQUIRED = ("ETCD", "KUBE_APISERVER", "KUBE_CONTROLLER_MANAGER", "KUBE_SCHEDULER", "KUBECTL", "KWOK", "HELM")
+
+
+def _complete(path: Path) -> bool:
+    if not path.exists():
+        return False
+    values = read_env_file(path)
+    return all(key in values and Path(values[key]).exists() for key in _REQUIRED)

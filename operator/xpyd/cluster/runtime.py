@@ -1,0 +1,393 @@
+"""The pod process runtime: a small kubelet for the fake nodes of the local cluster.
+
+For every pod scheduled onto a fake node it allocates a loopback pod IP and, when it knows the
+pod's image, runs the pod as a real local process bound to that IP: the operator image runs
+`xpyd <subcommand>` with the pod's args and env (with a kubeconfig holding the pod's own
+service-account token, so RBAC applies as in a cluster), the vLLM engine image runs
+`xpyd engine-sim` once that exists. It reports readiness from the process's own readiness
+probe, restarts processes that exit, stops them when the pod is deleted, and writes the
+Prometheus file_sd targets of ready pods. Pods of other images become Running and Ready at once,
+as kwok would make them.
+
+Nothing is bound or dialled outside 127.0.0.0/8: pod IPs are loopback, `0.0.0.0` in a pod's
+arguments means its own pod IP (as it would inside the pod's network namespace), and every
+address is checked by `netguard` first.
+"""
+
+from __future__ import annotations
+
+import base64
+import datetime
+import json
+import logging
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+import urllib.request
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from xpyd.cluster.controlplane import HOST, ClusterState, write_kubeconfig
+from xpyd.cluster.netguard import require_loopback
+from xpyd.kube import Kube, KubeError
+
+JSON = dict[str, Any]
+log = logging.getLogger(__name__)
+
+ENGINE_IMAGES = ("vllm/vllm-openai:", "ghcr.io/xpyd-operator/vllm-engine:")
+RESTART_BACKOFF_SECONDS = 2.0
+MAX_GRACE_SECONDS = 30.0  # the harness never waits longer for a process to stop
+
+
+def _now() -> str:
+    return datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
+
+
+def supported_subcommands() -> set[str]:
+    """The `xpyd` sub-commands this build has (a pod asking for a missing one runs as unknown)."""
+    from xpyd.cli import build_parser
+
+    parser = build_parser()
+    for action in parser._actions:  # argparse offers no public accessor for sub-commands
+        choices = getattr(action, "choices", None)
+        if isinstance(choices, dict):
+            return set(choices)
+    return set()
+
+
+@dataclass
+class ProcessPlan:
+    """How to run one pod: the command line, its environment and where to probe readiness."""
+
+    argv: list[str]
+    env: dict[str, str]
+    readiness: tuple[str, int] | None  # (path, port) of an httpGet readiness probe
+
+
+def _container_port(container: JSON, port: Any) -> int:
+    if isinstance(port, int):
+        return port
+    for declared in container.get("ports", []):
+        if declared.get("name") == port:
+            return int(declared["containerPort"])
+    return int(port)
+
+
+def _readiness(container: JSON) -> tuple[str, int] | None:
+    probe = (container.get("readinessProbe") or {}).get("httpGet")
+    if not probe:
+        return None
+    return probe.get("path", "/"), _container_port(container, probe["port"])
+
+
+def _localise(value: str, ip: str) -> str:
+    """`0.0.0.0` inside a pod means the pod's own address."""
+    return value.replace("0.0.0.0", ip)
+
+
+@dataclass
+class PodProcess:
+    uid: str
+    namespace: str
+    name: str
+    ip: str
+    plan: ProcessPlan | None
+    directory: Path
+    process: subprocess.Popen[bytes] | None = None
+    restarts: int = 0
+    ready: bool = False
+    exited_at: float | None = None
+    started_at: str = field(default_factory=_now)
+    last_status: JSON = field(default_factory=dict)
+
+    def start(self) -> None:
+        assert self.plan is not None
+        require_loopback(self.ip, f"pod IP of {self.namespace}/{self.name}")
+        self.directory.mkdir(parents=True, exist_ok=True)
+        with (self.directory / "log").open("ab") as output:
+            self.process = subprocess.Popen(
+                self.plan.argv, stdout=output, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                env=self.plan.env, cwd=self.directory, start_new_session=True)
+        self.exited_at = None
+        self.ready = False
+        log.info("started %s/%s at %s: %s (pid %d)", self.namespace, self.name, self.ip,
+                 " ".join(self.plan.argv[2:]), self.process.pid)
+
+    def stop(self, grace: float) -> None:
+        if self.process is None or self.process.poll() is not None:
+            return
+        try:
+            os.killpg(self.process.pid, signal.SIGTERM)
+            self.process.wait(timeout=min(grace, MAX_GRACE_SECONDS))
+        except subprocess.TimeoutExpired:
+            os.killpg(self.process.pid, signal.SIGKILL)
+            self.process.wait()
+        except ProcessLookupError:
+            pass
+
+    def probe(self) -> bool:
+        """Readiness as the kubelet would see it."""
+        if self.plan is None:
+            return True
+        if self.process is None or self.process.poll() is not None:
+            return False
+        if self.plan.readiness is None:
+            return True
+        path, port = self.plan.readiness
+        url = f"http://{require_loopback(self.ip, 'probe address')}:{port}{path}"
+        try:
+            with urllib.request.urlopen(url, timeout=1) as response:
+                return bool(200 <= response.status < 400)
+        except OSError:
+            return False
+
+
+class PodRuntime:
+    """Runs the pods of the fake nodes. `sync()` is one pass; `run()` loops until stopped."""
+
+    def __init__(self, kube: Kube, state: ClusterState, nodes: list[str], poll_seconds: float = 0.5) -> None:
+        self.kube = kube
+        self.state = state
+        self.nodes = nodes
+        self.poll_seconds = poll_seconds
+        self.pods: dict[str, PodProcess] = {}
+        self.deleting: set[str] = set()
+        self._next_host: dict[str, int] = {}
+        self._subcommands = supported_subcommands()
+        self._targets = ""
+        self.directory = Path(state.state_dir) / "pods"
+
+    # -- addresses -----------------------------------------------------------------------------
+
+    def allocate_ip(self, node: str) -> str:
+        """127.<10+node>.<hi>.<lo>: unique per pod, loopback by construction."""
+        index = self.nodes.index(node)
+        host = self._next_host.get(node, 2)
+        self._next_host[node] = host + 1
+        return require_loopback(f"127.{10 + index}.{host // 250}.{host % 250 + 2}", "pod IP")
+
+    # -- planning ------------------------------------------------------------------------------
+
+    def plan(self, pod: JSON, ip: str, directory: Path) -> ProcessPlan | None:
+        """The process of a pod, or None when its image is not one the runtime can run."""
+        container = pod["spec"]["containers"][0]
+        command = list(container.get("command") or [])
+        args = [_localise(a, ip) for a in container.get("args") or []]
+        if command[:1] == ["xpyd"] and len(command) > 1 and command[1] in self._subcommands:
+            argv = [sys.executable, "-m", "xpyd.cli", *command[1:], *args]
+        elif container.get("image", "").startswith(ENGINE_IMAGES) and "engine-sim" in self._subcommands:
+            argv = [sys.executable, "-m", "xpyd.cli", "engine-sim", "--host", ip, *args]
+        else:
+            return None
+        return ProcessPlan(argv=argv, env=self._env(pod, container, ip, directory),
+                           readiness=_readiness(container))
+
+    def _env(self, pod: JSON, container: JSON, ip: str, directory: Path) -> dict[str, str]:
+        meta = pod["metadata"]
+        fields = {"status.podIP": ip, "status.hostIP": HOST, "metadata.name": meta["name"],
+                  "metadata.namespace": meta["namespace"], "spec.nodeName": pod["spec"]["nodeName"],
+                  "spec.serviceAccountName": pod["spec"].get("serviceAccountName", "default")}
+        env = {"PATH": os.environ.get("PATH", "/usr/bin:/bin"), "HOME": str(directory), "XPYD_POD_IP": ip,
+               "KUBERNETES_SERVICE_HOST": HOST, "KUBERNETES_SERVICE_PORT": str(self.state.apiserver_port)}
+        if pod["spec"].get("automountServiceAccountToken", True):
+            env["KUBECONFIG"] = str(self._pod_kubeconfig(pod, directory))
+        for var in container.get("env") or []:
+            value = self._env_value(meta["namespace"], var, fields)
+            if value is not None:
+                env[var["name"]] = _localise(value, ip)
+        return env
+
+    def _env_value(self, namespace: str, var: JSON, fields: dict[str, str]) -> str | None:
+        if "value" in var:
+            return str(var["value"])
+        source = var.get("valueFrom") or {}
+        if "fieldRef" in source:
+            return fields.get(source["fieldRef"]["fieldPath"])
+        for kind, key in (("Secret", "secretKeyRef"), ("ConfigMap", "configMapKeyRef")):
+            if key in source:
+                ref = source[key]
+                obj = self.kube.get("v1", kind, namespace, ref["name"]) or {}
+                raw = obj.get("data", {}).get(ref["key"])
+                if raw is None:
+                    return None
+                return base64.b64decode(raw).decode() if kind == "Secret" else str(raw)
+        return None
+
+    def _pod_kubeconfig(self, pod: JSON, directory: Path) -> Path:
+        """A kubeconfig with the pod's own service-account token (what in-cluster config would use)."""
+        directory.mkdir(parents=True, exist_ok=True)
+        account = pod["spec"].get("serviceAccountName") or "default"
+        token = self.kube.service_account_token(pod["metadata"]["namespace"], account)
+        path = directory / "kubeconfig"
+        write_kubeconfig(path, self.state.server, Path(self.state.state_dir) / "pki" / "ca.crt", token=token,
+                         user=f"system:serviceaccount:{pod['metadata']['namespace']}:{account}")
+        return path
+
+    # -- status --------------------------------------------------------------------------------
+
+    def _status(self, pod: JSON, runner: PodProcess) -> JSON:
+        container = pod["spec"]["containers"][0]
+        running = runner.plan is None or (runner.process is not None and runner.process.poll() is None)
+        ready = "True" if runner.ready else "False"
+        state: JSON = {"running": {"startedAt": runner.started_at}} if running else {
+            "waiting": {"reason": "CrashLoopBackOff", "message": f"exited; restarting ({runner.restarts} restarts)"}}
+        return {
+            "phase": "Running",
+            "hostIP": HOST,
+            "hostIPs": [{"ip": HOST}],
+            "podIP": runner.ip,
+            "podIPs": [{"ip": runner.ip}],
+            "startTime": runner.started_at,
+            "conditions": [
+                {"type": "PodScheduled", "status": "True"},
+                {"type": "Initialized", "status": "True"},
+                {"type": "ContainersReady", "status": ready},
+                {"type": "Ready", "status": ready},
+            ],
+            "containerStatuses": [{
+                "name": container["name"], "image": container.get("image", ""), "imageID": "",
+                "containerID": f"xpyd://{runner.process.pid if runner.process else 0}",
+                "ready": runner.ready, "started": running, "restartCount": runner.restarts, "state": state,
+            }],
+        }
+
+    def _report(self, pod: JSON, runner: PodProcess) -> None:
+        status = self._status(pod, runner)
+        comparable = {k: v for k, v in status.items() if k != "conditions"}, status["conditions"]
+        if comparable == (runner.last_status.get("fields"), runner.last_status.get("conditions")):
+            return
+        now = _now()
+        for condition in status["conditions"]:
+            condition["lastTransitionTime"] = now
+        try:
+            self.kube.patch("v1", "Pod", runner.namespace, runner.name, {"status": status}, subresource="status")
+            runner.last_status = {"fields": comparable[0], "conditions": comparable[1]}
+        except KubeError as error:
+            log.warning("status of %s/%s not written: %s", runner.namespace, runner.name, error)
+
+    # -- the loop ------------------------------------------------------------------------------
+
+    def sync(self) -> None:
+        pods = [p for p in self.kube.list_objects("v1", "Pod", None, field_selector="spec.nodeName!=")
+                if p["spec"].get("nodeName") in self.nodes]
+        seen = set()
+        for pod in pods:
+            uid = pod["metadata"]["uid"]
+            seen.add(uid)
+            if pod["metadata"].get("deletionTimestamp"):
+                self._delete(pod)
+                continue
+            runner = self.pods.get(uid)
+            if runner is None:
+                runner = self._admit(pod)
+            self._supervise(runner)
+            runner.ready = runner.probe()
+            self._report(pod, runner)
+        for uid in set(self.pods) - seen - self.deleting:
+            self.pods.pop(uid).stop(grace=1)
+        self._write_targets(pods)
+
+    def _admit(self, pod: JSON) -> PodProcess:
+        meta = pod["metadata"]
+        ip = self.allocate_ip(pod["spec"]["nodeName"])
+        directory = self.directory / f"{meta['namespace']}_{meta['name']}"
+        runner = PodProcess(uid=meta["uid"], namespace=meta["namespace"], name=meta["name"], ip=ip,
+                            plan=None, directory=directory)
+        try:
+            runner.plan = self.plan(pod, ip, directory)
+        except KubeError as error:
+            log.warning("cannot prepare %s/%s yet: %s", meta["namespace"], meta["name"], error)
+        if runner.plan is not None:
+            runner.start()
+        self.pods[runner.uid] = runner
+        return runner
+
+    def _supervise(self, runner: PodProcess) -> None:
+        """Restart a process that exited (restartPolicy Always), after a short back-off."""
+        if runner.plan is None or runner.process is None or runner.process.poll() is None:
+            return
+        if runner.exited_at is None:
+            runner.exited_at = time.monotonic()
+            log.warning("%s/%s exited with %s", runner.namespace, runner.name, runner.process.returncode)
+        elif time.monotonic() - runner.exited_at >= RESTART_BACKOFF_SECONDS * (1 + min(runner.restarts, 5)):
+            runner.restarts += 1
+            runner.start()
+
+    def _delete(self, pod: JSON) -> None:
+        """Stop the process within the grace period, then remove the pod (as the kubelet does)."""
+        uid = pod["metadata"]["uid"]
+        if uid in self.deleting:
+            return
+        self.deleting.add(uid)
+        runner = self.pods.get(uid)
+        grace = float(pod["metadata"].get("deletionGracePeriodSeconds") or 0)
+
+        def finish() -> None:
+            try:
+                if runner is not None:
+                    runner.stop(grace)
+                self.kube.delete("v1", "Pod", pod["metadata"]["namespace"], pod["metadata"]["name"],
+                                 grace_seconds=0, uid=uid)
+            except KubeError as error:
+                log.warning("could not remove pod %s: %s", pod["metadata"]["name"], error)
+            finally:
+                self.pods.pop(uid, None)
+                self.deleting.discard(uid)
+
+        threading.Thread(target=finish, daemon=True).start()
+
+    def _write_targets(self, pods: list[JSON]) -> None:
+        """Prometheus file_sd targets: every ready pod the runtime runs that serves HTTP."""
+        targets = []
+        for pod in pods:
+            runner = self.pods.get(pod["metadata"]["uid"])
+            if runner is None or runner.plan is None or not runner.ready:
+                continue
+            container = pod["spec"]["containers"][0]
+            ports = [p["containerPort"] for p in container.get("ports", []) if p.get("name") == "http"]
+            if not ports:
+                continue
+            labels = pod["metadata"].get("labels", {})
+            targets.append({"targets": [f"{runner.ip}:{ports[0]}"], "labels": {
+                "namespace": runner.namespace, "pod": runner.name,
+                "xpyd_io_role": labels.get("xpyd.io/role", ""), "xpyd_io_serving": labels.get("xpyd.io/serving", ""),
+            }})
+        text = json.dumps(targets, indent=1, sort_keys=True)
+        if text != self._targets:
+            path = Path(self.state.state_dir) / "prometheus" / "targets.json"
+            path.parent.mkdir(parents=True, exist_ok=True)
+            tmp = path.with_suffix(".tmp")
+            tmp.write_text(text)
+            tmp.replace(path)  # atomic: Prometheus never reads half a file
+            self._targets = text
+
+    def run(self, stop: threading.Event) -> None:
+        ready_file = Path(self.state.state_dir) / "runtime.ready"
+        while not stop.is_set():
+            try:
+                self.sync()
+                ready_file.touch()
+            except KubeError as error:
+                log.warning("sync failed: %s", error)
+            stop.wait(self.poll_seconds)
+        for runner in list(self.pods.values()):
+            runner.stop(grace=5)
+
+
+def main(state_dir: Path) -> int:
+    """`xpyd cluster runtime`: run until SIGTERM, then stop every pod process."""
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s")
+    state = ClusterState.load(state_dir)
+    if state is None:
+        log.error("no cluster state in %s", state_dir)
+        return 1
+    stop = threading.Event()
+    signal.signal(signal.SIGTERM, lambda *_: stop.set())
+    signal.signal(signal.SIGINT, lambda *_: stop.set())
+    runtime = PodRuntime(Kube.from_kubeconfig(state.kubeconfig), state, state.nodes)
+    runtime.run(stop)
+    return 0
