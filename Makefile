@@ -5,7 +5,7 @@ PYTHON ?= python3
 VENV ?= .venv
 BIN := $(VENV)/bin
 
-.PHONY: demo test lint typecheck unit integration crd golden clean
+.PHONY: demo test tools lint typecheck unit integration e2e crd install-manifests golden clean
 
 $(BIN)/xpyd: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -16,8 +16,13 @@ $(BIN)/xpyd: pyproject.toml
 demo: $(BIN)/xpyd
 	$(BIN)/python scripts/demo.py
 
-test: lint typecheck
+test: lint typecheck tools
 	$(BIN)/python -m pytest
+
+# The local control plane's binaries, built from Go modules and cached in ~/.cache/xpyd.
+tools:
+	bash e2e/build/build.sh
+	bash e2e/build/prometheus.sh
 
 lint: $(BIN)/xpyd
 	$(BIN)/ruff check .
@@ -31,9 +36,23 @@ unit: $(BIN)/xpyd
 integration: $(BIN)/xpyd
 	$(BIN)/python -m pytest -m integration
 
+e2e: $(BIN)/xpyd tools
+	$(BIN)/python -m pytest -m e2e
+
 # Regenerate what is generated from the models and templates (tests fail when they are stale).
 crd: $(BIN)/xpyd
 	$(BIN)/xpyd crd > crds/xpyd.io_disaggregatedservings.yaml
+	cp crds/xpyd.io_disaggregatedservings.yaml charts/xpyd-operator/crds/
+	cp crds/xpyd.io_disaggregatedservings.yaml manifests/install/
+
+HELM = $(shell sed -n 's/^HELM=//p' $${XPYD_CACHE:-$$HOME/.cache/xpyd}/bin/current.env 2>/dev/null)
+
+# The plain install is the chart rendered with default values (a test fails when it is stale).
+install-manifests: tools
+	{ printf '%s\n' '# Generated from charts/xpyd-operator (default values) by:' \
+	  '#   helm template xpyd-operator charts/xpyd-operator --namespace xpyd-system' \
+	  '# Do not edit: tests/integration/test_chart_helm.py fails when this file is stale.'; \
+	  $(HELM) template xpyd-operator charts/xpyd-operator --namespace xpyd-system; } > manifests/install/operator.yaml
 
 golden: $(BIN)/xpyd
 	XPYD_UPDATE_GOLDEN=1 $(BIN)/python -m pytest -q tests/unit/test_render.py

@@ -147,6 +147,16 @@ def test_user_extra_config_overrides_rendered() -> None:
         "terminationGracePeriodSeconds"] == 60 + 60 + 30
 
 
+@pytest.mark.parametrize(("image", "command"), [
+    ("vllm/vllm-openai:v0.33.0", ["vllm", "serve"]),
+    ("ghcr.io/xpyd-operator/vllm-engine:0.33.0", ["/usr/local/bin/xpyd-engine-entrypoint", "vllm", "serve"]),
+])
+def test_engine_image_entrypoint_checks_transport(image: str, command: list[str]) -> None:
+    spec = {"engine": {"image": image}, "kvTransfer": {"rdma": {}}}
+    assert container(spec)["command"] == command
+    assert env_of(spec)["XPYD_EXPECT_TRANSPORT"] == "RDMA"
+
+
 def test_nixl_env_side_channel_on_pod_ip() -> None:
     env = env_of({})
     assert env["VLLM_NIXL_SIDE_CHANNEL_HOST"] == {"fieldRef": {"fieldPath": "status.podIP"}}

@@ -36,9 +36,13 @@ def env_file() -> Path:
     return cache_dir() / "bin" / "current.env"
 
 
-def build_script() -> Path | None:
-    """`e2e/build/build.sh` of the source tree this package runs from, if it is a source tree."""
-    candidate = Path(__file__).resolve().parents[3] / "e2e" / "build" / "build.sh"
+def prometheus_env_file() -> Path:
+    return cache_dir() / "bin" / "prometheus.env"
+
+
+def build_script(name: str = "build.sh") -> Path | None:
+    """A script of `e2e/build/` in the source tree this package runs from, if it is one."""
+    candidate = Path(__file__).resolve().parents[3] / "e2e" / "build" / name
     return candidate if candidate.exists() else None
 
 
@@ -63,6 +67,11 @@ def locate_binaries(build: bool = True) -> Binaries:
     if not _complete(path):
         raise BinariesMissing(f"{path} does not list every binary: run e2e/build/build.sh")
     values = read_env_file(path)
+    if prometheus_env_file().exists():
+        values.update(read_env_file(prometheus_env_file()))
+    elif build and (script := build_script("prometheus.sh")) is not None:
+        subprocess.run(["bash", str(script)], check=True)
+        values.update(read_env_file(prometheus_env_file()))
     prometheus = values.get("PROMETHEUS")
     return Binaries(
         etcd=Path(values["ETCD"]), kube_apiserver=Path(values["KUBE_APISERVER"]),

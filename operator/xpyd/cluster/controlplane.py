@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import random
 import signal
 import socket
 import ssl
@@ -51,6 +52,10 @@ class ClusterState:
     state_dir: str
     apiserver_port: int
     etcd_port: int
+    prometheus_port: int = 0
+    #: Second octet of this cluster's pod IPs (127.<octet>.x.y): random, so two clusters on one
+    #: machine rarely share addresses (the runtime also skips addresses whose ports are taken).
+    pod_ip_octet: int = 0
     pids: dict[str, int] = field(default_factory=dict)
     nodes: list[str] = field(default_factory=list)
     started_at: float = 0.0
@@ -62,6 +67,10 @@ class ClusterState:
     @property
     def server(self) -> str:
         return f"https://{HOST}:{self.apiserver_port}"
+
+    @property
+    def prometheus_url(self) -> str | None:
+        return f"http://{HOST}:{self.prometheus_port}" if self.prometheus_port else None
 
     def save(self) -> None:
         (Path(self.state_dir) / "state.json").write_text(json.dumps(asdict(self), indent=2))
@@ -169,7 +178,7 @@ class ControlPlane:
         bins = self.binaries
         files = pki.generate(self.state_dir / "pki")
         state = ClusterState(state_dir=str(self.state_dir), apiserver_port=free_port(), etcd_port=free_port(),
-                             started_at=time.time())
+                             started_at=time.time(), pod_ip_octet=random.randint(16, 250))
         state.save()
         write_kubeconfig(state.kubeconfig, state.server, files.ca_cert, cert=files.admin_cert, key=files.admin_key)
         try:
@@ -181,6 +190,9 @@ class ControlPlane:
             self._start_kwok(state, bins)
             self._register_nodes(state, nodes)
             progress(f"{len(nodes)} fake nodes Ready ({time.monotonic() - started:.1f}s)")
+            if bins.prometheus is not None:
+                self._start_prometheus(state, bins.prometheus)
+                progress(f"prometheus ready at {state.prometheus_url} ({time.monotonic() - started:.1f}s)")
             if runtime:
                 self._spawn(state, "runtime", [sys.executable, "-m", "xpyd.cli", "cluster", "runtime",
                                                 "--state-dir", str(self.state_dir)])
@@ -258,6 +270,31 @@ class ControlPlane:
             f"--node-ip={HOST}", f"--server-address={HOST}:{free_port()}", "--cidr=127.64.0.0/10",
         ], env={"HOME": str(home)})
 
+    def _start_prometheus(self, state: ClusterState, binary: Path) -> None:
+        """Prometheus scraping the pods the runtime lists in file_sd (the Debian build has no
+        Kubernetes discovery), and itself."""
+        directory = self.state_dir / "prometheus"
+        directory.mkdir(exist_ok=True)
+        targets = directory / "targets.json"
+        if not targets.exists():
+            targets.write_text("[]")
+        state.prometheus_port = free_port()
+        address = f"{HOST}:{state.prometheus_port}"
+        config = directory / "prometheus.yml"
+        config.write_text(yaml.safe_dump({
+            "global": {"scrape_interval": "5s", "evaluation_interval": "5s"},
+            "scrape_configs": [
+                {"job_name": "pods", "file_sd_configs": [{"files": [str(targets)], "refresh_interval": "5s"}]},
+                {"job_name": "prometheus", "static_configs": [{"targets": [address]}]},
+            ],
+        }))
+        self._spawn(state, "prometheus", [
+            str(binary), f"--config.file={config}", f"--web.listen-address={address}",
+            f"--storage.tsdb.path={directory / 'data'}", "--storage.tsdb.retention.time=1d",
+        ])
+        self._wait(state, "prometheus", lambda: urllib.request.urlopen(
+            f"http://{address}/-/ready", timeout=1).status == 200, 60)
+
     def _register_nodes(self, state: ClusterState, nodes: tuple[NodeSpec, ...]) -> None:
         admin = Kube.from_kubeconfig(state.kubeconfig)
         deadline = time.monotonic() + 60
@@ -303,7 +340,8 @@ class ControlPlane:
             return {"running": False, "state_dir": str(self.state_dir)}
         processes = {name: {"pid": pid, "alive": _alive(pid)} for name, pid in state.pids.items()}
         return {"running": all(p["alive"] for p in processes.values()), "state_dir": str(self.state_dir),
-                "server": state.server, "kubeconfig": str(state.kubeconfig), "processes": processes,
+                "server": state.server, "prometheus": state.prometheus_url, "kubeconfig": str(state.kubeconfig),
+                "processes": processes,
                 "nodes": state.nodes, "uptime_seconds": round(time.time() - state.started_at)}
 
 

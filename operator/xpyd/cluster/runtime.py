@@ -22,6 +22,7 @@ import json
 import logging
 import os
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -82,6 +83,15 @@ def _readiness(container: JSON) -> tuple[str, int] | None:
     if not probe:
         return None
     return probe.get("path", "/"), _container_port(container, probe["port"])
+
+
+def _port_free(ip: str, port: int) -> bool:
+    with socket.socket() as sock:
+        try:
+            sock.bind((ip, port))
+        except OSError:
+            return False
+    return True
 
 
 def _localise(value: str, ip: str) -> str:
@@ -163,12 +173,19 @@ class PodRuntime:
 
     # -- addresses -----------------------------------------------------------------------------
 
-    def allocate_ip(self, node: str) -> str:
-        """127.<10+node>.<hi>.<lo>: unique per pod, loopback by construction."""
+    def allocate_ip(self, node: str, ports: list[int]) -> str:
+        """127.<cluster>.<node>.<n>: unique per pod in this cluster, loopback by construction, and
+        skipping addresses where one of the pod's ports is already bound (another cluster, or a
+        process left over from one)."""
         index = self.nodes.index(node)
-        host = self._next_host.get(node, 2)
-        self._next_host[node] = host + 1
-        return require_loopback(f"127.{10 + index}.{host // 250}.{host % 250 + 2}", "pod IP")
+        while True:
+            host = self._next_host.get(node, 2)
+            self._next_host[node] = host + 1
+            if host > 253:
+                raise RuntimeError(f"node {node} has no pod IPs left")
+            ip = require_loopback(f"127.{self.state.pod_ip_octet}.{index}.{host}", "pod IP")
+            if all(_port_free(ip, port) for port in ports):
+                return ip
 
     # -- planning ------------------------------------------------------------------------------
 
@@ -293,7 +310,8 @@ class PodRuntime:
 
     def _admit(self, pod: JSON) -> PodProcess:
         meta = pod["metadata"]
-        ip = self.allocate_ip(pod["spec"]["nodeName"])
+        ports = [int(p["containerPort"]) for c in pod["spec"]["containers"] for p in c.get("ports", [])]
+        ip = self.allocate_ip(pod["spec"]["nodeName"], ports)
         directory = self.directory / f"{meta['namespace']}_{meta['name']}"
         runner = PodProcess(uid=meta["uid"], namespace=meta["namespace"], name=meta["name"], ip=ip,
                             plan=None, directory=directory)

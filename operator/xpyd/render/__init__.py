@@ -76,6 +76,7 @@ def _engine_objects(name: str, namespace: str, spec: DisaggregatedServingSpec, r
         connector=spec.kv_transfer.connector.value,
         transport=engine.transport(spec),
         rdma=spec.kv_transfer.rdma is not None,
+        command=engine.command(spec),
         args=engine.args(spec, role, proxy_host(name, namespace)),
         env=engine.env(spec, role),
         ports=engine.ports(spec, role),

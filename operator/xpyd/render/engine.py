@@ -19,6 +19,9 @@ HF_HOME: Final = "/cache/huggingface"
 LMCACHE_MOUNT: Final = "/etc/lmcache"
 #: NIXL's default kv_lease_duration: how long prefill holds blocks for decode to pull.
 NIXL_KV_LEASE_SECONDS: Final = 30
+#: The project's engine image (engine-image/): vLLM plus RDMA userspace and a transport check.
+ENGINE_IMAGE_REPOSITORY: Final = "ghcr.io/xpyd-operator/vllm-engine"
+ENGINE_ENTRYPOINT: Final = "/usr/local/bin/xpyd-engine-entrypoint"
 #: Seconds between the end of the drain and SIGKILL, for vLLM's own shutdown.
 SHUTDOWN_MARGIN_SECONDS: Final = 30
 
@@ -73,6 +76,14 @@ def kv_lease_seconds(spec: DisaggregatedServingSpec) -> int:
     return int(spec.kv_transfer.extra_config.get("kv_lease_duration", NIXL_KV_LEASE_SECONDS))
 
 
+def command(spec: DisaggregatedServingSpec) -> list[str]:
+    """`vllm serve`, behind the transport check when the image is the project's engine image."""
+    serve = ["vllm", "serve"]
+    if spec.engine.image.startswith(ENGINE_IMAGE_REPOSITORY + ":"):
+        return [ENGINE_ENTRYPOINT, *serve]
+    return serve
+
+
 def args(spec: DisaggregatedServingSpec, role: Role, proxy_host: str) -> list[str]:
     """`vllm serve` arguments (after `vllm serve`)."""
     role_spec: RoleSpec = getattr(spec, role)
@@ -102,7 +113,8 @@ def args(spec: DisaggregatedServingSpec, role: Role, proxy_host: str) -> list[st
 def env(spec: DisaggregatedServingSpec, role: Role) -> list[JSON]:
     """Environment of the engine container: connector settings, then the user's (which win)."""
     kv = spec.kv_transfer
-    result = [_field_env("POD_IP", "status.podIP")]
+    # What the engine image's entrypoint compares with the devices the pod really has.
+    result = [_field_env("POD_IP", "status.podIP"), _env("XPYD_EXPECT_TRANSPORT", transport(spec))]
     if kv.connector.is_nixl:
         # NIXL's side channel defaults to localhost; decode dials it, so it must be the pod IP.
         result += [

@@ -1,0 +1,103 @@
+{{/*
+The chart name, or nameOverride.
+*/}}
+{{- define "xpyd-operator.name" -}}
+{{- default .Chart.Name .Values.nameOverride | trunc 63 | trimSuffix "-" }}
+{{- end }}
+
+{{/*
+The full name of the release's objects: fullnameOverride, else <release>-<name> (just the release
+name when it already contains the name). 63 characters at most: some fields are DNS labels.
+*/}}
+{{- define "xpyd-operator.fullname" -}}
+{{- if .Values.fullnameOverride }}
+{{- .Values.fullnameOverride | trunc 63 | trimSuffix "-" }}
+{{- else }}
+{{- $name := default .Chart.Name .Values.nameOverride }}
+{{- if contains $name .Release.Name }}
+{{- .Release.Name | trunc 63 | trimSuffix "-" }}
+{{- else }}
+{{- printf "%s-%s" .Release.Name $name | trunc 63 | trimSuffix "-" }}
+{{- end }}
+{{- end }}
+{{- end }}
+
+{{/*
+Chart name and version, for the helm.sh/chart label.
+*/}}
+{{- define "xpyd-operator.chart" -}}
+{{- printf "%s-%s" .Chart.Name .Chart.Version | replace "+" "_" | trunc 63 | trimSuffix "-" }}
+{{- end }}
+
+{{/*
+Labels of every object of the release.
+*/}}
+{{- define "xpyd-operator.labels" -}}
+helm.sh/chart: {{ include "xpyd-operator.chart" . }}
+{{ include "xpyd-operator.selectorLabels" . }}
+app.kubernetes.io/version: {{ .Chart.AppVersion | quote }}
+app.kubernetes.io/part-of: xpyd
+app.kubernetes.io/managed-by: {{ .Release.Service }}
+{{- end }}
+
+{{/*
+Labels the operator Deployment selects its pod by: stable for the life of the release.
+*/}}
+{{- define "xpyd-operator.selectorLabels" -}}
+app.kubernetes.io/name: {{ include "xpyd-operator.name" . }}
+app.kubernetes.io/instance: {{ .Release.Name }}
+{{- end }}
+
+{{/*
+The operator's ServiceAccount.
+*/}}
+{{- define "xpyd-operator.serviceAccountName" -}}
+{{- if .Values.serviceAccount.create }}
+{{- default (include "xpyd-operator.fullname" .) .Values.serviceAccount.name }}
+{{- else }}
+{{- required "serviceAccount.name is required when serviceAccount.create is false" .Values.serviceAccount.name }}
+{{- end }}
+{{- end }}
+
+{{/*
+The operator image; the operator runs its proxy pods from the same image.
+*/}}
+{{- define "xpyd-operator.image" -}}
+{{- printf "%s:%s" .Values.image.repository (.Values.image.tag | default .Chart.AppVersion) }}
+{{- end }}
+
+{{/*
+What the operator does, as RBAC rules (the same in a ClusterRole and in per-namespace Roles).
+No delete: children are garbage-collected through their ownerReferences. Pods are read for the
+status, and because the operator grants its proxies pods get/list/watch in a Role, which RBAC
+allows only to a holder of the same permissions.
+*/}}
+{{- define "xpyd-operator.rules" -}}
+- apiGroups: ["xpyd.io"]
+  resources: ["disaggregatedservings"]
+  verbs: ["get", "list", "watch", "patch"]
+- apiGroups: ["xpyd.io"]
+  resources: ["disaggregatedservings/status"]
+  verbs: ["get", "patch"]
+- apiGroups: ["apps"]
+  resources: ["deployments"]
+  verbs: ["get", "list", "watch", "create", "patch"]
+- apiGroups: [""]
+  resources: ["services"]
+  verbs: ["get", "list", "watch", "create", "patch"]
+- apiGroups: [""]
+  resources: ["serviceaccounts"]
+  verbs: ["get", "create", "patch"]
+- apiGroups: [""]
+  resources: ["pods"]
+  verbs: ["get", "list", "watch"]
+- apiGroups: [""]
+  resources: ["events"]
+  verbs: ["create"]
+- apiGroups: ["policy"]
+  resources: ["poddisruptionbudgets"]
+  verbs: ["get", "create", "patch"]
+- apiGroups: ["rbac.authorization.k8s.io"]
+  resources: ["roles", "rolebindings"]
+  verbs: ["get", "create", "patch"]
+{{- end }}

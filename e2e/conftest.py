@@ -1,0 +1,112 @@
+"""e2e fixtures: one local control plane per test session, the operator installed by Helm."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import subprocess
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from xpyd.cluster.binaries import Binaries, locate_binaries
+from xpyd.cluster.controlplane import ClusterState, ControlPlane
+
+ROOT = Path(__file__).resolve().parents[1]
+OPERATOR_NAMESPACE = "xpyd-system"
+RELEASE = "xpyd-operator"
+
+
+@dataclass
+class Cluster:
+    state: ClusterState
+    binaries: Binaries
+
+    @property
+    def env(self) -> dict[str, str]:
+        return {**os.environ, "KUBECONFIG": str(self.state.kubeconfig)}
+
+    def run(self, tool: str, *args: str, check: bool = True, stdin: str | None = None,
+            timeout: float = 120) -> subprocess.CompletedProcess[str]:
+        binary = {"kubectl": self.binaries.kubectl, "helm": self.binaries.helm}[tool]
+        result = subprocess.run([str(binary), *args], capture_output=True, text=True, env=self.env,
+                                input=stdin, timeout=timeout, check=False)
+        if check and result.returncode != 0:
+            raise AssertionError(f"{tool} {' '.join(args)} failed ({result.returncode}):\n{result.stderr}")
+        return result
+
+    def kubectl(self, *args: str, **kwargs: Any) -> subprocess.CompletedProcess[str]:
+        return self.run("kubectl", *args, **kwargs)
+
+    def get(self, *args: str) -> Any:
+        """`kubectl get ... -o json`, parsed (None when not found)."""
+        result = self.kubectl("get", *args, "-o", "json", check=False)
+        if result.returncode != 0:
+            if "NotFound" in result.stderr or "not found" in result.stderr:
+                return None
+            raise AssertionError(result.stderr)
+        return json.loads(result.stdout)
+
+    def apply(self, manifest: str | Path, namespace: str) -> None:
+        if isinstance(manifest, Path):
+            self.kubectl("apply", "-n", namespace, "-f", str(manifest))
+        else:
+            self.kubectl("apply", "-n", namespace, "-f", "-", stdin=manifest)
+
+
+def eventually(check: Callable[[], Any], timeout: float = 60.0, interval: float = 0.5, what: str = "") -> Any:
+    """Poll `check` until it returns something truthy; fail with `what` after `timeout`."""
+    deadline = time.monotonic() + timeout
+    last: Any = None
+    while time.monotonic() < deadline:
+        last = check()
+        if last:
+            return last
+        time.sleep(interval)
+    raise AssertionError(f"timed out after {timeout:.0f}s waiting for {what or check} (last: {last!r})")
+
+
+def condition(obj: Any, kind: str) -> dict[str, Any]:
+    for item in (obj or {}).get("status", {}).get("conditions", []):
+        if item["type"] == kind:
+            return dict(item)
+    return {}
+
+
+@pytest.fixture(scope="session")
+def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
+    state_dir = tmp_path_factory.mktemp("cluster")
+    plane = ControlPlane(state_dir, locate_binaries())
+    started = time.monotonic()
+    state = plane.up(progress=lambda message: None)
+    print(f"\ncluster up in {time.monotonic() - started:.1f}s ({state.server})")
+    try:
+        yield Cluster(state, plane.binaries)
+    finally:
+        plane.down(progress=lambda message: None)
+
+
+@pytest.fixture(scope="session")
+def operator(cluster: Cluster) -> Cluster:
+    """The operator installed by `helm install` of the chart, running as a pod process."""
+    cluster.run("helm", "install", RELEASE, str(ROOT / "charts" / "xpyd-operator"), "--namespace",
+                OPERATOR_NAMESPACE, "--create-namespace", "--wait", "--timeout", "90s", timeout=150)
+    eventually(lambda: (cluster.get("deployment", "-n", OPERATOR_NAMESPACE, RELEASE) or {})
+               .get("status", {}).get("readyReplicas") == 1, what="operator Deployment ready")
+    return cluster
+
+
+@pytest.fixture
+def namespace(cluster: Cluster, request: pytest.FixtureRequest) -> Iterator[str]:
+    slug = request.node.name.lower().replace("_", "-").replace("[", "-").replace("]", "")
+    digest = hashlib.sha1(request.node.nodeid.encode()).hexdigest()[:6]  # parametrized ids share prefixes
+    name = f"e2e-{slug[:40].strip('-')}-{digest}"
+    cluster.kubectl("create", "namespace", name)
+    yield name
+    # Wait, so the next test finds the GPUs free again.
+    cluster.kubectl("delete", "namespace", name, "--wait=true", "--timeout=90s", check=False, timeout=120)

@@ -1,0 +1,322 @@
+"""What users do, against a real API server: helm install, kubectl apply of every sample, updates,
+drift, GPU shortage, invalid input, deletion, operator restarts, and the plain manifests."""
+
+from __future__ import annotations
+
+import copy
+import json
+import time
+import urllib.request
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+from e2e.conftest import OPERATOR_NAMESPACE, RELEASE, ROOT, Cluster, condition, eventually
+from tests.unit.test_api import INVALID, SCHEMA_INVALID, TRANSITIONS, serving
+from xpyd.api.load import load_servings
+from xpyd.cluster.controlplane import ControlPlane
+from xpyd.cluster.netguard import NonLoopbackAddress, require_loopback, require_loopback_url
+
+pytestmark = pytest.mark.e2e
+
+SAMPLES = sorted((ROOT / "manifests" / "samples").glob("*.yaml"))
+OPERATOR_SA = f"system:serviceaccount:{OPERATOR_NAMESPACE}:{RELEASE}"
+
+# The reviewed RBAC of the operator: resource -> verbs (kubectl auth can-i --list, cluster-wide).
+OPERATOR_RBAC = {
+    "disaggregatedservings.xpyd.io": {"get", "list", "watch", "patch"},
+    "disaggregatedservings.xpyd.io/status": {"get", "patch"},
+    "deployments.apps": {"get", "list", "watch", "create", "patch"},
+    "services": {"get", "list", "watch", "create", "patch"},
+    "serviceaccounts": {"get", "create", "patch"},
+    "poddisruptionbudgets.policy": {"get", "create", "patch"},
+    "roles.rbac.authorization.k8s.io": {"get", "create", "patch"},
+    "rolebindings.rbac.authorization.k8s.io": {"get", "create", "patch"},
+    "pods": {"get", "list", "watch"},
+    "events": {"create"},
+}
+
+
+def manifest(obj: dict[str, Any]) -> str:
+    """YAML of a unit-test object, without its namespace (kubectl puts it in the test's own)."""
+    obj = copy.deepcopy(obj)
+    obj["metadata"].pop("namespace", None)
+    return yaml.safe_dump(obj)
+
+
+def serving_of(cluster: Cluster, namespace: str, name: str) -> Any:
+    return cluster.get("disaggregatedserving", "-n", namespace, name)
+
+
+def wait_ready(cluster: Cluster, namespace: str, name: str, timeout: float = 90) -> Any:
+    return eventually(lambda: (lambda obj: obj if condition(obj, "Ready").get("status") == "True" else None)(
+        serving_of(cluster, namespace, name)), timeout=timeout, what=f"{name} Ready=True")
+
+
+def pods_of(cluster: Cluster, namespace: str, name: str, role: str) -> list[Any]:
+    result = cluster.get("pods", "-n", namespace, "-l", f"xpyd.io/serving={name},xpyd.io/role={role}")
+    return [p for p in result["items"] if not p["metadata"].get("deletionTimestamp")]
+
+
+# ------------------------------------------------------------------------------------------------
+# Install
+
+
+def test_helm_install_runs_the_operator_as_a_pod(operator: Cluster) -> None:
+    assert operator.get("crd", "disaggregatedservings.xpyd.io") is not None
+    (pod,) = operator.get("pods", "-n", OPERATOR_NAMESPACE, "-l", "app.kubernetes.io/name=xpyd-operator")["items"]
+    assert pod["spec"]["nodeName"] == "cpu-0"  # not on a tainted GPU node
+    ip = pod["status"]["podIP"]
+    require_loopback(ip)
+    # The operator is a real process at its pod IP: its liveness endpoint answers.
+    with urllib.request.urlopen(require_loopback_url(f"http://{ip}:8080/healthz"), timeout=5) as response:
+        assert response.status == 200
+
+
+def test_operator_rbac_is_exactly_what_it_needs(operator: Cluster) -> None:
+    listing = operator.kubectl("auth", "can-i", "--list", f"--as={OPERATOR_SA}").stdout
+    granted: dict[str, set[str]] = {}
+    for line in listing.splitlines()[1:]:
+        resource = line.split()[0]
+        verbs = line[line.rindex("[") + 1:line.rindex("]")].split()  # the last column: "[get list ...]"
+        if resource in OPERATOR_RBAC:
+            granted[resource] = set(verbs)
+    assert granted == OPERATOR_RBAC
+    for forbidden in ("delete deployments", "get secrets", "create pods", "delete pods", "create clusterroles"):
+        verb, resource = forbidden.split()
+        assert operator.kubectl("auth", "can-i", verb, resource, f"--as={OPERATOR_SA}",
+                                check=False).stdout.strip() == "no", forbidden
+
+
+# ------------------------------------------------------------------------------------------------
+# Samples
+
+
+def provide_prerequisites(cluster: Cluster, namespace: str, serving_obj: Any) -> None:
+    """What a user creates beside a DisaggregatedServing: the model volume and the token Secret."""
+    model = serving_obj.spec.model
+    if model.source.pvc is not None:
+        claim = model.source.pvc.claim_name
+        volume = f"{namespace}-{claim}"
+        cluster.apply(yaml.safe_dump_all([
+            {"apiVersion": "v1", "kind": "PersistentVolume", "metadata": {"name": volume},
+             "spec": {"capacity": {"storage": "1Ti"}, "accessModes": ["ReadOnlyMany"], "storageClassName": "",
+                      "hostPath": {"path": f"/models/{volume}"}, "persistentVolumeReclaimPolicy": "Delete"}},
+            {"apiVersion": "v1", "kind": "PersistentVolumeClaim", "metadata": {"name": claim},
+             "spec": {"accessModes": ["ReadOnlyMany"], "storageClassName": "", "volumeName": volume,
+                      "resources": {"requests": {"storage": "1Ti"}}}},
+        ]), namespace)
+        eventually(lambda: (cluster.get("pvc", "-n", namespace, claim) or {}).get("status", {}).get("phase")
+                   == "Bound", what="model PVC bound")
+    if model.hf_token_secret_ref is not None:
+        ref = model.hf_token_secret_ref
+        cluster.kubectl("create", "secret", "generic", ref.name, "-n", namespace, f"--from-literal={ref.key}=hf_x")
+
+
+@pytest.mark.parametrize("sample", SAMPLES, ids=[s.stem for s in SAMPLES])
+def test_sample_becomes_ready_on_matching_gpu_nodes(operator: Cluster, namespace: str, sample: Path) -> None:
+    (spec_obj,) = load_servings(sample.read_text())
+    name = spec_obj.metadata.name
+    provide_prerequisites(operator, namespace, spec_obj)
+    operator.apply(sample, namespace)
+    obj = wait_ready(operator, namespace, name)
+    spec = spec_obj.spec
+    assert obj["status"]["prefill"]["ready"] == f"{spec.prefill.replicas}/{spec.prefill.replicas}"
+    assert obj["status"]["decode"]["ready"] == f"{spec.decode.replicas}/{spec.decode.replicas}"
+    assert obj["status"]["observedGeneration"] == obj["metadata"]["generation"]
+
+    nodes = {n["metadata"]["name"]: n for n in operator.get("nodes")["items"]}
+    for role in ("prefill", "decode"):
+        role_spec = getattr(spec, role)
+        pods = pods_of(operator, namespace, name, role)
+        assert len(pods) == role_spec.replicas
+        for pod in pods:
+            node = nodes[pod["spec"]["nodeName"]]
+            assert node["metadata"]["labels"].get("nvidia.com/gpu.product") == role_spec.gpu.product
+            assert int(node["status"]["allocatable"]["nvidia.com/gpu"]) >= role_spec.gpus
+            require_loopback(pod["status"]["podIP"])
+
+    table = operator.kubectl("get", "xpyd", "-n", namespace).stdout.splitlines()
+    assert table[0].split() == ["NAME", "PREFILL", "DECODE", "READY", "AGE"]
+    row = table[1].split()
+    assert row[:4] == [name, f"{spec.prefill.replicas}/{spec.prefill.replicas}",
+                       f"{spec.decode.replicas}/{spec.decode.replicas}", "True"]
+    wide = operator.kubectl("get", "xpyd", "-n", namespace, "-o", "wide").stdout.splitlines()[0].split()
+    assert {"CONNECTOR", "TTFT-MS", "TPOT-MS", "ENDPOINT"} <= set(wide)
+
+
+# ------------------------------------------------------------------------------------------------
+# Lifecycle
+
+
+NIXL = ROOT / "manifests" / "samples" / "nixl.yaml"
+
+
+def test_update_rolls_out_and_status_follows(operator: Cluster, namespace: str) -> None:
+    operator.apply(NIXL, namespace)
+    before = wait_ready(operator, namespace, "llama-8b")
+    operator.kubectl("patch", "xpyd", "llama-8b", "-n", namespace, "--type=merge", "-p", json.dumps({"spec": {
+        "engine": {"image": "vllm/vllm-openai:v0.33.1", "extraArgs": ["--enable-prefix-caching"]},
+        "decode": {"replicas": 3}}}))
+    after = eventually(lambda: (lambda o: o if o["status"]["decode"]["ready"] == "3/3"
+                                and o["status"]["observedGeneration"] == o["metadata"]["generation"]
+                                and condition(o, "Progressing").get("status") == "False" else None)(
+        serving_of(operator, namespace, "llama-8b")), timeout=90, what="rollout")
+    assert after["metadata"]["generation"] == before["metadata"]["generation"] + 1
+    for role in ("prefill", "decode"):
+        for pod in pods_of(operator, namespace, "llama-8b", role):
+            container = pod["spec"]["containers"][0]
+            assert container["image"] == "vllm/vllm-openai:v0.33.1"
+            assert "--enable-prefix-caching" in container["args"]
+
+
+def test_drift_is_restored(operator: Cluster, namespace: str) -> None:
+    operator.apply(NIXL, namespace)
+    wait_ready(operator, namespace, "llama-8b")
+    operator.kubectl("delete", "deployment", "llama-8b-decode", "-n", namespace)
+    operator.kubectl("scale", "deployment", "llama-8b-prefill", "-n", namespace, "--replicas=4")
+    operator.kubectl("delete", "service", "llama-8b-proxy", "-n", namespace)
+    eventually(lambda: operator.get("deployment", "-n", namespace, "llama-8b-decode"), what="decode back")
+    eventually(lambda: operator.get("service", "-n", namespace, "llama-8b-proxy"), what="proxy Service back")
+    eventually(lambda: (operator.get("deployment", "-n", namespace, "llama-8b-prefill") or {})
+               .get("spec", {}).get("replicas") == 1, what="prefill replicas restored")
+    wait_ready(operator, namespace, "llama-8b")
+
+
+def test_not_enough_gpus_degrades_without_flapping(operator: Cluster, namespace: str) -> None:
+    big = serving({"prefill": {"tensorParallelSize": 8, "gpu": {"product": "NVIDIA-H200"}},
+                   "decode": {"replicas": 3, "tensorParallelSize": 8, "gpu": {"product": "NVIDIA-H200"}}},
+                  name="too-big")
+    operator.apply(manifest(big), namespace)
+    degraded = eventually(lambda: condition(serving_of(operator, namespace, "too-big"), "Degraded")
+                          if condition(serving_of(operator, namespace, "too-big"), "Degraded").get("status") == "True"
+                          else None, what="Degraded=True")
+    assert degraded["reason"] == "InsufficientGPUs" and "Insufficient nvidia.com/gpu" in degraded["message"]
+    pending = [p for role in ("prefill", "decode") for p in pods_of(operator, namespace, "too-big", role)
+               if p["status"].get("phase") == "Pending"]
+    assert len(pending) >= 1
+    # Stable: the condition does not flip back and forth while nothing changes.
+    time.sleep(10)
+    again = condition(serving_of(operator, namespace, "too-big"), "Degraded")
+    assert again["status"] == "True" and again["lastTransitionTime"] == degraded["lastTransitionTime"]
+    events = operator.get("events", "-n", namespace, "--field-selector", "reason=InsufficientGPUs")["items"]
+    assert len(events) == 1
+
+
+# ------------------------------------------------------------------------------------------------
+# Bad input: the API server itself refuses, with the rule's message
+
+
+# Every CEL rule (the error names the rule's message) and every schema rule (it names the field).
+REJECTED = INVALID + SCHEMA_INVALID
+
+
+@pytest.fixture(scope="module")
+def rejections_namespace(operator: Cluster) -> Iterator[str]:
+    """One namespace for all rejection cases: nothing is ever created in it."""
+    operator.kubectl("create", "namespace", "e2e-rejections")
+    yield "e2e-rejections"
+    operator.kubectl("delete", "namespace", "e2e-rejections", "--wait=false")
+
+
+@pytest.mark.parametrize(("obj", "expected"), [(o, e) for _, o, e in REJECTED], ids=[c for c, _, _ in REJECTED])
+def test_api_server_rejects_invalid_input(operator: Cluster, rejections_namespace: str, obj: dict[str, Any],
+                                          expected: str) -> None:
+    result = operator.kubectl("apply", "-n", rejections_namespace, "-f", "-", stdin=manifest(obj), check=False)
+    assert result.returncode != 0 and expected in result.stderr, result.stderr
+    assert operator.get("xpyd", "-n", rejections_namespace)["items"] == []
+
+
+@pytest.mark.parametrize(("change", "message"), [(c, m) for _, c, m in TRANSITIONS],
+                         ids=[c for c, _, _ in TRANSITIONS])
+def test_api_server_guards_immutable_fields(operator: Cluster, namespace: str, change: dict[str, Any],
+                                            message: str) -> None:
+    operator.apply(manifest(serving()), namespace)
+    result = operator.kubectl("apply", "-n", namespace, "-f", "-", stdin=manifest(serving(change)), check=False)
+    assert result.returncode != 0 and message in result.stderr, result.stderr
+
+
+# ------------------------------------------------------------------------------------------------
+# Deletion and restarts
+
+
+def test_delete_garbage_collects_children(operator: Cluster, namespace: str) -> None:
+    operator.apply(NIXL, namespace)
+    wait_ready(operator, namespace, "llama-8b")
+    operator.kubectl("delete", "xpyd", "llama-8b", "-n", namespace, "--wait=true", timeout=60)
+    selector = "xpyd.io/serving=llama-8b"
+    for kind in ("deployments", "services", "poddisruptionbudgets", "serviceaccounts", "roles", "rolebindings"):
+        eventually(lambda kind=kind: operator.get(kind, "-n", namespace, "-l", selector)["items"] == [],
+                   what=f"{kind} garbage-collected")
+
+
+def test_operator_restart_mid_reconcile_converges_without_duplicates(operator: Cluster, namespace: str) -> None:
+    operator.apply(NIXL, namespace)
+    operator.kubectl("delete", "pod", "-n", OPERATOR_NAMESPACE, "-l", "app.kubernetes.io/name=xpyd-operator",
+                     "--wait=false")
+    wait_ready(operator, namespace, "llama-8b", timeout=120)
+    deployments = operator.get("deployments", "-n", namespace)["items"]
+    assert sorted(d["metadata"]["name"] for d in deployments) == [
+        "llama-8b-decode", "llama-8b-prefill", "llama-8b-proxy"]
+    replica_sets = operator.get("replicasets", "-n", namespace)["items"]
+    assert len(replica_sets) == 3  # one template each: nothing was rolled twice
+
+
+# ------------------------------------------------------------------------------------------------
+# The plain manifests, on a cluster of their own
+
+
+def test_plain_manifests_install_the_same_operator(tmp_path: Path, cluster: Cluster) -> None:
+    plane = ControlPlane(tmp_path / "manifests-cluster", cluster.binaries)
+    state = plane.up(progress=lambda message: None)
+    try:
+        other = Cluster(state, cluster.binaries)
+        other.kubectl("apply", "-k", str(ROOT / "manifests" / "install"))
+        eventually(lambda: (other.get("deployment", "-n", OPERATOR_NAMESPACE, RELEASE) or {})
+                   .get("status", {}).get("readyReplicas") == 1, what="operator ready", timeout=90)
+        other.apply(NIXL, "default")
+        wait_ready(other, "default", "llama-8b")
+    finally:
+        plane.down(progress=lambda message: None)
+
+
+# ------------------------------------------------------------------------------------------------
+# Loopback only
+
+
+def test_harness_refuses_non_loopback_addresses(cluster: Cluster) -> None:
+    for address in ("10.0.0.1", "192.168.1.10", "8.8.8.8", "kubernetes.default.svc"):
+        with pytest.raises(NonLoopbackAddress):
+            require_loopback(address)
+    service_ip = (cluster.get("service", "kubernetes", "-n", "default") or {})["spec"]["clusterIP"]
+    with pytest.raises(NonLoopbackAddress):
+        require_loopback_url(f"https://{service_ip}:443/")
+    for pod in cluster.get("pods", "-A")["items"]:
+        if pod["status"].get("podIP"):
+            require_loopback(pod["status"]["podIP"])
+
+
+# ------------------------------------------------------------------------------------------------
+# Prometheus
+
+
+def test_prometheus_scrapes_itself_and_the_runtime_targets(cluster: Cluster) -> None:
+    url = cluster.state.prometheus_url
+    assert url is not None, "Prometheus did not start (run e2e/build/prometheus.sh)"
+    require_loopback_url(url)
+
+    def query(path: str) -> Any:
+        with urllib.request.urlopen(f"{url}{path}", timeout=5) as response:
+            return json.loads(response.read())
+
+    def self_scraped() -> bool:
+        result = query("/api/v1/query?query=up%7Bjob%3D%22prometheus%22%7D")["data"]["result"]
+        return bool(result) and result[0]["value"][1] == "1"
+
+    eventually(self_scraped, timeout=30, what="Prometheus scraping itself")
+    listed = json.loads((Path(cluster.state.state_dir) / "prometheus" / "targets.json").read_text())
+    discovered = [t for t in query("/api/v1/targets")["data"]["activeTargets"] if t["scrapePool"] == "pods"]
+    assert len(discovered) == sum(len(group["targets"]) for group in listed)

@@ -1,0 +1,123 @@
+"""The local cluster's pure parts: the loopback guard, pod IP allocation, how pods become
+processes, node objects and certificates. (The control plane itself is exercised by e2e/.)"""
+
+from __future__ import annotations
+
+import socket
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+from cryptography import x509
+
+from xpyd.cluster import pki
+from xpyd.cluster.controlplane import ClusterState
+from xpyd.cluster.netguard import NonLoopbackAddress, require_loopback, require_loopback_url
+from xpyd.cluster.nodes import DEFAULT_NODES, node_object
+from xpyd.cluster.runtime import PodRuntime, supported_subcommands
+
+pytestmark = pytest.mark.unit
+
+
+@pytest.mark.parametrize("address", ["127.0.0.1", "127.14.3.9", "127.255.255.254", "localhost"])
+def test_loopback_addresses_pass(address: str) -> None:
+    assert require_loopback(address) == address
+
+
+# The wildcard, private ranges, public addresses, IPv4-mapped IPv6 and names (nothing resolves them).
+@pytest.mark.parametrize("address", ["10.0.0.1", "0.0.0.0", "192.168.1.1", "8.8.8.8", "[::ffff:127.0.0.1]", "::1x",
+                                     "example.com", "kubernetes.default.svc", ""])
+def test_everything_else_is_refused(address: str) -> None:
+    with pytest.raises(NonLoopbackAddress, match="refusing"):
+        require_loopback(address)
+
+
+def test_urls_are_checked_by_host() -> None:
+    assert require_loopback_url("http://127.3.0.2:8000/v1/models")
+    with pytest.raises(NonLoopbackAddress):
+        require_loopback_url("https://10.0.0.1:443/api")
+
+
+class FakeKube:
+    """Only what planning calls: the token request."""
+
+    def service_account_token(self, namespace: str, account: str, seconds: int = 3600) -> str:
+        return f"token-of-{namespace}-{account}"
+
+
+@pytest.fixture
+def runtime(tmp_path: Path) -> PodRuntime:
+    (tmp_path / "pki").mkdir()
+    (tmp_path / "pki" / "ca.crt").write_text("")
+    state = ClusterState(state_dir=str(tmp_path), apiserver_port=6443, etcd_port=2379, pod_ip_octet=77)
+    return PodRuntime(FakeKube(), state, [n.name for n in DEFAULT_NODES])  # type: ignore[arg-type]
+
+
+def pod(image: str, command: list[str], args: list[str], env: list[dict[str, Any]] | None = None,
+        **spec: Any) -> dict[str, Any]:
+    return {"metadata": {"name": "p", "namespace": "ns", "uid": "u"},
+            "spec": {"nodeName": "cpu-0", "serviceAccountName": "sa", **spec,
+                     "containers": [{"name": "c", "image": image, "command": command, "args": args, "env": env or [],
+                                     "ports": [{"name": "health", "containerPort": 8080}],
+                                     "readinessProbe": {"httpGet": {"path": "/healthz", "port": "health"}}}]}}
+
+
+def test_pod_ips_are_loopback_unique_and_skip_taken_ports(runtime: PodRuntime) -> None:
+    first = runtime.allocate_ip("cpu-0", [])
+    second = runtime.allocate_ip("gpu-h200-0", [])
+    assert first == "127.77.4.2" and second == "127.77.0.2"
+    with socket.socket() as taken:
+        taken.bind(("127.77.4.3", 8080))
+        assert runtime.allocate_ip("cpu-0", [8080]) == "127.77.4.4"
+
+
+def test_operator_image_runs_as_this_xpyd_with_its_own_token(runtime: PodRuntime, tmp_path: Path) -> None:
+    plan = runtime.plan(pod("ghcr.io/xpyd-operator/xpyd-operator:0.1.0", ["xpyd", "operator"],
+                            ["-A", "--liveness=http://0.0.0.0:8080/healthz"],
+                            env=[{"name": "A", "value": "1"},
+                                 {"name": "IP", "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}}]),
+                        "127.77.4.9", tmp_path / "pod")
+    assert plan is not None
+    assert plan.argv == [sys.executable, "-m", "xpyd.cli", "operator", "-A",
+                         "--liveness=http://127.77.4.9:8080/healthz"]  # 0.0.0.0 inside a pod is its own IP
+    assert plan.env["A"] == "1" and plan.env["IP"] == "127.77.4.9"
+    assert plan.env["KUBERNETES_SERVICE_HOST"] == "127.0.0.1"
+    assert "token-of-ns-sa" in Path(plan.env["KUBECONFIG"]).read_text()
+    assert plan.readiness == ("/healthz", 8080)
+
+
+def test_unknown_images_and_subcommands_run_no_process(runtime: PodRuntime, tmp_path: Path) -> None:
+    assert runtime.plan(pod("nginx:1", ["nginx"], []), "127.77.4.9", tmp_path) is None
+    assert runtime.plan(pod("ghcr.io/xpyd-operator/xpyd-operator:0.1.0", ["xpyd", "no-such-command"], []),
+                        "127.77.4.9", tmp_path) is None
+    engine = runtime.plan(pod("vllm/vllm-openai:v0.33.0", ["vllm", "serve"], ["m"]), "127.77.4.9", tmp_path)
+    assert (engine is not None) == ("engine-sim" in supported_subcommands())
+
+
+def test_no_token_without_automount(runtime: PodRuntime, tmp_path: Path) -> None:
+    plan = runtime.plan(pod("ghcr.io/xpyd-operator/xpyd-operator:0.1.0", ["xpyd", "operator"], [],
+                            automountServiceAccountToken=False), "127.77.4.9", tmp_path)
+    assert plan is not None and "KUBECONFIG" not in plan.env
+
+
+def test_gpu_nodes_look_like_a_gpu_cloud() -> None:
+    nodes = {n.name: node_object(n) for n in DEFAULT_NODES}
+    h200 = nodes["gpu-h200-0"]
+    assert h200["metadata"]["labels"]["nvidia.com/gpu.product"] == "NVIDIA-H200"
+    assert h200["status"]["capacity"]["nvidia.com/gpu"] == "8" and h200["status"]["capacity"]["rdma/ib"] == "8"
+    assert h200["spec"]["taints"] == [{"key": "nvidia.com/gpu", "value": "present", "effect": "NoSchedule"}]
+    assert h200["metadata"]["annotations"] == {"kwok.x-k8s.io/node": "fake"}
+    assert "taints" not in nodes["cpu-0"]["spec"] and "nvidia.com/gpu" not in nodes["cpu-0"]["status"]["capacity"]
+    products = [n.gpu_product for n in DEFAULT_NODES if n.gpu_product]
+    assert products.count("NVIDIA-H200") == 2 and products.count("NVIDIA-L40S") == 2
+
+
+def test_certificates_name_loopback_only(tmp_path: Path) -> None:
+    files = pki.generate(tmp_path)
+    server = x509.load_pem_x509_certificate(files.server_cert.read_bytes())
+    sans = server.extensions.get_extension_for_class(x509.SubjectAlternativeName).value
+    assert {str(ip) for ip in sans.get_values_for_type(x509.IPAddress)} == {"127.0.0.1", "10.0.0.1"}
+    admin = x509.load_pem_x509_certificate(files.admin_cert.read_bytes())
+    assert admin.subject.rfc4514_string() == "O=system:masters,CN=xpyd-admin"
+    assert oct(files.ca_key.stat().st_mode & 0o777) == "0o600"
