@@ -1,0 +1,212 @@
+"""The `xpyd sim` report: SLO attainment, goodput, GPU-hours, latency percentiles, history, and a plot.
+
+Definitions (DESIGN.md's keys):
+- `attainment`: share of the trace's requests meeting both the TTFT and the TPOT target (0-1);
+  requests that never fit an engine count as missing both.
+- `duration_s`: simulated time from the window's start to the last request's finish.
+- `goodput_rps`: requests meeting both targets per second of `duration_s`.
+- `gpu_hours`: GPU time of every replica from its start (model loading included) to its drain or
+  the end, in hours; `goodput_per_gpu_hour`: good requests per GPU-hour (the headline: it rewards
+  meeting the SLOs and punishes over-provisioning at once).
+- Percentiles (`p50`, `p90`, `p99`) interpolate linearly between order statistics, in milliseconds.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from xpyd.sim.simulator import SimResult
+
+_NICE_BINS_S = (1, 2, 5, 10, 15, 30, 60, 120, 300, 600, 900, 1800, 3600)
+
+
+def percentile(sorted_values: Sequence[float], q: float) -> float:
+    """The q-quantile (0-1) of ascending values, linear between order statistics (NaN if empty)."""
+    if not sorted_values:
+        return math.nan
+    position = q * (len(sorted_values) - 1)
+    low = math.floor(position)
+    high = min(low + 1, len(sorted_values) - 1)
+    return sorted_values[low] + (sorted_values[high] - sorted_values[low]) * (position - low)
+
+
+def _summary_ms(values_s: Sequence[float]) -> dict[str, float | None]:
+    values = sorted(v * 1000.0 for v in values_s if not math.isnan(v))
+    stats = {"p50": percentile(values, 0.5), "p90": percentile(values, 0.9), "p99": percentile(values, 0.99),
+             "mean": sum(values) / len(values) if values else math.nan, "max": values[-1] if values else math.nan}
+    return {key: _finite(value, 3) for key, value in stats.items()}
+
+
+def _finite(value: float, digits: int) -> float | None:
+    return round(value, digits) if math.isfinite(value) else None
+
+
+def timeline_bin_s(duration_s: float, bins: int = 90) -> int:
+    """A round bin width giving about `bins` bins over `duration_s`."""
+    return next((width for width in _NICE_BINS_S if width * bins >= duration_s), _NICE_BINS_S[-1])
+
+
+def timeline(result: SimResult) -> dict[str, Any]:
+    """Per time bin, by arrival: arrivals/s, SLO-meeting arrivals/s, TTFT and TPOT percentiles (ms)."""
+    width = timeline_bin_s(max(result.arrival_s[-1], 1.0))
+    count = int(result.arrival_s[-1] // width) + 1
+    slo = result.config.slo
+    ttft: list[list[float]] = [[] for _ in range(count)]
+    tpot: list[list[float]] = [[] for _ in range(count)]
+    arrivals = [0] * count
+    good = [0] * count
+    for arrival, first, per_token in zip(result.arrival_s, result.ttft_s, result.tpot_s(), strict=True):
+        index = int(arrival // width)
+        arrivals[index] += 1
+        if not math.isnan(first):
+            ttft[index].append(first * 1000.0)
+            tpot[index].append(per_token * 1000.0)
+            good[index] += first <= slo.ttft_s and per_token <= slo.tpot_s
+    out: dict[str, Any] = {"bin_s": width, "t_s": [i * width for i in range(count)],
+                           "arrivals_rps": [n / width for n in arrivals], "good_rps": [n / width for n in good]}
+    for name, series in (("ttft_ms", ttft), ("tpot_ms", tpot)):
+        for q, label in ((0.5, "p50"), (0.9, "p90"), (0.99, "p99")):
+            out[f"{name}_{label}"] = [_finite(percentile(sorted(values), q), 3) for values in series]
+    return out
+
+
+def build_report(result: SimResult, trace_name: str = "", speedup: float = 1.0) -> dict[str, Any]:
+    """The report as a JSON-ready dict (DESIGN.md's keys first)."""
+    slo = result.config.slo
+    tpot = result.tpot_s()
+    requests = len(result.arrival_s)
+    meets_ttft = [t <= slo.ttft_s for t in result.ttft_s]          # NaN compares False
+    meets_tpot = [t <= slo.tpot_s for t in tpot]
+    good = sum(1 for a, b in zip(meets_ttft, meets_tpot, strict=True) if a and b)
+    duration_s = result.end_s
+    gpu_hours = sum(result.gpu_seconds.values()) / 3600.0
+    config = result.config
+    return {
+        "requests": requests,
+        "attainment": round(good / requests, 6),
+        "goodput_rps": round(good / duration_s, 6) if duration_s > 0 else None,
+        "gpu_hours": round(gpu_hours, 6),
+        "goodput_per_gpu_hour": round(good / gpu_hours, 3) if gpu_hours > 0 else None,
+        "ttft_ms": _summary_ms(result.ttft_s),
+        "tpot_ms": _summary_ms(tpot),
+        "scaling_actions": result.scaling_actions,
+        "e2e_ms": _summary_ms(result.e2e_s),
+        "good_requests": good,
+        "attainment_ttft": round(sum(meets_ttft) / requests, 6),
+        "attainment_tpot": round(sum(meets_tpot) / requests, 6),
+        "rejected": result.rejected,
+        "duration_s": round(duration_s, 3),
+        "gpu_hours_by_role": {role: round(seconds / 3600.0, 6) for role, seconds in result.gpu_seconds.items()},
+        "replicas_started": result.replicas_started,
+        "replicas_stopped": result.replicas_stopped,
+        "trace": trace_name,
+        "speedup": speedup,
+        "policy": result.policy,
+        "config": {
+            "prefill": config.prefill, "decode": config.decode,
+            "slo_ttft_ms": slo.ttft_s * 1000.0, "slo_tpot_ms": slo.tpot_s * 1000.0,
+            "startup_delay_s": config.startup_delay_s, "interval_s": config.interval_s,
+            "window_s": config.window_s, "seed": config.seed, "gpus_per_replica": config.gpus_per_replica,
+            "max_num_batched_tokens": config.engine.max_num_batched_tokens,
+            "max_num_seqs": config.engine.max_num_seqs,
+        },
+        "replicas": [{"t_s": round(s.time_s, 3), "prefill": s.prefill_ready, "decode": s.decode_ready,
+                      "prefill_starting": s.prefill_starting, "decode_starting": s.decode_starting,
+                      "prefill_draining": s.prefill_draining, "decode_draining": s.decode_draining}
+                     for s in result.replicas],
+        "decisions": [{"t_s": round(d.time_s, 3), "prefill_before": d.prefill_before,
+                       "decode_before": d.decode_before, "prefill": d.prefill, "decode": d.decode}
+                      for d in result.decisions],
+        "timeline": timeline(result),
+    }
+
+
+def summary(report: dict[str, Any], wall_s: float | None = None) -> str:
+    """A few human lines about a report."""
+    def ms(stats: dict[str, float | None]) -> str:
+        return " ".join(f"{q} {stats[q]:,.0f}" if stats[q] is not None else f"{q} -" for q in ("p50", "p90", "p99"))
+
+    config = report["config"]
+    goodput_per_gpu_hour = report["goodput_per_gpu_hour"]
+    lines = [
+        f"xpyd sim: {report['trace'] or 'trace'} x{report['speedup']:g}, {report['requests']:,} requests over "
+        f"{report['duration_s']:,.1f} s, policy {report['policy']}, start {config['prefill']}P/{config['decode']}D",
+        f"  attainment {report['attainment']:.1%} (TTFT <= {config['slo_ttft_ms']:g} ms: "
+        f"{report['attainment_ttft']:.1%}, TPOT <= {config['slo_tpot_ms']:g} ms: {report['attainment_tpot']:.1%})",
+        f"  goodput {report['goodput_rps']:,.2f} req/s  GPU-hours {report['gpu_hours']:,.3f}  goodput/GPU-hour "
+        + (f"{goodput_per_gpu_hour:,.0f}" if goodput_per_gpu_hour is not None else "-"),
+        f"  TTFT ms {ms(report['ttft_ms'])}   TPOT ms {ms(report['tpot_ms'])}",
+        f"  scaling actions {report['scaling_actions']}"
+        + (f"   rejected {report['rejected']}" if report["rejected"] else "")
+        + (f"   wall {wall_s:.2f} s" if wall_s is not None else ""),
+    ]
+    return "\n".join(lines)
+
+
+def plot(result: SimResult, path: str | Path, title: str = "") -> None:
+    """Write a PNG: load (and the part of it meeting the SLOs), P and D replicas, TTFT and TPOT
+    percentiles over time against the SLO lines."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    from matplotlib import pyplot, ticker
+
+    report = build_report(result)
+    line = report["timeline"]
+    minutes = result.end_s > 900
+    scale = 60.0 if minutes else 1.0
+    edges = [x / scale for x in line["t_s"]] + [(line["t_s"][-1] + line["bin_s"]) / scale]
+    slo = result.config.slo
+
+    figure, axes = pyplot.subplots(4, 1, figsize=(12, 10), sharex=True,
+                                   gridspec_kw={"height_ratios": [1, 0.8, 1.2, 1.2]})
+    load, replicas, ttft_axis, tpot_axis = axes
+    load.stairs(line["arrivals_rps"], edges, fill=True, color="#fcbba1", label="arrivals (missed an SLO)")
+    load.stairs(line["good_rps"], edges, fill=True, color="#74c476", label="met both SLOs")
+    load.set_ylabel("load (req/s)")
+    load.set_ylim(bottom=0)
+
+    times = [s.time_s / scale for s in result.replicas] + [result.end_s / scale]
+    for role, color in (("prefill", "#d95f02"), ("decode", "#1b9e77")):
+        ready = [getattr(s, f"{role}_ready") for s in result.replicas]
+        total = [getattr(s, f"{role}_ready") + getattr(s, f"{role}_starting") for s in result.replicas]
+        replicas.stairs(ready, times, color=color, linewidth=2.2, baseline=None, label=f"{role} (serving)")
+        if total != ready:
+            replicas.stairs(total, times, color=color, linewidth=1.2, linestyle="--", baseline=None,
+                            label=f"{role} incl. starting")
+    replicas.set_ylabel("replicas")
+    replicas.set_ylim(0, max(max(s.prefill_ready + s.prefill_starting, s.decode_ready + s.decode_starting)
+                             for s in result.replicas) + 1)
+    replicas.yaxis.set_major_locator(ticker.MaxNLocator(integer=True))
+
+    panels = ((ttft_axis, "ttft_ms", "TTFT", slo.ttft_s * 1000.0), (tpot_axis, "tpot_ms", "TPOT", slo.tpot_s * 1000.0))
+    for axis, name, label, target in panels:
+        values_seen = [target]
+        for quantile, shade in (("p50", "#9ecae1"), ("p90", "#3182bd"), ("p99", "#08306b")):
+            values = [v if v is not None else math.nan for v in line[f"{name}_{quantile}"]]
+            values_seen += [v for v in values if math.isfinite(v)]
+            axis.stairs(values, edges, color=shade, linewidth=1.6, baseline=None, label=quantile)
+        axis.axhline(target, color="#e41a1c", linestyle="--", linewidth=1.6, label=f"SLO {target:g} ms")
+        axis.set_yscale("log")
+        axis.set_ylim(min(values_seen) / 1.5, max(values_seen) * 1.5)
+        axis.yaxis.set_major_locator(ticker.LogLocator(subs=(1.0, 2.0, 5.0)))
+        axis.yaxis.set_major_formatter(ticker.FuncFormatter(lambda value, _: f"{value:,.0f}" if value >= 1
+                                                            else f"{value:g}"))
+        axis.yaxis.set_minor_formatter(ticker.NullFormatter())
+        axis.set_ylabel(f"{label} (ms, log)")
+    for axis in axes:
+        axis.grid(True, which="major", alpha=0.3)
+        axis.legend(loc="upper left", bbox_to_anchor=(1.005, 1.0), fontsize=8, frameon=False)
+    tpot_axis.set_xlabel(f"time ({'min' if minutes else 's'}); latencies of the requests arriving in each "
+                         f"{line['bin_s']} s bin")
+    tpot_axis.set_xlim(0, max(edges[-1], result.end_s / scale))
+    goodput = report["goodput_per_gpu_hour"]
+    figure.suptitle(f"{title}   policy {result.policy}   attainment {report['attainment']:.1%}   "
+                    f"{report['gpu_hours']:.2f} GPU-h   good requests/GPU-h "
+                    + (f"{goodput:,.0f}" if goodput is not None else "-"), fontsize=11)
+    figure.tight_layout()
+    figure.savefig(path, dpi=110)
+    pyplot.close(figure)

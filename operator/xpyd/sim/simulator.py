@@ -1,0 +1,675 @@
+"""Discrete-event replay of a request trace through a simulated P/D cluster (`xpyd sim`).
+
+The cluster: prefill and decode replicas, each an `EngineCore`; a proxy that routes each request's
+prefill leg (`max_tokens=1`, `do_remote_decode`) to the prefill replica with the fewest outstanding
+prompt tokens and, when it returns, the decode leg (`do_remote_prefill`, the KV lease as deadline)
+to the decode replica with the fewest outstanding requests, ties broken by a seeded RNG (NIXL pull).
+The decode engine waits out the KV transfer, then tells the proxy, which frees the producer's KV.
+
+Time is simulated: an event heap of step ends, engine timers, replica start-ups and policy ticks,
+merged with the trace's open-loop arrivals; nothing sleeps. Every `interval_s` the policy sees an
+`Observation` and returns desired sizes. Scaling up starts replicas that serve after
+`startup_delay_s` (the initial replicas are ready at 0); scaling down first cancels starting
+replicas, then drains ready ones (out of routing, they finish what they hold, KV leases included).
+A replica uses its GPUs from its start until it has drained. The run ends when every request has
+finished.
+
+Per request: TTFT is arrival to the decode engine's first token (prefill queue, prefill, proxy hop,
+decode admission, KV transfer, first decode step); TPOT is (e2e - TTFT) / (OSL - 1), 0 for OSL 1.
+"""
+
+from __future__ import annotations
+
+import argparse
+import heapq
+import json
+import math
+import random
+import sys
+import time as wallclock
+from collections import deque
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, TextIO
+
+from xpyd.sim.core import (
+    ITL_BUCKETS,
+    TTFT_BUCKETS,
+    EngineConfig,
+    EngineCore,
+    EnginePerf,
+    EngineRequest,
+    Event,
+    EventKind,
+    Histogram,
+)
+from xpyd.sim.policy import POLICIES, Desired, Observation, Policy, PolicyContext, Quantiles, RoleObservation, Slo
+from xpyd.sim.traces import TraceRequest
+
+PREFILL = "prefill"
+DECODE = "decode"
+ROLES = (PREFILL, DECODE)
+
+
+@dataclass(frozen=True)
+class SimConfig:
+    """How the simulated cluster is set up."""
+
+    prefill: int = 1
+    decode: int = 1
+    slo: Slo = field(default_factory=Slo)
+    startup_delay_s: float = 120.0
+    interval_s: float = 30.0
+    window_s: float = 60.0
+    seed: int = 0
+    engine: EngineConfig = field(default_factory=EngineConfig)
+    gpus_per_replica: int = 1
+    max_decode_steps: int = 1 << 30   # fused decode passes per step (1: pass by pass; same results, slower)
+
+    def __post_init__(self) -> None:
+        if self.prefill < 1 or self.decode < 1:
+            raise ValueError("--prefill and --decode must be at least 1")
+        for name in ("startup_delay_s", "window_s"):
+            if not getattr(self, name) >= 0:
+                raise ValueError(f"{name} must not be negative")
+        if not self.interval_s > 0:
+            raise ValueError("interval_s must be positive")
+        if self.gpus_per_replica < 1 or self.max_decode_steps < 1:
+            raise ValueError("gpus_per_replica and max_decode_steps must be at least 1")
+
+
+@dataclass(frozen=True)
+class ReplicaSample:
+    """Replica counts per role from `time_s` on."""
+
+    time_s: float
+    prefill_ready: int
+    prefill_starting: int
+    prefill_draining: int
+    decode_ready: int
+    decode_starting: int
+    decode_draining: int
+
+
+@dataclass(frozen=True)
+class Decision:
+    """One policy call: when, what it saw of the sizes, what it asked for."""
+
+    time_s: float
+    prefill_before: int
+    decode_before: int
+    prefill: int
+    decode: int
+
+
+@dataclass
+class SimResult:
+    """Everything a report needs: per-request latencies, replica history, decisions, GPU time."""
+
+    config: SimConfig
+    policy: str
+    arrival_s: list[float]
+    isl: list[int]
+    osl: list[int]
+    ttft_s: list[float]            # NaN for rejected requests
+    e2e_s: list[float]
+    rejected: int                  # requests that can never fit an engine's KV cache
+    end_s: float                   # when the last request finished
+    gpu_seconds: dict[str, float]  # per role
+    replicas: list[ReplicaSample]
+    decisions: list[Decision]
+    scaling_actions: int           # policy decisions that changed a role's size (per role)
+    replicas_started: int
+    replicas_stopped: int
+    events: int                    # discrete events processed
+
+    def tpot_s(self) -> list[float]:
+        """Per-request time per output token: (e2e - TTFT) / (OSL - 1), 0 for one-token outputs."""
+        return [(e - t) / (o - 1) if o > 1 else (math.nan if math.isnan(e) else 0.0)
+                for t, e, o in zip(self.ttft_s, self.e2e_s, self.osl, strict=True)]
+
+
+ProgressCallback = Callable[[int, int, float], None]
+
+_STEP, _TIMER, _READY, _TICK = 0, 1, 2, 3
+
+
+class _Replica:
+    __slots__ = ("core", "created_s", "draining", "name", "outstanding_requests", "outstanding_tokens",
+                 "ready", "role", "step_end", "step_token", "stopped_s", "timer_s")
+
+    def __init__(self, name: str, role: str, core: EngineCore, created_s: float, ready: bool) -> None:
+        self.name = name
+        self.role = role
+        self.core = core
+        self.created_s = created_s
+        self.stopped_s = math.nan
+        self.ready = ready
+        self.draining = False
+        self.step_token = 0
+        self.step_end = math.inf
+        self.timer_s = math.inf
+        self.outstanding_requests = 0
+        self.outstanding_tokens = 0
+
+
+@dataclass
+class _RoleMetrics:
+    """Cumulative vllm:* series of a role (all its engines, also stopped ones) at one tick."""
+
+    histograms: dict[str, Histogram]
+    counters: dict[str, int]
+
+
+class Simulator:
+    """One replay: build it, `run()` it once."""
+
+    def __init__(self, trace: Sequence[TraceRequest], perf: EnginePerf, policy: Policy, config: SimConfig,
+                 policy_name: str = "custom", progress: ProgressCallback | None = None) -> None:
+        if not trace:
+            raise ValueError("the trace has no requests")
+        self.trace = trace
+        self.perf = perf
+        self.policy = policy
+        self.policy_name = policy_name
+        self.config = config
+        self.progress = progress
+        self._rng = random.Random(config.seed)
+        self._heap: list[tuple[float, int, int, _Replica | None, int]] = []
+        self._seq = 0
+        self._replicas: dict[str, list[_Replica]] = {PREFILL: [], DECODE: []}
+        self._routable: dict[str, list[_Replica]] = {PREFILL: [], DECODE: []}
+        self._proxy_queue: dict[str, deque[int]] = {PREFILL: deque(), DECODE: deque()}
+        n = len(trace)
+        self._ttft = [math.nan] * n
+        self._e2e = [math.nan] * n
+        self._prefill_of: list[_Replica | None] = [None] * n
+        self._lease_deadline = [math.inf] * n
+        self._done = 0
+        self._rejected = 0
+        self._samples: list[ReplicaSample] = []
+        self._decisions: list[Decision] = []
+        self._scaling_actions = 0
+        self._started = 0
+        self._stopped = 0
+        self._arrived = 0
+        self._client_ttft = Histogram(TTFT_BUCKETS)
+        self._client_tpot = Histogram(ITL_BUCKETS)
+        self._history: deque[tuple[float, int, dict[str, _RoleMetrics], Histogram, Histogram]] = deque()
+        probe = EngineCore(perf, config.engine)
+        self._capacity = probe.capacity
+
+    def engines(self, role: str) -> list[EngineCore]:
+        """Every engine the role has had (started, draining or stopped), oldest first."""
+        return [replica.core for replica in self._replicas[role]]
+
+    # --- the run ----------------------------------------------------------------------------------
+
+    def run(self) -> SimResult:
+        """Replay the whole trace; returns the per-request latencies and the cluster's history."""
+        config = self.config
+        for role, count in ((PREFILL, config.prefill), (DECODE, config.decode)):
+            for _ in range(count):
+                self._start_replica(role, 0.0, ready=True)
+        self._sample(0.0)
+        self._snapshot(0.0)
+        self._push(config.interval_s, _TICK, None, 0)
+        trace = self.trace
+        total = len(trace)
+        heap = self._heap
+        progress = self.progress
+        progress_every = max(1, total // 200)
+        events = 0
+        index = 0
+        now = 0.0
+        next_arrival = trace[0].arrival_s
+        while self._done < total:
+            events += 1
+            if heap and heap[0][0] <= next_arrival:
+                now, _, kind, replica, token = heapq.heappop(heap)
+                if kind == _STEP:
+                    assert replica is not None
+                    if token == replica.step_token:
+                        self._on_step_end(replica, now)
+                elif kind == _TIMER:
+                    assert replica is not None
+                    if now >= replica.timer_s:
+                        replica.timer_s = math.inf
+                    if math.isnan(replica.stopped_s):
+                        self._kick(replica, now, arrived=False)
+                elif kind == _READY:
+                    assert replica is not None
+                    self._on_ready(replica, now)
+                else:
+                    self._on_tick(now)
+            else:
+                now = next_arrival
+                self._on_arrival(index, now)
+                index += 1
+                self._arrived = index
+                next_arrival = trace[index].arrival_s if index < total else math.inf
+                if progress is not None and (index % progress_every == 0 or index == total):
+                    progress(index, total, now)
+        end_s = now
+        self._sample(end_s)
+        gpu_seconds = {role: 0.0 for role in ROLES}
+        for role, replicas in self._replicas.items():
+            for replica in replicas:
+                stop = end_s if math.isnan(replica.stopped_s) else replica.stopped_s
+                gpu_seconds[role] += (stop - replica.created_s) * config.gpus_per_replica
+        return SimResult(
+            config=config, policy=self.policy_name, arrival_s=[r.arrival_s for r in trace],
+            isl=[r.isl for r in trace], osl=[r.osl for r in trace], ttft_s=self._ttft, e2e_s=self._e2e,
+            rejected=self._rejected, end_s=end_s, gpu_seconds=gpu_seconds, replicas=self._samples,
+            decisions=self._decisions, scaling_actions=self._scaling_actions, replicas_started=self._started,
+            replicas_stopped=self._stopped, events=events)
+
+    # --- request flow -------------------------------------------------------------------------
+
+    def _on_arrival(self, index: int, now: float) -> None:
+        request = self.trace[index]
+        if request.isl + request.osl > self._capacity:
+            self._rejected += 1
+            self._done += 1
+            return
+        replica = self._route(PREFILL)
+        if replica is None:
+            self._proxy_queue[PREFILL].append(index)
+        else:
+            self._send_prefill(index, replica, now)
+
+    def _send_prefill(self, index: int, replica: _Replica, now: float) -> None:
+        isl = self.trace[index].isl
+        replica.outstanding_tokens += isl
+        replica.outstanding_requests += 1
+        self._prefill_of[index] = replica
+        replica.core.add(EngineRequest(str(index), isl, 1, do_remote_decode=True, tag=index), now)
+        self._kick(replica, now, arrived=True)
+
+    def _send_decode(self, index: int, replica: _Replica, now: float) -> None:
+        request = self.trace[index]
+        replica.outstanding_requests += 1
+        replica.outstanding_tokens += request.isl
+        replica.core.add(EngineRequest(str(index), request.isl, request.osl, do_remote_prefill=True,
+                                       remote_kv_deadline=self._lease_deadline[index], tag=index), now)
+        self._kick(replica, now, arrived=True)
+
+    def _route(self, role: str) -> _Replica | None:
+        """Least outstanding work (prompt tokens for prefill, requests for decode); seeded random ties."""
+        best: _Replica | None = None
+        best_load = 0
+        ties = 0
+        by_tokens = role == PREFILL
+        for replica in self._routable[role]:
+            load = replica.outstanding_tokens if by_tokens else replica.outstanding_requests
+            if best is None or load < best_load:
+                best, best_load, ties = replica, load, 1
+            elif load == best_load:
+                ties += 1
+                if self._rng.random() * ties < 1.0:   # reservoir sampling: uniform among the ties
+                    best = replica
+        return best
+
+    def _handle(self, replica: _Replica, events: list[Event]) -> None:
+        trace = self.trace
+        if replica.role == PREFILL:
+            for event in events:
+                if event.kind is EventKind.FINISHED:
+                    index = event.request.tag
+                    replica.outstanding_tokens -= trace[index].isl
+                    replica.outstanding_requests -= 1
+                    self._lease_deadline[index] = event.request.lease_expiry
+                    target = self._route(DECODE)
+                    if target is None:
+                        self._proxy_queue[DECODE].append(index)
+                    else:
+                        self._send_decode(index, target, event.time)
+            return
+        for event in events:
+            kind = event.kind
+            index = event.request.tag
+            if kind is EventKind.KV_LOADED:
+                producer = self._prefill_of[index]
+                assert producer is not None
+                if producer.core.release_kv(event.request.request_id, event.time):
+                    self._kick(producer, event.time, arrived=False)
+            elif kind is EventKind.FIRST_TOKEN:
+                ttft = event.time - trace[index].arrival_s
+                self._ttft[index] = ttft
+                self._client_ttft.observe(ttft)
+            elif kind is EventKind.FINISHED:
+                request = trace[index]
+                e2e = event.time - request.arrival_s
+                self._e2e[index] = e2e
+                if request.osl > 1:
+                    self._client_tpot.observe((e2e - self._ttft[index]) / (request.osl - 1))
+                replica.outstanding_requests -= 1
+                replica.outstanding_tokens -= request.isl
+                self._done += 1
+
+    # --- engines ----------------------------------------------------------------------------------
+
+    def _kick(self, replica: _Replica, now: float, arrived: bool) -> None:
+        """Let an engine move on at `now`: poll its timers, start its next step, or cut a fused one."""
+        core = replica.core
+        step = core.step_in_flight
+        if step is not None:
+            if arrived and step.num_steps > 1:
+                step = core.shorten(step, now)
+                if step.end < replica.step_end:
+                    self._push_step(replica, step.end)
+            return
+        events = core.poll(now)
+        if events:
+            self._handle(replica, events)
+            if core.step_in_flight is not None:   # handling re-entered this engine
+                return
+        step = core.next_step(now, self.config.max_decode_steps)
+        if step is not None:
+            self._push_step(replica, step.end)
+            return
+        timer = core.next_timer()
+        if timer is not None and timer < replica.timer_s:
+            replica.timer_s = timer
+            self._push(timer, _TIMER, replica, 0)
+        if replica.draining and core.is_idle:
+            self._stop(replica, now)
+
+    def _on_step_end(self, replica: _Replica, now: float) -> None:
+        core = replica.core
+        step = core.step_in_flight
+        assert step is not None
+        replica.step_end = math.inf
+        events = core.complete(step, now)
+        if events:
+            self._handle(replica, events)
+        self._kick(replica, now, arrived=False)
+
+    def _push_step(self, replica: _Replica, end: float) -> None:
+        replica.step_token += 1
+        replica.step_end = end
+        self._push(end, _STEP, replica, replica.step_token)
+
+    def _push(self, time: float, kind: int, replica: _Replica | None, token: int) -> None:
+        self._seq += 1
+        heapq.heappush(self._heap, (time, self._seq, kind, replica, token))
+
+    # --- replicas ---------------------------------------------------------------------------------
+
+    def _start_replica(self, role: str, now: float, ready: bool) -> None:
+        replicas = self._replicas[role]
+        replica = _Replica(f"{role}-{len(replicas)}", role, EngineCore(self.perf, self.config.engine), now, ready)
+        replicas.append(replica)
+        if ready:
+            self._routable[role].append(replica)
+        else:
+            self._started += 1
+            self._push(now + self.config.startup_delay_s, _READY, replica, 0)
+
+    def _on_ready(self, replica: _Replica, now: float) -> None:
+        if not math.isnan(replica.stopped_s):
+            return
+        replica.ready = True
+        self._routable[replica.role].append(replica)
+        self._sample(now)
+        queue = self._proxy_queue[replica.role]
+        while queue:
+            index = queue.popleft()
+            target = self._route(replica.role)
+            assert target is not None
+            if replica.role == PREFILL:
+                self._send_prefill(index, target, now)
+            else:
+                self._send_decode(index, target, now)
+
+    def _stop(self, replica: _Replica, now: float) -> None:
+        replica.stopped_s = now
+        self._stopped += 1
+        self._sample(now)
+
+    def _scale(self, role: str, desired: int, now: float) -> None:
+        live = [r for r in self._replicas[role] if not r.draining and math.isnan(r.stopped_s)]
+        for _ in range(desired - len(live)):
+            self._start_replica(role, now, ready=False)
+        excess = len(live) - desired
+        if excess <= 0:
+            return
+        # Cancel the newest starting replicas first, then drain the ready ones with the least work.
+        starting = [r for r in reversed(live) if not r.ready]
+        ready = sorted((r for r in live if r.ready), key=lambda r: (r.outstanding_requests, -live.index(r)))
+        for replica in (starting + ready)[:excess]:
+            replica.draining = True
+            if replica.ready:
+                self._routable[role].remove(replica)
+                if replica.core.step_in_flight is None and replica.core.is_idle:
+                    self._stop(replica, now)
+            else:
+                self._stop(replica, now)
+
+    # --- the policy loop ----------------------------------------------------------------------------
+
+    def _on_tick(self, now: float) -> None:
+        self._snapshot(now)
+        observation = self.observe(now)
+        desired = self.policy.decide(observation)
+        wanted = {PREFILL: max(1, int(desired.prefill)), DECODE: max(1, int(desired.decode))}
+        before = {PREFILL: observation.prefill.replicas, DECODE: observation.decode.replicas}
+        self._decisions.append(Decision(now, before[PREFILL], before[DECODE], wanted[PREFILL], wanted[DECODE]))
+        changed = False
+        for role in ROLES:
+            if wanted[role] != before[role]:
+                self._scaling_actions += 1
+                self._scale(role, wanted[role], now)
+                changed = True
+        if changed:
+            self._sample(now)
+        self._push(now + self.config.interval_s, _TICK, None, 0)
+
+    def _snapshot(self, now: float) -> None:
+        roles: dict[str, _RoleMetrics] = {}
+        for role, replicas in self._replicas.items():
+            histograms: dict[str, Histogram] = {}
+            counters: dict[str, int] = {}
+            for replica in replicas:
+                metrics = replica.core.metrics
+                for name, histogram in metrics.histograms().items():
+                    if name in histograms:
+                        histograms[name].add(histogram)
+                    else:
+                        histograms[name] = histogram.copy()
+                for name, value in metrics.counters().items():
+                    counters[name] = counters.get(name, 0) + value
+            roles[role] = _RoleMetrics(histograms, counters)
+        history = self._history
+        history.append((now, self._arrived, roles, self._client_ttft.copy(), self._client_tpot.copy()))
+        # Keep one snapshot at or before the window's start.
+        while len(history) > 1 and history[1][0] <= now - self.config.window_s:
+            history.popleft()
+
+    def observe(self, now: float) -> Observation:
+        """What an autoscaler reading Prometheus (and the Kubernetes API) would see at `now`.
+
+        Window quantities are the increments between the latest snapshot and the one at or before
+        `now - window_s` (the run's start at first). Call after a snapshot at `now`.
+        """
+        history = self._history
+        t1, arrived1, roles1, ttft1, tpot1 = history[-1]
+        t0, arrived0, roles0, ttft0, tpot0 = history[0]
+        span = t1 - t0
+        def rate(value: float) -> float:
+            return value / span if span > 0 else 0.0
+
+        def quantiles(histogram: Histogram) -> Quantiles:
+            return Quantiles(histogram.quantile(0.5), histogram.quantile(0.9), histogram.quantile(0.99))
+
+        def window(role: str) -> tuple[dict[str, Histogram], dict[str, int]]:
+            now_metrics, then = roles1[role], roles0[role]
+            hists = {name: h.minus(then.histograms[name]) if name in then.histograms else h
+                     for name, h in now_metrics.histograms.items()}
+            counts = {name: v - then.counters.get(name, 0) for name, v in now_metrics.counters.items()}
+            return hists, counts
+
+        def role_observation(role: str) -> RoleObservation:
+            replicas = self._replicas[role]
+            scraped = [r for r in replicas if r.ready and math.isnan(r.stopped_s)]
+            hists, counts = window(role)
+            usage = [r.core.kv_cache_usage_perc for r in scraped]
+            return RoleObservation(
+                replicas=sum(1 for r in replicas if not r.draining and math.isnan(r.stopped_s)),
+                ready=sum(1 for r in scraped if not r.draining),
+                starting=sum(1 for r in replicas if not r.ready and math.isnan(r.stopped_s)),
+                draining=sum(1 for r in scraped if r.draining),
+                num_requests_running=float(sum(r.core.num_requests_running for r in scraped)),
+                num_requests_waiting=float(sum(r.core.num_requests_waiting for r in scraped)),
+                kv_cache_usage_perc=sum(usage) / len(usage) if usage else 0.0,
+                kv_cache_usage_perc_max=max(usage, default=0.0),
+                time_to_first_token_seconds=quantiles(hists["time_to_first_token_seconds"]),
+                inter_token_latency_seconds=quantiles(hists["inter_token_latency_seconds"]),
+                request_queue_time_seconds=quantiles(hists["request_queue_time_seconds"]),
+                prompt_tokens_per_s=rate(counts.get("prompt_tokens_total", 0)),
+                generation_tokens_per_s=rate(counts.get("generation_tokens_total", 0)),
+                requests_per_s=rate(counts.get("request_success_total", 0)),
+            )
+
+        prefill_hists, _ = window(PREFILL)
+        decode_hists, _ = window(DECODE)
+        prompts = prefill_hists["request_prompt_tokens"]
+        outputs = decode_hists["request_generation_tokens"]
+        return Observation(
+            time_s=now, window_s=span, request_rate=rate(arrived1 - arrived0),
+            isl_mean=prompts.sum / prompts.count if prompts.count else math.nan,
+            osl_mean=outputs.sum / outputs.count if outputs.count else math.nan,
+            ttft_seconds=quantiles(ttft1.minus(ttft0)), tpot_seconds=quantiles(tpot1.minus(tpot0)),
+            prefill=role_observation(PREFILL), decode=role_observation(DECODE))
+
+    def _sample(self, now: float) -> None:
+        counts: dict[str, list[int]] = {}
+        for role, replicas in self._replicas.items():
+            alive = [r for r in replicas if math.isnan(r.stopped_s)]
+            counts[role] = [sum(1 for r in alive if r.ready and not r.draining),
+                            sum(1 for r in alive if not r.ready),
+                            sum(1 for r in alive if r.draining and r.ready)]
+        sample = ReplicaSample(now, *counts[PREFILL], *counts[DECODE])
+        if self._samples and self._samples[-1].time_s == now:
+            self._samples[-1] = sample
+        else:
+            self._samples.append(sample)
+
+
+def simulate(trace: Sequence[TraceRequest], perf: EnginePerf, config: SimConfig, policy: str | Policy = "static",
+             progress: ProgressCallback | None = None) -> SimResult:
+    """Replay `trace` under a policy (a name from POLICIES, built with the config's sizes, or an object)."""
+    if isinstance(policy, str):
+        factory = POLICIES.get(policy)
+        if factory is None:
+            raise ValueError(f"unknown policy {policy!r} (known: {', '.join(sorted(POLICIES))})")
+        context = PolicyContext(initial=Desired(config.prefill, config.decode), slo=config.slo, perf=perf,
+                                interval_s=config.interval_s, startup_delay_s=config.startup_delay_s)
+        return Simulator(trace, perf, factory(context), config, policy, progress).run()
+    return Simulator(trace, perf, policy, config, type(policy).__name__, progress).run()
+
+
+# --- command line ---------------------------------------------------------------------------------
+
+class ProgressBar:
+    """A one-line progress bar on a stream (stderr), redrawn in place."""
+
+    def __init__(self, stream: TextIO, label: str = "xpyd sim", width: int = 30) -> None:
+        self.stream = stream
+        self.label = label
+        self.width = width
+
+    def __call__(self, done: int, total: int, sim_time_s: float) -> None:
+        """Redraw for `done` of `total` arrivals at simulated time `sim_time_s`."""
+        filled = self.width * done // total
+        bar = "#" * filled + "-" * (self.width - filled)
+        self.stream.write(f"\r{self.label} [{bar}] {done}/{total} requests, t={sim_time_s:,.0f} s")
+        if done == total:
+            self.stream.write("\n")
+        self.stream.flush()
+
+
+def add_parser(subparsers: Any) -> None:
+    """Register `xpyd sim` on an argparse sub-parsers object."""
+    sim = subparsers.add_parser("sim", help="replay a request trace through a simulated P/D cluster under an "
+                                "autoscaling policy")
+    sim.add_argument("--trace", required=True, help="trace file: CSV (TIMESTAMP,ContextTokens,GeneratedTokens) or "
+                     "Mooncake JSONL (timestamp ms, input_length, output_length)")
+    sim.add_argument("--profile", required=True, help="performance profile prefix: PREFIX_prefill.csv and "
+                     "PREFIX_decode.csv")
+    sim.add_argument("--model", default="llama-3.1-8b", help="model whose KV shape sizes the P->D transfer "
+                     "(default llama-3.1-8b, the shipped profile's)")
+    sim.add_argument("--kv-dtype", default="bf16", help="KV-cache dtype for the transfer size (default bf16)")
+    sim.add_argument("--link-gbps", type=float, default=100.0, help="prefill-to-decode link in Gb/s (default 100)")
+    sim.add_argument("--policy", default="static", help=f"autoscaling policy ({', '.join(sorted(POLICIES))})")
+    sim.add_argument("--prefill", type=int, default=1, help="prefill replicas (static size, or the starting size)")
+    sim.add_argument("--decode", type=int, default=1, help="decode replicas (static size, or the starting size)")
+    sim.add_argument("--speedup", type=float, default=1.0, help="compress the trace's time K times")
+    sim.add_argument("--start", type=float, default=0.0, help="window start, seconds of trace time")
+    sim.add_argument("--duration", type=float, default=None, help="window length, seconds of trace time")
+    sim.add_argument("--slo-ttft-ms", type=float, default=500.0, help="time-to-first-token target")
+    sim.add_argument("--slo-tpot-ms", type=float, default=50.0, help="time-per-output-token target")
+    sim.add_argument("--startup-delay-s", type=float, default=120.0, help="time a new replica takes to serve")
+    sim.add_argument("--interval-s", type=float, default=30.0, help="seconds between policy decisions")
+    sim.add_argument("--window-s", type=float, default=60.0, help="metrics window the policy sees")
+    sim.add_argument("--max-num-batched-tokens", type=int, default=8192, help="engine token budget per step")
+    sim.add_argument("--max-num-seqs", type=int, default=256, help="engine running-request limit")
+    sim.add_argument("--report", help="write the report JSON here")
+    sim.add_argument("--plot", help="write a PNG of load, replicas, TTFT and TPOT over time here")
+    sim.add_argument("--seed", type=int, default=0, help="seed of the routing tie-breaks")
+    sim.add_argument("--progress", action="store_true", help="show a progress bar even when stderr is no TTY")
+    sim.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    """`xpyd sim`: load, simulate, report. Bad input: a message on stderr and exit code 2."""
+    from xpyd.sim.report import build_report, summary
+    from xpyd.sim.traces import TraceError, load_trace
+
+    def fail(message: str) -> int:
+        sys.stderr.write(f"xpyd sim: {message}\n")
+        return 2
+
+    try:
+        for name in ("slo_ttft_ms", "slo_tpot_ms"):
+            if not getattr(args, name) > 0:
+                raise ValueError(f"--{name.replace('_', '-')} must be positive")
+        if args.policy not in POLICIES:
+            raise ValueError(f"unknown policy {args.policy!r} (known: {', '.join(sorted(POLICIES))})")
+        config = SimConfig(
+            prefill=args.prefill, decode=args.decode,
+            slo=Slo(ttft_s=args.slo_ttft_ms / 1000.0, tpot_s=args.slo_tpot_ms / 1000.0),
+            startup_delay_s=args.startup_delay_s, interval_s=args.interval_s, window_s=args.window_s,
+            seed=args.seed, engine=EngineConfig(max_num_batched_tokens=args.max_num_batched_tokens,
+                                                max_num_seqs=args.max_num_seqs))
+        trace = load_trace(args.trace, speedup=args.speedup, start_s=args.start, duration_s=args.duration)
+        perf = _load_profile(args.profile, args.model, args.kv_dtype, args.link_gbps)
+    except (TraceError, OSError, ValueError, KeyError) as error:
+        return fail(str(error))
+    progress = ProgressBar(sys.stderr) if args.progress or sys.stderr.isatty() else None
+    started = wallclock.perf_counter()
+    result = simulate(trace, perf, config, args.policy, progress)
+    wall_s = wallclock.perf_counter() - started
+    report = build_report(result, trace_name=Path(args.trace).name, speedup=args.speedup)
+    try:
+        if args.report:
+            Path(args.report).write_text(json.dumps(report, indent=2) + "\n")
+        if args.plot:
+            from xpyd.sim.report import plot
+            plot(result, args.plot, title=f"{Path(args.trace).name} x{args.speedup:g}")
+    except OSError as error:
+        return fail(f"cannot write: {error}")
+    sys.stdout.write(summary(report, wall_s) + "\n")
+    return 0
+
+
+def _load_profile(prefix: str, model: str, kv_dtype: str, link_gbps: float) -> EnginePerf:
+    from xpyd.sim.perf import PerfModel
+    from xpyd.sim.shapes import lookup_model
+
+    if not link_gbps > 0:
+        raise ValueError("--link-gbps must be positive")
+    kv_bytes_per_token = lookup_model(model).kv_bytes_per_token(kv_dtype)
+    perf: EnginePerf = PerfModel.from_profile(prefix).with_kv_transfer(kv_bytes_per_token, link_gbps)
+    return perf

@@ -1,0 +1,121 @@
+"""Trace reading: both shapes, BOM and line ends, windows, speed-up, malformed files."""
+
+from __future__ import annotations
+
+import itertools
+import json
+from pathlib import Path
+
+import pytest
+
+from xpyd.sim.traces import TraceError, TraceRequest, load_trace, read_trace
+
+pytestmark = pytest.mark.unit
+
+FIXTURES = Path(__file__).resolve().parents[1] / "fixtures" / "traces"
+SHARED = Path(__file__).resolve().parents[2].parent / "shared" / "data" / "traces"
+AZURE = FIXTURES / "azure_conv_2023_head200.csv"
+MOONCAKE = FIXTURES / "mooncake_synthetic_head50.jsonl"
+
+
+def write(tmp_path: Path, name: str, text: str, encoding: str = "utf-8") -> Path:
+    path = tmp_path / name
+    path.write_bytes(text.encode(encoding))
+    return path
+
+
+def test_azure_csv_slice() -> None:
+    requests = read_trace(AZURE)
+    assert len(requests) == 200
+    assert requests[0] == TraceRequest(0.0, 374, 44)
+    # 2023-11-16 18:15:46.6805900 -> 18:15:50.9951690, all seven fractional digits kept.
+    assert requests[1].arrival_s == pytest.approx(4.314579, abs=1e-6)
+    assert requests[1].isl == 396 and requests[1].osl == 109
+    assert all(a.arrival_s <= b.arrival_s for a, b in itertools.pairwise(requests))
+
+
+def test_mooncake_jsonl_slice() -> None:
+    requests = read_trace(MOONCAKE)
+    assert len(requests) == 50
+    first = json.loads(MOONCAKE.read_text().splitlines()[0])
+    assert requests[0].isl == first["input_length"] and requests[0].osl == first["output_length"]
+    assert requests[0].prefix_blocks == tuple(first["hash_ids"])
+    last = json.loads(MOONCAKE.read_text().splitlines()[-1])
+    assert requests[-1].arrival_s == pytest.approx(last["timestamp"] / 1000.0)
+
+
+def test_csv_with_bom_crlf_and_blank_lines(tmp_path: Path) -> None:
+    text = ("TIMESTAMP,ContextTokens,GeneratedTokens\r\n2023-11-16 18:15:46.6805900,10,5\r\n\r\n"
+            "2023-11-16 18:15:47.1805900,20,0\r\n")
+    requests = read_trace(write(tmp_path, "bom.csv", text, "utf-8-sig"))
+    assert [(r.arrival_s, r.isl, r.osl) for r in requests] == [(0.0, 10, 5), (pytest.approx(0.5), 20, 1)]
+
+
+def test_other_traces_in_either_shape(tmp_path: Path) -> None:
+    csv_path = write(tmp_path, "other.csv", "arrival_time,prompt_tokens,output_tokens,extra\n2.5,7,3,x\n1.0,9,4,y\n")
+    assert read_trace(csv_path) == [TraceRequest(0.0, 9, 4), TraceRequest(1.5, 7, 3)]
+    jsonl = write(tmp_path, "iso.jsonl", '{"timestamp": "2024-01-01T00:00:01", "isl": 5, "osl": 2}\n'
+                  '{"timestamp": "2024-01-01T00:00:00.25", "isl": 6, "osl": 3}\n')
+    assert read_trace(jsonl) == [TraceRequest(0.0, 6, 3), TraceRequest(0.75, 5, 2)]
+
+
+def test_window_and_speedup(tmp_path: Path) -> None:
+    lines = "".join(f'{{"timestamp": {i * 1000}, "input_length": {i + 1}, "output_length": 1}}\n' for i in range(10))
+    path = write(tmp_path, "t.jsonl", lines)
+    window = load_trace(path, start_s=2.0, duration_s=4.0, speedup=2.0)
+    assert [r.isl for r in window] == [3, 4, 5, 6]
+    assert [r.arrival_s for r in window] == [0.0, 0.5, 1.0, 1.5]
+    assert len(load_trace(path, speedup=50)) == 10
+    with pytest.raises(TraceError, match="no requests in the window"):
+        load_trace(path, start_s=100.0)
+    with pytest.raises(ValueError, match="speedup"):
+        load_trace(path, speedup=0)
+    with pytest.raises(ValueError, match="duration"):
+        load_trace(path, duration_s=-1)
+
+
+@pytest.mark.parametrize(("name", "text", "message"), [
+    ("bad_time.csv", "TIMESTAMP,ContextTokens,GeneratedTokens\n2023-11-16 18:15:46,1,1\nyesterday,1,1\n",
+     r"bad_time.csv:3: bad timestamp 'yesterday'"),
+    ("short.csv", "TIMESTAMP,ContextTokens,GeneratedTokens\n2023-11-16 18:15:46,1\n",
+     r"short.csv:2: expected 3 fields"),
+    ("header.csv", "when,ContextTokens,GeneratedTokens\n1,1,1\n", r"header.csv:1: CSV header .* lacks a column"),
+    ("count.csv", "TIMESTAMP,ContextTokens,GeneratedTokens\n1,lots,1\n",
+     r"count.csv:2: input length must be an integer"),
+    ("zero.csv", "TIMESTAMP,ContextTokens,GeneratedTokens\n1,0,1\n", r"zero.csv:2: input length must be at least 1"),
+    ("negative.jsonl", '{"timestamp": 0, "input_length": 3, "output_length": -1}\n',
+     r"negative.jsonl:1: output length must not be negative"),
+    ("broken.jsonl", '{"timestamp": 0, "input_length": 3, "output_length": 1}\n{"timestamp": 1,\n',
+     r"broken.jsonl:2: not JSON"),
+    ("missing.jsonl", '{"timestamp": 0, "output_length": 1}\n', r"missing.jsonl:1: missing 'isl'"),
+    ("array.jsonl", '{"timestamp": 0, "input_length": 3, "output_length": 1}\n[1, 2]\n',
+     r"array.jsonl:2: expected a JSON object"),
+    ("hashes.jsonl", '{"timestamp": 0, "input_length": 3, "output_length": 1, "hash_ids": "x"}\n',
+     r"hashes.jsonl:1: hash_ids must be a list of integers"),
+    ("empty.csv", "\n\n", r"empty.csv: empty trace"),
+    ("headeronly.csv", "TIMESTAMP,ContextTokens,GeneratedTokens\n", r"headeronly.csv: no requests"),
+])
+def test_malformed_files_name_file_and_line(tmp_path: Path, name: str, text: str, message: str) -> None:
+    with pytest.raises(TraceError, match=message):
+        read_trace(write(tmp_path, name, text))
+
+
+def test_unreadable_files(tmp_path: Path) -> None:
+    with pytest.raises(TraceError, match="cannot read"):
+        read_trace(tmp_path / "absent.csv")
+    binary = tmp_path / "binary.csv"
+    binary.write_bytes(b"\xff\xfe\x00junk")
+    with pytest.raises(TraceError, match="not UTF-8"):
+        read_trace(binary)
+
+
+@pytest.mark.skipif(not SHARED.exists(), reason="shared data not present")
+def test_shared_traces_load_and_fixtures_match_them() -> None:
+    conv = read_trace(SHARED / "azure_conv_2023.csv")
+    assert len(conv) == 19366
+    assert conv[:200] == read_trace(AZURE)
+    assert 3500 < conv[-1].arrival_s < 3600
+    mooncake = read_trace(SHARED / "mooncake_synthetic.jsonl")
+    assert len(mooncake) == 3993
+    assert mooncake[:50] == read_trace(MOONCAKE)
+    assert len(read_trace(SHARED / "azure_code_2023.csv")) == 8819
