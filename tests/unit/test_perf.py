@@ -410,3 +410,13 @@ def test_piecewise_linear_rejects_bad_tables() -> None:
         PiecewiseLinear((1.0, 1.0), (1.0, 2.0))
     falling = PiecewiseLinear((0.0, 1.0), (2.0, 1.0))
     assert falling(5.0) == 1.0  # the continuation above the table never falls
+
+
+def test_bundled_profile_by_name_is_the_measured_one() -> None:
+    from xpyd.sim.perf import DEFAULT_PROFILE, profile_paths
+
+    assert profile_paths("h200_llama31_8b_fp8_tp1") == profile_paths(DEFAULT_PROFILE)
+    fixture = FIXTURES / "h200_llama31_8b_fp8_tp1_prefill.csv"
+    assert profile_paths(DEFAULT_PROFILE)[0].read_text() == fixture.read_text()
+    missing = profile_paths("/nowhere/no_such_profile")
+    assert missing[0] == Path("/nowhere/no_such_profile_prefill.csv")

@@ -255,10 +255,20 @@ def _number(row: dict[str, str], column: str, path: Path) -> float:
     return value
 
 
+#: Profiles shipped with the package, usable by bare name (e.g. `h200_llama31_8b_fp8_tp1`).
+BUNDLED_PROFILES = Path(__file__).with_name("profiles")
+DEFAULT_PROFILE = BUNDLED_PROFILES / "h200_llama31_8b_fp8_tp1"
+
+
 def profile_paths(prefix: str | Path) -> tuple[Path, Path]:
-    """The prefill and decode CSV files of profile `prefix`."""
+    """The prefill and decode CSV files of profile `prefix`: a path prefix, or the name of a
+    bundled profile when no such files exist."""
     base = str(prefix)
-    return Path(f"{base}_prefill.csv"), Path(f"{base}_decode.csv")
+    paths = Path(f"{base}_prefill.csv"), Path(f"{base}_decode.csv")
+    bundled = BUNDLED_PROFILES / Path(base).name
+    if not paths[0].exists() and Path(f"{bundled}_prefill.csv").exists():
+        return Path(f"{bundled}_prefill.csv"), Path(f"{bundled}_decode.csv")
+    return paths
 
 
 def read_profile(prefix: str | Path) -> tuple[list[PrefillPoint], list[DecodePoint]]:
