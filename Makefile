@@ -13,7 +13,7 @@ $(BIN)/xpyd: pyproject.toml
 	$(BIN)/pip install --quiet -e '.[dev]'
 	touch $@
 
-demo: $(BIN)/xpyd
+demo: $(BIN)/xpyd tools
 	$(BIN)/python scripts/demo.py
 
 test: lint typecheck tools
