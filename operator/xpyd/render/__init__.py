@@ -67,6 +67,7 @@ def _engine_objects(name: str, namespace: str, spec: DisaggregatedServingSpec, r
         "selector": naming.selector_labels(name, role),
     }
     vols, mounts = engine.volumes(spec, role)
+    ports = engine.ports(spec, role)
     deployment = _render(
         "engine-deployment.yaml.j2",
         **common,
@@ -79,7 +80,7 @@ def _engine_objects(name: str, namespace: str, spec: DisaggregatedServingSpec, r
         command=engine.command(spec),
         args=engine.args(spec, role, proxy_host(name, namespace)),
         env=engine.env(spec, role),
-        ports=engine.ports(spec, role),
+        ports=ports,
         resources=engine.resources(spec, role),
         volumes=vols,
         volume_mounts=mounts,
@@ -91,7 +92,7 @@ def _engine_objects(name: str, namespace: str, spec: DisaggregatedServingSpec, r
         startup_failure_threshold=engine.startup_failure_threshold(role_spec),
     )
     service_ports = [{"name": p["name"], "port": p["containerPort"], "targetPort": p["name"], "protocol": "TCP"}
-                     for p in engine.ports(spec, role)]
+                     for p in ports]
     return (deployment
             + _render("engine-service.yaml.j2", **common, ports=service_ports)
             + _render("pdb.yaml.j2", **common))
