@@ -87,6 +87,13 @@ def test_operator_image_runs_as_this_xpyd_with_its_own_token(runtime: PodRuntime
     assert plan.readiness == ("/healthz", 8080)
 
 
+def test_serving_subcommands_bind_the_pod_ip(runtime: PodRuntime, tmp_path: Path) -> None:
+    runtime._subcommands = {*runtime._subcommands, "proxy"}  # as once `xpyd proxy` exists
+    plan = runtime.plan(pod("ghcr.io/xpyd-operator/xpyd-operator:0.1.0", ["xpyd", "proxy"], ["--port=8000"]),
+                        "127.77.4.9", tmp_path)
+    assert plan is not None and plan.argv[3:] == ["proxy", "--host", "127.77.4.9", "--port=8000"]
+
+
 def test_unknown_images_and_subcommands_run_no_process(runtime: PodRuntime, tmp_path: Path) -> None:
     assert runtime.plan(pod("nginx:1", ["nginx"], []), "127.77.4.9", tmp_path) is None
     assert runtime.plan(pod("ghcr.io/xpyd-operator/xpyd-operator:0.1.0", ["xpyd", "no-such-command"], []),

@@ -40,6 +40,9 @@ JSON = dict[str, Any]
 log = logging.getLogger(__name__)
 
 ENGINE_IMAGES = ("vllm/vllm-openai:", "ghcr.io/xpyd-operator/vllm-engine:")
+#: Sub-commands that serve HTTP: inside a pod they would bind all of the pod's own addresses; here
+#: they are told to bind the pod IP (never this machine's other interfaces).
+SERVING_SUBCOMMANDS = frozenset({"proxy", "engine-sim"})
 RESTART_BACKOFF_SECONDS = 2.0
 MAX_GRACE_SECONDS = 30.0  # the harness never waits longer for a process to stop
 
@@ -195,7 +198,8 @@ class PodRuntime:
         command = list(container.get("command") or [])
         args = [_localise(a, ip) for a in container.get("args") or []]
         if command[:1] == ["xpyd"] and len(command) > 1 and command[1] in self._subcommands:
-            argv = [sys.executable, "-m", "xpyd.cli", *command[1:], *args]
+            host = ["--host", ip] if command[1] in SERVING_SUBCOMMANDS else []
+            argv = [sys.executable, "-m", "xpyd.cli", *command[1:], *host, *args]
         elif container.get("image", "").startswith(ENGINE_IMAGES) and "engine-sim" in self._subcommands:
             argv = [sys.executable, "-m", "xpyd.cli", "engine-sim", "--host", ip, *args]
         else:
