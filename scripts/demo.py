@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import subprocess
 import sys
 import time
@@ -46,7 +47,8 @@ def main() -> int:
     except ClusterError as error:
         print(f"demo failed while starting the cluster: {error}", file=sys.stderr)
         return 1
-    env = {"KUBECONFIG": str(state.kubeconfig), "PATH": f"{binaries.bin_dir}:/usr/bin:/bin"}
+    env = {**os.environ, "KUBECONFIG": str(state.kubeconfig),
+           "PATH": f"{binaries.bin_dir}:{os.environ.get('PATH', '/usr/bin:/bin')}"}
 
     def tool(*argv: str, quiet: bool = False) -> str:
         result = subprocess.run(argv, capture_output=True, text=True, env=env, timeout=300, check=False)
