@@ -16,21 +16,24 @@ role's scraped engines.
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from types import MappingProxyType
 from typing import Protocol
 
-from xpyd.sim.core import EnginePerf
+from xpyd.sim.core import EngineConfig, EnginePerf
+from xpyd.sim.traces import TraceRequest
 
 
 @dataclass(frozen=True)
 class Quantiles:
-    """p50/p90/p99 of a latency in seconds (NaN when the window has no samples)."""
+    """p50/p90/p99 and mean of a histogram over the window: a latency in seconds, or a token count
+    (NaN when the window has no samples). The mean is `rate(_sum) / rate(_count)`."""
 
     p50: float = math.nan
     p90: float = math.nan
     p99: float = math.nan
+    mean: float = math.nan
 
 
 @dataclass(frozen=True)
@@ -63,6 +66,7 @@ class Observation:
     request_rate: float = 0.0         # requests/s arriving at the proxy
     isl_mean: float = math.nan        # mean prompt tokens: vllm:request_prompt_tokens sum/count on prefill
     osl_mean: float = math.nan        # mean output tokens: vllm:request_generation_tokens sum/count on decode
+    isl_quantiles: Quantiles = field(default_factory=Quantiles)  # vllm:request_prompt_tokens on prefill (tokens)
     ttft_seconds: Quantiles = field(default_factory=Quantiles)   # client-side TTFT at the proxy
     tpot_seconds: Quantiles = field(default_factory=Quantiles)   # client-side TPOT at the proxy
     prefill: RoleObservation = field(default_factory=RoleObservation)
@@ -87,13 +91,20 @@ class Slo:
 
 @dataclass(frozen=True)
 class PolicyContext:
-    """What a policy is built from: the starting sizes, the targets, the engines' performance model."""
+    """What a policy is built from: the starting sizes, the targets, the engines' performance model.
+
+    `trace` (the requests to be replayed) and `engine` (the engines' arguments) are given by the
+    simulator for the policies that are baselines by hindsight (`static-peak`, `static-mean`,
+    `oracle`); an autoscaler proper must not read them.
+    """
 
     initial: Desired
     slo: Slo
     perf: EnginePerf
     interval_s: float
     startup_delay_s: float
+    trace: Sequence[TraceRequest] = ()
+    engine: EngineConfig | None = None
 
 
 class Policy(Protocol):
@@ -117,7 +128,33 @@ class StaticPolicy:
 
 PolicyFactory = Callable[[PolicyContext], Policy]
 
-POLICIES: Mapping[str, PolicyFactory] = MappingProxyType({
+
+class _Registry(Mapping[str, PolicyFactory]):
+    """The built-in policies plus the autoscaler's (`xpyd.autoscaler.policies.POLICIES`), merged on
+    first use: the autoscaler imports this module, so importing it here at import time would be a cycle."""
+
+    def __init__(self, builtin: Mapping[str, PolicyFactory]) -> None:
+        self._builtin = builtin
+        self._all: Mapping[str, PolicyFactory] | None = None
+
+    def _load(self) -> Mapping[str, PolicyFactory]:
+        if self._all is None:
+            from xpyd.autoscaler.policies import POLICIES as autoscaler_policies
+
+            self._all = MappingProxyType({**self._builtin, **autoscaler_policies})
+        return self._all
+
+    def __getitem__(self, name: str) -> PolicyFactory:
+        return self._load()[name]
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._load())
+
+    def __len__(self) -> int:
+        return len(self._load())
+
+
+POLICIES: Mapping[str, PolicyFactory] = _Registry({
     "static": lambda context: StaticPolicy(context.initial),
 })
 

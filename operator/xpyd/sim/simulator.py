@@ -501,7 +501,8 @@ class Simulator:
             return value / span if span > 0 else 0.0
 
         def quantiles(histogram: Histogram) -> Quantiles:
-            return Quantiles(histogram.quantile(0.5), histogram.quantile(0.9), histogram.quantile(0.99))
+            return Quantiles(histogram.quantile(0.5), histogram.quantile(0.9), histogram.quantile(0.99),
+                             histogram.sum / histogram.count if histogram.count > 0 else math.nan)
 
         def window(role: str) -> tuple[dict[str, Histogram], dict[str, int]]:
             now_metrics, then = roles1[role], roles0[role]
@@ -540,6 +541,7 @@ class Simulator:
             time_s=now, window_s=span, request_rate=rate(arrived1 - arrived0),
             isl_mean=prompts.sum / prompts.count if prompts.count else math.nan,
             osl_mean=outputs.sum / outputs.count if outputs.count else math.nan,
+            isl_quantiles=quantiles(prompts),
             ttft_seconds=quantiles(ttft1.minus(ttft0)), tpot_seconds=quantiles(tpot1.minus(tpot0)),
             prefill=role_observation(PREFILL), decode=role_observation(DECODE))
 
@@ -565,7 +567,8 @@ def simulate(trace: Sequence[TraceRequest], perf: EnginePerf, config: SimConfig,
         if factory is None:
             raise ValueError(f"unknown policy {policy!r} (known: {', '.join(sorted(POLICIES))})")
         context = PolicyContext(initial=Desired(config.prefill, config.decode), slo=config.slo, perf=perf,
-                                interval_s=config.interval_s, startup_delay_s=config.startup_delay_s)
+                                interval_s=config.interval_s, startup_delay_s=config.startup_delay_s, trace=trace,
+                                engine=config.engine)
         return Simulator(trace, perf, factory(context), config, policy, progress).run()
     return Simulator(trace, perf, policy, config, type(policy).__name__, progress).run()
 

@@ -1,0 +1,747 @@
+"""`decide()`: the SLO-driven prefill/decode autoscaler's one decision, as a pure function.
+
+    decision = decide(observation, config, state)     # then keep decision.state for the next call
+
+Inputs: an `Observation` (what Prometheus and the Kubernetes API show: load, latency quantiles,
+per-role queues, KV usage, token rates, replica counts including Pending), an `AutoscalerConfig`
+(the profile, SLOs, bounds, pace, budget; `AutoscalerConfig.from_spec` builds it from the CRD's
+`AutoscalingSpec`) and the previous `AutoscalerState` (forecasts, capacity corrections, the
+recommendations of the stabilisation windows, when each role last grew). Nothing else is read and
+nothing is mutated; the same code runs in the operator and in `xpyd sim --policy xpyd`.
+
+The rules, in order (each named in the decision's CamelCase reason and message):
+
+1. Metrics check: missing, stale or contradictory metrics hold every role at its current size
+   (`MetricsUnavailable`, `scaling_active=False`); bounds still apply, nothing else scales.
+2. Forecast: Holt's linear trend on λ, ISL and OSL, read at `now + startup + interval + window/2`
+   (the window's mean lags by half a window); sizing uses max(now, forecast), so a falling
+   forecast never sizes below what the current load needs.
+3. Capacity correction per role: `k = observed / modelled capacity`, EWMA-smoothed and clamped to
+   [0.5, 1.5]; updated only from windows with enough requests, a steady pool (nothing starting or
+   draining) and, for prefill, enough load for latency to say something about capacity. Prefill:
+   the `k` whose modelled mean prefill-engine TTFT (Erlang-C wait + prefill) equals the observed
+   one; decode: modelled ITL at the observed batch / observed ITL.
+4. Demand: prefill replicas from λ·ISL with queueing headroom (`sizing.PoolModel.size_prefill`:
+   M/G/c, Allen-Cunneen tail over the prompt-length mix, TTFT target at the SLO percentile,
+   including transfer and one decode step); decode replicas from the ITL/KV frontier at
+   `ISL + OSL/2` (`size_decode`). Their quotient is the recommended P:D ratio.
+5. Attribution: a TTFT breach with a prefill backlog (queued work that takes more than half the
+   TTFT target to drain, or a growing one) is prefill's (`PrefillQueueing`); a TTFT breach with a
+   short prefill queue while decode admission is blocked (KV nearly full, at `max_num_seqs`, or
+   requests waiting beyond the KV hand-offs in flight) is decode's (`DecodeAdmission`); a TPOT
+   breach is decode's (`TpotOverTarget`). The guilty role gets at least one replica more than it
+   has (unless replicas of it are already starting), the other role none for that symptom.
+6. Stability: up at once (minimum over the up-window, by at most `scale_up.max_step`); down only to
+   the maximum recommendation over the down-window, by at most `scale_down.max_step`, never within
+   the grace period after the role grew, and only if the model says both SLOs hold at the smaller
+   size with `down_margin` more load (the N-1 check).
+7. Reality: replicas Pending for lack of GPUs are not capacity and stop further scale-up of their
+   role only (`InsufficientGPUs`, reported as Degraded); starting replicas count as coming capacity
+   for at most twice the start-up time; min/max bounds apply last, at once.
+8. GPU budget: when P and D together want more GPUs than the budget, GPUs go one at a time to the
+   role whose predicted SLO violation the next replica reduces most (`GPUBudgetBinding`).
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+from collections.abc import Callable
+from dataclasses import dataclass, field, replace
+from typing import TYPE_CHECKING
+
+from xpyd.autoscaler.forecast import Forecaster, HoltForecaster, SeriesState
+from xpyd.autoscaler.sizing import (
+    DEFAULT_MAX_NUM_BATCHED_TOKENS,
+    DEFAULT_MAX_NUM_SEQS,
+    DecodeSizing,
+    PoolModel,
+    PrefillSizing,
+    PromptMix,
+)
+from xpyd.sim.perf import PerfModel
+from xpyd.sim.plan import erlang_c
+from xpyd.sim.policy import Observation, Quantiles, RoleObservation
+
+if TYPE_CHECKING:
+    from xpyd.api.models import AutoscalingSpec
+
+PREFILL = "prefill"
+DECODE = "decode"
+
+# Reasons (CamelCase, as in status conditions and Events).
+METRICS_UNAVAILABLE = "MetricsUnavailable"
+PREFILL_QUEUEING = "PrefillQueueing"
+DECODE_ADMISSION = "DecodeAdmission"
+TPOT_OVER_TARGET = "TpotOverTarget"
+PREFILL_DEMAND = "PrefillDemand"
+DECODE_DEMAND = "DecodeDemand"
+SCALE_DOWN = "DemandFell"
+SCALE_DOWN_DEFERRED = "ScaleDownStabilizing"
+SCALE_DOWN_UNSAFE = "ScaleDownUnsafe"
+SCALE_DOWN_GRACE = "ScaleDownGracePeriod"
+INSUFFICIENT_GPUS = "InsufficientGPUs"
+GPU_BUDGET = "GPUBudgetBinding"
+BOUNDS = "ReplicaBounds"
+WITHIN_TARGETS = "WithinTargets"
+
+# Which reason speaks for the whole decision when several apply (first wins).
+_PRIORITY = (METRICS_UNAVAILABLE, INSUFFICIENT_GPUS, GPU_BUDGET, PREFILL_QUEUEING, DECODE_ADMISSION,
+             TPOT_OVER_TARGET, PREFILL_DEMAND, DECODE_DEMAND, BOUNDS, SCALE_DOWN, SCALE_DOWN_UNSAFE,
+             SCALE_DOWN_GRACE, SCALE_DOWN_DEFERRED, WITHIN_TARGETS)
+
+
+# --- configuration ---------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class RoleBounds:
+    """Replica bounds of one role."""
+
+    min_replicas: int = 1
+    max_replicas: int = 64
+
+
+@dataclass(frozen=True)
+class Pace:
+    """Scaling pace in one direction: the stabilisation window and the largest step."""
+
+    window_s: float
+    max_step: int
+
+
+@dataclass(frozen=True)
+class AutoscalerConfig:
+    """Everything `decide` needs besides the observation and its own state."""
+
+    model: PoolModel
+    prefill: RoleBounds = field(default_factory=RoleBounds)
+    decode: RoleBounds = field(default_factory=RoleBounds)
+    gpu_budget: int | None = None
+    prefill_gpus: int = 1
+    decode_gpus: int = 1
+    interval_s: float = 30.0
+    window_s: float = 60.0            # the metrics window (rate() range) the observation covers
+    startup_s: float = 120.0
+    scale_up: Pace = field(default_factory=lambda: Pace(0.0, 4))
+    scale_down: Pace = field(default_factory=lambda: Pace(300.0, 1))
+    grace_s: float | None = None      # no scale-down this long after a role grew (None: startup + 2 intervals)
+    down_margin: float = 0.1          # the N-1 check sizes for this much more load
+    forecaster: Forecaster = field(default_factory=HoltForecaster)
+    correction_alpha: float = 0.3
+    correction_min: float = 0.5
+    correction_max: float = 1.5
+    min_requests: int = 30            # requests a window needs before it moves a correction
+    default_isl_cs2: float = 1.0      # prompt-length variability when the observation has no quantiles
+    queue_drain_share: float = 0.5    # prefill backlog: queued work draining in more than this share of TTFT
+    burst_memory_s: float = 300.0     # how long the largest prompt burst seen keeps sizing prefill (e-folding)
+    burst_max_utilisation: float = 0.8  # windows busier than this on average teach no burst
+    queue_time_floor_s: float = 0.3   # vllm:request_queue_time_seconds' first bucket: below it no wait is visible
+
+    @property
+    def grace_period_s(self) -> float:
+        return self.grace_s if self.grace_s is not None else self.startup_s + 2.0 * self.interval_s
+
+    @property
+    def horizon_s(self) -> float:
+        """How far ahead scale-ups size: start-up, one interval, and half a window of metric lag."""
+        return self.startup_s + self.interval_s + self.window_s / 2.0
+
+    @property
+    def percentile(self) -> float:
+        return 100.0 * self.model.quantile
+
+    def bounds(self, role: str) -> RoleBounds:
+        return self.prefill if role == PREFILL else self.decode
+
+    @classmethod
+    def from_spec(cls, spec: AutoscalingSpec, perf: PerfModel, *, prefill_gpus: int = 1, decode_gpus: int = 1,
+                  max_num_batched_tokens: int = DEFAULT_MAX_NUM_BATCHED_TOKENS,
+                  max_num_seqs: int = DEFAULT_MAX_NUM_SEQS, window_s: float = 60.0) -> AutoscalerConfig:
+        """The config of a `DisaggregatedServing`'s `spec.autoscaling` with the engines' profile."""
+        model = PoolModel(perf=perf, ttft_target_s=spec.slo.ttft_ms / 1e3, tpot_target_s=spec.slo.tpot_ms / 1e3,
+                          quantile=spec.slo.percentile / 100.0, max_num_batched_tokens=max_num_batched_tokens,
+                          max_num_seqs=max_num_seqs)
+        behavior = spec.behavior
+        return cls(
+            model=model,
+            prefill=RoleBounds(spec.prefill.min_replicas, spec.prefill.max_replicas),
+            decode=RoleBounds(spec.decode.min_replicas, spec.decode.max_replicas),
+            gpu_budget=spec.gpu_budget, prefill_gpus=prefill_gpus, decode_gpus=decode_gpus,
+            interval_s=float(spec.interval_seconds), window_s=window_s, startup_s=float(spec.startup_seconds),
+            scale_up=Pace(float(behavior.scale_up.stabilization_window_seconds), behavior.scale_up.max_step),
+            scale_down=Pace(float(behavior.scale_down.stabilization_window_seconds), behavior.scale_down.max_step))
+
+
+# --- state and decision ------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class RoleState:
+    """What `decide` remembers about one role."""
+
+    correction: float = 1.0
+    correction_updates: int = 0
+    recommendations: tuple[tuple[float, int], ...] = ()   # (time, recommendation) within the windows
+    last_scale_up_s: float = -math.inf
+    waiting: float = math.nan                             # the queue gauge at the last decision
+    starting_since_s: float = math.nan                    # since when replicas have been starting
+    burst_tokens: float = 0.0                             # prefill: work that arrived together (decaying max)
+    burst_wait_s: float = 0.0                             # the queue-time tail it was learnt from
+    burst_ready: int = 0                                  # and the pool size then
+
+
+@dataclass(frozen=True)
+class AutoscalerState:
+    """What `decide` carries from one decision to the next (a value: `decide` returns a new one)."""
+
+    time_s: float = -math.inf
+    rate: SeriesState = field(default_factory=SeriesState)
+    isl: SeriesState = field(default_factory=SeriesState)
+    osl: SeriesState = field(default_factory=SeriesState)
+    isl_quantiles: Quantiles = field(default_factory=Quantiles)
+    prefill: RoleState = field(default_factory=RoleState)
+    decode: RoleState = field(default_factory=RoleState)
+
+    def role(self, name: str) -> RoleState:
+        return self.prefill if name == PREFILL else self.decode
+
+
+@dataclass(frozen=True)
+class RoleDecision:
+    """One role's outcome."""
+
+    current: int          # replicas in force: ready + starting + Pending
+    replicas: int         # the decision
+    recommended: int      # the model's and the feedback's recommendation, before pace and bounds
+    reason: str
+    message: str
+
+
+@dataclass(frozen=True)
+class Decision:
+    """A decision: the sizes, why, the recommended P:D ratio, and the state for the next call."""
+
+    prefill: RoleDecision
+    decode: RoleDecision
+    reason: str
+    message: str
+    recommended_ratio: str
+    state: AutoscalerState
+    scaling_active: bool = True        # False while holding on missing metrics (ScalingActive=False)
+    degraded_reason: str | None = None  # InsufficientGPUs while a role has Pending pods
+    budget_binding: bool = False
+
+    @property
+    def changed(self) -> bool:
+        return self.prefill.replicas != self.prefill.current or self.decode.replicas != self.decode.current
+
+
+# --- helpers -----------------------------------------------------------------------------------------
+
+
+def quantile_at(quantiles: Quantiles, percentile: float) -> float:
+    """The observed quantile at `percentile` from p50/p90/p99 (linear between them)."""
+    points = ((50.0, quantiles.p50), (90.0, quantiles.p90), (99.0, quantiles.p99))
+    if percentile <= 50.0:
+        return quantiles.p50
+    if percentile >= 99.0:
+        return quantiles.p99
+    for (p_low, low), (p_high, high) in itertools.pairwise(points):
+        if percentile <= p_high:
+            return low + (high - low) * (percentile - p_low) / (p_high - p_low)
+    return quantiles.p99
+
+
+def pd_ratio(prefill: int, decode: int) -> str:
+    """`P:D` reduced by their greatest common divisor, e.g. "1:3"."""
+    common = math.gcd(prefill, decode) or 1
+    return f"{prefill // common}:{decode // common}"
+
+
+def _kilo(value: float) -> str:
+    return f"{value / 1e3:.1f}k" if abs(value) >= 1e3 else f"{value:.0f}"
+
+
+def _ms(seconds: float) -> str:
+    return f"{seconds * 1e3:.0f}ms" if seconds >= 0.1 else f"{seconds * 1e3:.1f}ms"
+
+
+def metrics_problem(observation: Observation, state: AutoscalerState) -> str | None:
+    """Why the observation cannot be trusted (missing, stale, contradictory), or None."""
+    if not math.isfinite(observation.time_s) or not observation.window_s > 0:
+        return "no metrics window (no scrape in range)"
+    if observation.time_s <= state.time_s:
+        return f"metrics at t={observation.time_s:.0f}s are not newer than the last decision's"
+    rate = observation.request_rate
+    if not math.isfinite(rate) or rate < 0:
+        return "request rate missing"
+    if rate > 0 and not (observation.isl_mean > 0 and observation.osl_mean > 0):
+        return f"{rate:.2f} req/s arriving but ISL/OSL missing (no vllm:request_prompt/generation_tokens)"
+    arrived = rate * observation.window_s
+    for name, role in ((PREFILL, observation.prefill), (DECODE, observation.decode)):
+        counts = (role.replicas, role.ready, role.starting, role.pending, role.draining,
+                  role.num_requests_running, role.num_requests_waiting)
+        if any(not math.isfinite(v) or v < 0 for v in counts):
+            return f"{name} replica or queue gauges missing or negative"
+        if role.ready > role.replicas:
+            return f"{name}: {role.ready} ready of {role.replicas} replicas"
+        if not 0.0 <= role.kv_cache_usage_perc <= 1.0 or not 0.0 <= role.kv_cache_usage_perc_max <= 1.0:
+            return f"{name} KV-cache usage outside 0-1"
+        if (role.ready > 0 and arrived >= 10 and role.requests_per_s <= 0 and role.num_requests_running <= 0
+                and role.num_requests_waiting <= 0):
+            return f"{name} engines report no work while the proxy saw {arrived:.0f} requests in the window"
+    return None
+
+
+# --- corrections -------------------------------------------------------------------------------------
+
+
+def _prefill_engine_mean_ttft(model: PoolModel, replicas: int, rate: float, mix: PromptMix, k: float) -> float:
+    """Modelled mean TTFT at a prefill engine (queue + prefill): Allen-Cunneen mean wait + mean p(L)."""
+    service = [model.service_seconds(x, k) for x in mix.isl_tokens]
+    mean_service = sum(service) / len(service)
+    offered = rate * mean_service
+    if offered >= replicas:
+        return math.inf
+    cs2 = sum((s - mean_service) ** 2 for s in service) / len(service) / mean_service**2
+    wait = erlang_c(replicas, offered) / (replicas / mean_service - rate) * (1.0 + cs2) / 2.0
+    alone = sum(model.perf.prefill_seconds(max(1, round(x))) for x in mix.isl_tokens) / len(mix.isl_tokens) / k
+    return wait + alone
+
+
+def _bisect_decreasing(predict: Callable[[float], float], observed: float, low: float, high: float) -> float:
+    """The k in [low, high] where the decreasing `predict(k)` equals `observed`; the nearer end when
+    `observed` is out of the range `predict` covers."""
+    if predict(low) <= observed:
+        return low
+    if predict(high) >= observed:
+        return high
+    for _ in range(40):
+        middle = (low + high) / 2
+        low, high = (middle, high) if predict(middle) > observed else (low, middle)
+    return (low + high) / 2
+
+
+def _observed_prefill_correction(observation: Observation, config: AutoscalerConfig, mix: PromptMix,
+                                 k: float) -> float | None:
+    role = observation.prefill
+    rate = role.requests_per_s
+    observed = role.time_to_first_token_seconds.mean
+    if (role.ready < 1 or role.starting or role.draining or rate * observation.window_s < config.min_requests
+            or not observed > 0):
+        return None
+    model = config.model
+    offered = rate * sum(model.service_seconds(x, k) for x in mix.isl_tokens) / len(mix.isl_tokens)
+    if offered / role.ready < 0.3:   # latency barely depends on capacity here: too thin to learn from
+        return None
+
+    def predict(candidate: float) -> float:
+        return _prefill_engine_mean_ttft(model, role.ready, rate, mix, candidate)
+
+    return _bisect_decreasing(predict, observed, config.correction_min, config.correction_max)
+
+
+def _observed_decode_correction(observation: Observation, config: AutoscalerConfig, context: float) -> float | None:
+    role = observation.decode
+    itl = role.inter_token_latency_seconds.mean
+    if role.ready < 1 or role.starting or role.draining or not itl > 0:
+        return None
+    if role.generation_tokens_per_s * observation.window_s < 50 * config.min_requests:
+        return None
+    batch = role.generation_tokens_per_s * itl / role.ready   # Little's law: tokens/s = batch / ITL
+    if batch < 2:
+        return None
+    modelled = config.model.perf.itl_seconds(max(1, round(batch)), context)
+    return modelled / itl
+
+
+def _smoothed(role: RoleState, observed: float | None, config: AutoscalerConfig) -> RoleState:
+    if observed is None or not math.isfinite(observed):
+        return role
+    clamped = min(max(observed, config.correction_min), config.correction_max)
+    value = role.correction + config.correction_alpha * (clamped - role.correction)
+    return replace(role, correction=value, correction_updates=role.correction_updates + 1)
+
+
+# --- the decision ------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class _Plan:
+    """The load a decision sizes for and the sizings it gives."""
+
+    rate_now: float
+    rate: float
+    isl: float
+    osl: float
+    mix: PromptMix
+    prefill: PrefillSizing
+    decode: DecodeSizing
+    burst_tokens: float
+    burst_replicas: int               # prefill replicas that drain the remembered burst within the queue budget
+
+    @property
+    def prefill_replicas(self) -> int:
+        return max(self.prefill.replicas, self.burst_replicas)
+
+
+def _plan(config: AutoscalerConfig, rate_now: float, rate: float, isl: float, osl: float, mix: PromptMix,
+          k_prefill: float, k_decode: float, burst_tokens: float) -> _Plan:
+    model = config.model
+    decode = model.size_decode(rate, isl, osl, k_decode)
+    prefill = model.size_prefill(rate, mix, decode.itl_s, k_prefill, max_replicas=max(config.prefill.max_replicas, 1))
+    burst = model.burst_replicas(burst_tokens, mix, decode.itl_s, k_prefill)
+    return _Plan(rate_now, rate, isl, osl, mix, prefill, decode, burst_tokens, burst)
+
+
+def _hold(observation: Observation, config: AutoscalerConfig, state: AutoscalerState, problem: str) -> Decision:
+    roles = []
+    for name, role in ((PREFILL, observation.prefill), (DECODE, observation.decode)):
+        current = role.replicas + role.pending
+        bounds = config.bounds(name)
+        wanted = min(max(current, bounds.min_replicas), bounds.max_replicas)
+        reason, message = METRICS_UNAVAILABLE, f"{name[0].upper()} held at {current}: {problem}"
+        if wanted != current:
+            reason = BOUNDS
+            message = f"{name[0].upper()} {current}->{wanted} (min {bounds.min_replicas}, max {bounds.max_replicas})"
+        roles.append(RoleDecision(current, wanted, current, reason, message))
+    prefill, decode = roles
+    return Decision(prefill, decode, METRICS_UNAVAILABLE, f"holding replicas: {problem}",
+                    pd_ratio(max(prefill.replicas, 1), max(decode.replicas, 1)), state, scaling_active=False)
+
+
+def decide(observation: Observation, config: AutoscalerConfig, state: AutoscalerState) -> Decision:
+    """The replicas each role should have now, why, and the state for the next call (pure)."""
+    problem = metrics_problem(observation, state)
+    if problem is not None:
+        return _hold(observation, config, state, problem)
+    now = observation.time_s
+    forecaster = config.forecaster
+
+    # Forecast the load over the start-up delay.
+    rate_now = observation.request_rate
+    rate_series = forecaster.update(state.rate, now, rate_now)
+    isl_series = forecaster.update(state.isl, now, observation.isl_mean)
+    osl_series = forecaster.update(state.osl, now, observation.osl_mean)
+    isl_quantiles = observation.isl_quantiles if observation.isl_quantiles.p50 > 0 else state.isl_quantiles
+    horizon = config.horizon_s
+
+    def ahead(series: SeriesState, current: float) -> float:
+        predicted = forecaster.predict(series, horizon)
+        values = [v for v in (current, predicted, series.level) if math.isfinite(v) and v > 0]
+        return max(values) if values else math.nan
+
+    rate = max(rate_now, forecaster.predict(rate_series, horizon) if rate_series.samples else 0.0)
+    isl, osl = ahead(isl_series, observation.isl_mean), ahead(osl_series, observation.osl_mean)
+    if not (isl > 0 and osl > 0):   # no traffic has ever been seen: nothing to size, hold
+        new_state = replace(state, time_s=now, rate=rate_series)
+        return _hold(observation, config, new_state, "no request has been seen yet (ISL/OSL unknown)")
+    mix = PromptMix.from_quantiles(isl, isl_quantiles, config.default_isl_cs2)
+    mix_now = PromptMix.from_quantiles(observation.isl_mean, isl_quantiles, config.default_isl_cs2) \
+        if observation.isl_mean > 0 else mix
+
+    # Capacity corrections from this window.
+    prefill_state = _smoothed(state.prefill, _observed_prefill_correction(
+        observation, config, mix_now, state.prefill.correction), config)
+    context_now = (observation.isl_mean + observation.osl_mean / 2.0) if observation.isl_mean > 0 else isl + osl / 2
+    decode_state = _smoothed(state.decode, _observed_decode_correction(observation, config, context_now), config)
+    k_prefill, k_decode = prefill_state.correction, decode_state.correction
+    breach = _ttft_breach(observation, config, mix_now, k_prefill, k_decode)
+    learnt = _burst(observation, config, state, k_prefill, breach)
+    prefill_state = replace(prefill_state, burst_tokens=learnt.burst_tokens, burst_wait_s=learnt.burst_wait_s,
+                            burst_ready=learnt.burst_ready)
+
+    plan = _plan(config, rate_now, rate, isl, osl, mix, k_prefill, k_decode, prefill_state.burst_tokens)
+    recommended = {PREFILL: plan.prefill_replicas, DECODE: plan.decode.replicas}
+    reasons = {PREFILL: PREFILL_DEMAND, DECODE: DECODE_DEMAND}
+    messages = {PREFILL: _prefill_message(plan, observation.prefill.replicas, config),
+                DECODE: _decode_message(plan, observation.decode.replicas)}
+
+    # Attribute SLO breaches to the guilty role.
+    feedback = _attribute(observation, config, plan, state.prefill, k_prefill)
+    for role_name, (reason, message) in feedback.items():
+        role = observation.prefill if role_name == PREFILL else observation.decode
+        capacity = _capacity(role, state.role(role_name), now, config)
+        bumped = capacity + 1 if role.starting == 0 else role.replicas
+        if role.starting:
+            message += f" ({role.starting} already starting: not adding more for this symptom)"
+        recommended[role_name] = max(recommended[role_name], bumped)
+        reasons[role_name], messages[role_name] = reason, message
+
+    # Pace, grace, N-1, Pending, bounds, per role.
+    roles: dict[str, RoleDecision] = {}
+    role_states: dict[str, RoleState] = {}
+    blocked: list[str] = []
+    for role_name, role_state in ((PREFILL, prefill_state), (DECODE, decode_state)):
+        role = observation.prefill if role_name == PREFILL else observation.decode
+        role_state = _remember(role_state, role, now, recommended[role_name], config)
+        decision, is_blocked = _stabilise(role_name, role, role_state, recommended[role_name], reasons[role_name],
+                                          messages[role_name], now, config, plan, k_prefill, k_decode)
+        if is_blocked:
+            blocked.append(role_name)
+        if decision.replicas > decision.current:
+            role_state = replace(role_state, last_scale_up_s=now)
+        roles[role_name] = decision
+        role_states[role_name] = role_state
+
+    budget_binding = False
+    if config.gpu_budget is not None:
+        roles, budget_binding = _apply_budget(roles, config, plan, k_prefill)
+
+    new_state = AutoscalerState(time_s=now, rate=rate_series, isl=isl_series, osl=osl_series,
+                                isl_quantiles=isl_quantiles, prefill=role_states[PREFILL], decode=role_states[DECODE])
+    prefill, decode = roles[PREFILL], roles[DECODE]
+    candidates = [r for r in (prefill, decode) if r.replicas != r.current] or [prefill, decode]
+    lead = min(candidates, key=lambda r: _PRIORITY.index(r.reason))
+    reason = GPU_BUDGET if budget_binding else lead.reason
+    message = "; ".join(r.message for r in (prefill, decode))
+    return Decision(prefill, decode, reason, message, pd_ratio(plan.prefill_replicas, plan.decode.replicas),
+                    new_state, scaling_active=True,
+                    degraded_reason=INSUFFICIENT_GPUS if blocked else None, budget_binding=budget_binding)
+
+
+def _burst(observation: Observation, config: AutoscalerConfig, state: AutoscalerState, k: float,
+           ttft_breach: bool) -> RoleState:
+    """The prompt work that arrives together, remembered as a decaying maximum: the observed prefill
+    queue-time tail at the SLO percentile times the pool's saturated rate (a burst spread over `ready`
+    replicas waits about its work / their capacity). Learnt only while TTFT breaches its target and
+    the window's average load is well under capacity (so the wait came from bursts, not overload);
+    queue times under the histogram's first bucket show no wait. Returns the prefill state with the
+    estimate (and the wait and pool size it was learnt at)."""
+    previous = state.prefill.burst_tokens
+    if math.isfinite(state.time_s) and config.burst_memory_s > 0:
+        previous *= math.exp(-(observation.time_s - state.time_s) / config.burst_memory_s)
+    learnt = replace(state.prefill, burst_tokens=previous)
+    prefill = observation.prefill
+    steady = prefill.starting == 0 and prefill.draining == 0 and not math.isfinite(state.prefill.starting_since_s)
+    if prefill.ready < 1 or not ttft_breach or not steady:
+        return learnt
+    per_replica = config.model.saturated_tokens_per_s(k)
+    capacity = prefill.ready * per_replica
+    offered = observation.request_rate * observation.isl_mean
+    backlog_s = prefill.num_requests_waiting * observation.isl_mean / capacity
+    if offered > config.burst_max_utilisation * capacity or backlog_s > config.model.ttft_target_s:
+        return learnt     # sustained overload, not bursts: the demand and feedback terms size that
+    wait = quantile_at(prefill.request_queue_time_seconds, config.percentile)
+    if not wait > config.queue_time_floor_s:
+        return learnt
+    burst = wait * capacity
+    if prefill.ready > state.prefill.burst_ready > 0 and wait >= 0.7 * state.prefill.burst_wait_s:
+        # More replicas did not cut the wait: it is not work spread over the pool (e.g. prompts too
+        # long to share out), so more replicas would not help either. Keep, do not grow.
+        return learnt
+    if burst <= previous:
+        return learnt
+    return replace(learnt, burst_tokens=burst, burst_wait_s=wait, burst_ready=prefill.ready)
+
+
+def _ttft_limit(config: AutoscalerConfig, mix: PromptMix, decode_itl_s: float, k_prefill: float) -> float:
+    """The TTFT a breach is judged against: the target, or a little over what an idle pool gives at
+    the SLO percentile when prompts that long cannot meet the target at all."""
+    model = config.model
+    return max(model.ttft_target_s, 1.05 * model.ttft_floor(mix, decode_itl_s, k_prefill))
+
+
+def _ttft_breach(observation: Observation, config: AutoscalerConfig, mix: PromptMix, k_prefill: float,
+                 k_decode: float) -> bool:
+    _, itl, _ = config.model.decode_frontier(mix.mean + max(observation.osl_mean, 1.0) / 2.0, k_decode)
+    limit = _ttft_limit(config, mix, itl, k_prefill)
+    return quantile_at(observation.ttft_seconds, config.percentile) > limit
+
+
+def _capacity(role: RoleObservation, role_state: RoleState, now: float, config: AutoscalerConfig) -> int:
+    """Replicas that serve or soon will: ready, plus starting ones unless they are overdue."""
+    overdue = math.isfinite(role_state.starting_since_s) and now - role_state.starting_since_s > 2 * config.startup_s
+    return role.ready if overdue else role.replicas
+
+
+def _remember(role_state: RoleState, role: RoleObservation, now: float, recommendation: int,
+              config: AutoscalerConfig) -> RoleState:
+    keep = max(config.scale_up.window_s, config.scale_down.window_s)
+    history = (*((t, r) for t, r in role_state.recommendations if t > now - keep), (now, recommendation))
+    starting_since = role_state.starting_since_s if role.starting else math.nan
+    if role.starting and not math.isfinite(starting_since):
+        starting_since = now
+    return replace(role_state, recommendations=history, waiting=role.num_requests_waiting,
+                   starting_since_s=starting_since)
+
+
+def _prefill_message(plan: _Plan, replicas: int, config: AutoscalerConfig) -> str:
+    sizing = plan.prefill
+    forecast = f" (forecast; now {plan.rate_now:.1f})" if plan.rate > plan.rate_now * 1.01 else ""
+    if plan.burst_replicas > sizing.replicas:
+        return (f"bursts of {_kilo(plan.burst_tokens)} prompt tokens (queue-time p{config.percentile:g} x pool rate) "
+                f"drain within the queue budget with P {plan.burst_replicas} x "
+                f"{_kilo(sizing.tokens_per_s_per_replica)} tok/s (steady load alone needs {sizing.replicas} at rho "
+                f"{sizing.utilisation:.2f}); P has {replicas}")
+    return (f"lambda {plan.rate:.1f} req/s{forecast} x ISL {plan.isl:.0f} = {_kilo(sizing.demand_tokens_per_s)} tok/s "
+            f"needs P {sizing.replicas} x {_kilo(sizing.tokens_per_s_per_replica)} tok/s at rho "
+            f"{sizing.utilisation:.2f} for TTFT p{config.percentile:g} <= {_ms(config.model.ttft_target_s)} "
+            f"(predicted attainment {sizing.attainment:.3f}); P has {replicas}")
+
+
+def _decode_message(plan: _Plan, replicas: int) -> str:
+    sizing = plan.decode
+    return (f"lambda*OSL {_kilo(plan.rate * plan.osl)} tok/s needs D {sizing.replicas} x "
+            f"{_kilo(sizing.tokens_per_s_per_replica)} tok/s at b*={sizing.batch} ({sizing.limit}-bound, ITL "
+            f"{_ms(sizing.itl_s)}, ctx {plan.isl + plan.osl / 2:.0f}); D has {replicas}")
+
+
+def _attribute(observation: Observation, config: AutoscalerConfig, plan: _Plan, prefill_state: RoleState,
+               k_prefill: float) -> dict[str, tuple[str, str]]:
+    """Which role a breach (or a building prefill backlog) points at, with the evidence."""
+    model = config.model
+    percentile = config.percentile
+    out: dict[str, tuple[str, str]] = {}
+    prefill, decode = observation.prefill, observation.decode
+    ttft = quantile_at(observation.ttft_seconds, percentile)
+    tpot = quantile_at(observation.tpot_seconds, percentile)
+    ttft_limit = _ttft_limit(config, plan.mix, plan.decode.itl_s, k_prefill)
+    ttft_breach = ttft > ttft_limit
+
+    ready = max(prefill.ready, 1)
+    isl = observation.isl_mean if observation.isl_mean > 0 else plan.isl
+    drain_s = prefill.num_requests_waiting * isl / (ready * model.saturated_tokens_per_s(k_prefill))
+    backlog = drain_s > config.queue_drain_share * model.ttft_target_s
+    growing = (math.isfinite(prefill_state.waiting) and prefill.num_requests_waiting > prefill_state.waiting
+               and drain_s > config.queue_drain_share * model.ttft_target_s / 2)
+    p_label = f"p{percentile:g}"
+    if (ttft_breach or growing) and (backlog or growing):
+        what = f"TTFT {p_label} {_ms(ttft)} > {_ms(ttft_limit)}" if ttft_breach else "prefill queue growing"
+        out[PREFILL] = (PREFILL_QUEUEING,
+                        f"{what} with prefill waiting {prefill.num_requests_waiting:.0f} ({_ms(drain_s)} of work per "
+                        f"replica): P {prefill.replicas}->{max(prefill.replicas + 1, plan.prefill_replicas)} "
+                        f"(lambda*ISL {_kilo(plan.rate_now * isl)} tok/s vs {prefill.ready}x"
+                        f"{_kilo(model.saturated_tokens_per_s(k_prefill))} at rho "
+                        f"{plan.rate_now * isl / (ready * model.saturated_tokens_per_s(k_prefill)):.2f})")
+    elif ttft_breach:
+        in_transfer = plan.rate_now * model.perf.kv_transfer_seconds(round(isl))
+        kv_full = decode.kv_cache_usage_perc_max >= 0.95
+        seqs_full = decode.ready > 0 and decode.num_requests_running >= 0.95 * model.max_num_seqs * decode.ready
+        decode_queue = quantile_at(decode.request_queue_time_seconds, percentile)
+        admission_wait = (decode.num_requests_waiting > 4 * in_transfer + 2 * decode.ready
+                          and decode_queue > config.queue_time_floor_s)
+        if kv_full or seqs_full or admission_wait:
+            out[DECODE] = (DECODE_ADMISSION,
+                           f"TTFT {p_label} {_ms(ttft)} > {_ms(ttft_limit)} with prefill queue short "
+                           f"({prefill.num_requests_waiting:.0f} waiting) but decode waiting "
+                           f"{decode.num_requests_waiting:.0f}, KV max {decode.kv_cache_usage_perc_max:.2f}, running "
+                           f"{decode.num_requests_running:.0f}: D {decode.replicas}->"
+                           f"{max(decode.replicas + 1, plan.decode.replicas)}")
+    if tpot > model.tpot_target_s:
+        out[DECODE] = (TPOT_OVER_TARGET,
+                       f"TPOT {p_label} {_ms(tpot)} > {_ms(model.tpot_target_s)}: D {decode.replicas}->"
+                       f"{max(decode.replicas + 1, plan.decode.replicas)} (lambda*OSL "
+                       f"{_kilo(plan.rate_now * plan.osl)} tok/s vs {decode.ready}x"
+                       f"{_kilo(plan.decode.tokens_per_s_per_replica)} at b*={plan.decode.batch})")
+    return out
+
+
+def _stabilise(role_name: str, role: RoleObservation, role_state: RoleState, recommended: int, reason: str,
+               message: str, now: float, config: AutoscalerConfig, plan: _Plan, k_prefill: float,
+               k_decode: float) -> tuple[RoleDecision, bool]:
+    """Pace, grace, N-1, Pending and bounds for one role; returns the decision and whether scale-up
+    was blocked by Pending pods."""
+    letter = role_name[0].upper()
+    current = role.replicas + role.pending
+    bounds = config.bounds(role_name)
+    history = role_state.recommendations
+    wanted = current
+    blocked = False
+    if recommended > current:
+        up_window = [r for t, r in history if t > now - config.scale_up.window_s] or [recommended]
+        target = min(min(up_window), recommended)
+        wanted = min(max(target, current), current + config.scale_up.max_step)
+        if role.pending > 0 and wanted > current:
+            wanted, blocked = current, True
+            reason = INSUFFICIENT_GPUS
+            message = (f"{role.pending} {role_name} pod(s) Pending for GPUs: {letter} held at {current} "
+                       f"(wanted {recommended}; not counted as capacity, scale-down still allowed)")
+        elif wanted == current:
+            reason, message = WITHIN_TARGETS, f"{letter} stays {current} (up-window minimum {target}): {message}"
+    elif recommended < current:
+        down_window = [r for t, r in history if t > now - config.scale_down.window_s] or [recommended]
+        target = max(max(down_window), recommended)
+        candidate = max(target, current - config.scale_down.max_step)
+        covered = now - history[0][0] if history else 0.0
+        if covered + config.interval_s < config.scale_down.window_s - 1e-9:
+            reason = SCALE_DOWN_DEFERRED
+            message = (f"{letter} stays {current}: recommends {recommended} but only {covered:.0f}s of the "
+                       f"{config.scale_down.window_s:.0f}s stabilisation window have been seen")
+        elif target >= current:
+            reason = SCALE_DOWN_DEFERRED
+            message = (f"{letter} stays {current}: recommends {recommended} but the {config.scale_down.window_s:.0f}s "
+                       f"stabilisation window's maximum is {target}")
+        elif now - role_state.last_scale_up_s < config.grace_period_s:
+            reason = SCALE_DOWN_GRACE
+            message = (f"{letter} stays {current}: grew {now - role_state.last_scale_up_s:.0f}s ago "
+                       f"(grace {config.grace_period_s:.0f}s)")
+        else:
+            safe, check = _n_minus_one(role_name, candidate, config, plan, k_prefill, k_decode)
+            if safe:
+                wanted = candidate
+                reason = SCALE_DOWN
+                message = f"{letter} {current}->{candidate}: {check}"
+            else:
+                reason = SCALE_DOWN_UNSAFE
+                message = f"{letter} stays {current}: N-1 check fails: {check}"
+    else:
+        reason = WITHIN_TARGETS if reason in (PREFILL_DEMAND, DECODE_DEMAND) else reason
+    bounded = min(max(wanted, bounds.min_replicas), bounds.max_replicas)
+    if bounded != wanted:
+        reason = BOUNDS
+        message = (f"{letter} {current}->{bounded}: bounded by min {bounds.min_replicas} / max "
+                   f"{bounds.max_replicas} (wanted {wanted}); {message}")
+    return RoleDecision(current, bounded, recommended, reason, message), blocked
+
+
+def _n_minus_one(role_name: str, replicas: int, config: AutoscalerConfig, plan: _Plan, k_prefill: float,
+                 k_decode: float) -> tuple[bool, str]:
+    """Would `replicas` still meet the role's SLO with `down_margin` more than the planned load?"""
+    model = config.model
+    load = 1.0 + config.down_margin
+    if role_name == PREFILL:
+        attainment = model.prefill_attainment(replicas, plan.rate * load, plan.mix, plan.decode.itl_s, k_prefill)
+        rho = plan.rate * load * plan.mix.mean / (replicas * model.saturated_tokens_per_s(k_prefill))
+        safe = attainment >= model.quantile and rho <= model.max_utilisation and replicas >= plan.burst_replicas
+        return safe, (f"at {replicas} replicas and {load:.1f}x load predicted TTFT attainment {attainment:.3f} "
+                      f"(>= {model.quantile:.2f}) at rho {rho:.2f}, bursts need {plan.burst_replicas}")
+    sizing = model.size_decode(plan.rate * load, plan.isl, plan.osl, k_decode)
+    safe = sizing.replicas <= replicas
+    return safe, (f"at {replicas} replicas and {load:.1f}x load decode needs {sizing.replicas} "
+                  f"(b*={sizing.batch}, in flight {sizing.in_flight:.0f})")
+
+
+def _apply_budget(roles: dict[str, RoleDecision], config: AutoscalerConfig, plan: _Plan,
+                  k_prefill: float) -> tuple[dict[str, RoleDecision], bool]:
+    """Fit P and D into the GPU budget, giving each GPU to the role it helps most."""
+    budget = config.gpu_budget
+    assert budget is not None
+    gpus = {PREFILL: config.prefill_gpus, DECODE: config.decode_gpus}
+    wanted = {name: roles[name].replicas for name in roles}
+    if sum(wanted[name] * gpus[name] for name in wanted) <= budget:
+        return roles, False
+    model = config.model
+
+    def violation(name: str, replicas: int) -> float:
+        if name == PREFILL:
+            return 1.0 - model.prefill_attainment(replicas, plan.rate, plan.mix, plan.decode.itl_s, k_prefill)
+        return model.decode_shortfall(replicas, plan.decode)
+
+    given = {name: min(config.bounds(name).min_replicas, wanted[name]) for name in wanted}
+    while True:
+        used = sum(given[name] * gpus[name] for name in given)
+        options = [(name, (violation(name, given[name]) - violation(name, given[name] + 1)) / gpus[name])
+                   for name in (PREFILL, DECODE) if given[name] < wanted[name] and used + gpus[name] <= budget]
+        if not options:
+            break
+        best = max(options, key=lambda option: option[1])[0]
+        given[best] += 1
+    out = dict(roles)
+    for name, decision in roles.items():
+        if given[name] != decision.replicas:
+            out[name] = replace(decision, replicas=given[name], reason=GPU_BUDGET, message=(
+                f"{name[0].upper()} {decision.current}->{given[name]} (wanted {decision.replicas}): GPU budget "
+                f"{budget} binds; each GPU went to the role whose predicted SLO violation it cut most"))
+    return out, True

@@ -1,0 +1,214 @@
+"""The steady-state model the autoscaler sizes pools with (`../shared/AUTOSCALER.md`).
+
+Prefill: a pool of `c` batching engines fed by a least-outstanding-tokens router behaves like an
+M/G/c queue whose servers process prompt tokens at the engine's *saturated* rate: under load an
+engine fills each step with up to `max_num_batched_tokens` tokens, so one prompt occupies the pool
+for `S(L) = L · p(B) / B` (`B` = the token budget, `p` = the profile's prefill time; a prompt longer
+than `B` is chunked and costs its own `p(L)`). Waiting follows Erlang C with the Allen-Cunneen tail
+`P(W > t) ≈ C(c, a) · exp(-t · 2 (c/S̄ - λ) / (1 + cs2))`. A request's TTFT is that wait plus what
+its own prompt costs once started: `p(L)` alone, the KV transfer and one decode step. The attainment
+of the TTFT target is taken over the prompts that *can* meet it (whose TTFT on an idle pool is under
+the target): a prompt too long for the target misses it whatever the pool size, and sizing for it
+would only burn GPUs.
+
+Decode: the largest batch `b*` whose ITL at context `ISL + OSL/2` stays under the TPOT target times
+a margin, with that batch's KV within the headroom and under `max_num_seqs`; Little's law gives the
+pool's concurrency `N = λ · OSL · ITL(b*)` and `D = ceil(N / b*)`.
+
+Both take a capacity correction `k` (observed / modelled capacity, see `decide`): prefill time is
+divided by it, decode ITL at a batch is divided by it.
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from xpyd.sim.perf import PerfModel
+from xpyd.sim.plan import erlang_c
+from xpyd.sim.policy import Quantiles
+
+DEFAULT_MAX_NUM_BATCHED_TOKENS = 8192
+"""vLLM V1's default token budget of one engine step."""
+DEFAULT_MAX_NUM_SEQS = 256
+"""vLLM V1's default cap on running sequences."""
+MIX_SAMPLES = 48
+"""Prompt-length samples a `PromptMix` keeps (quantiles of the distribution)."""
+_Z90 = statistics.NormalDist().inv_cdf(0.9)
+
+
+@dataclass(frozen=True)
+class PromptMix:
+    """Prompt lengths as equally likely samples (tokens), whose mean is the observed mean ISL."""
+
+    isl_tokens: tuple[float, ...]
+
+    @property
+    def mean(self) -> float:
+        return statistics.fmean(self.isl_tokens)
+
+    @classmethod
+    def from_quantiles(cls, isl_mean: float, quantiles: Quantiles | None = None, default_cs2: float = 1.0,
+                       samples: int = MIX_SAMPLES) -> PromptMix:
+        """A lognormal through the observed median and p90 (`histogram_quantile` of
+        `vllm:request_prompt_tokens`), rescaled to the observed mean; without usable quantiles, a
+        lognormal with squared coefficient of variation `default_cs2`."""
+        if not isl_mean > 0:
+            raise ValueError(f"mean prompt length must be positive, not {isl_mean}")
+        sigma = math.sqrt(math.log1p(default_cs2))
+        if quantiles is not None and quantiles.p50 > 0 and quantiles.p90 > quantiles.p50:
+            sigma = math.log(quantiles.p90 / quantiles.p50) / _Z90
+        normal = statistics.NormalDist()
+        shape = [math.exp(sigma * normal.inv_cdf((i + 0.5) / samples)) for i in range(samples)]
+        scale = isl_mean / statistics.fmean(shape)
+        return cls(tuple(max(1.0, scale * x) for x in shape))
+
+    @classmethod
+    def from_samples(cls, values: Sequence[float], samples: int = MIX_SAMPLES) -> PromptMix:
+        """Evenly spaced order statistics of measured prompt lengths (e.g. a trace window)."""
+        if not values:
+            raise ValueError("no prompt lengths")
+        ordered = sorted(values)
+        n = len(ordered)
+        if n <= samples:
+            return cls(tuple(float(v) for v in ordered))
+        return cls(tuple(float(ordered[min(n - 1, int((i + 0.5) * n / samples))]) for i in range(samples)))
+
+
+@dataclass(frozen=True)
+class PrefillSizing:
+    """A prefill pool size and what the model predicts for it."""
+
+    replicas: int
+    utilisation: float            # offered load / replicas (saturated-rate service)
+    attainment: float             # predicted share of feasible requests meeting the TTFT target
+    feasible_share: float         # share of requests an idle pool serves within the target
+    tokens_per_s_per_replica: float
+    demand_tokens_per_s: float
+
+
+@dataclass(frozen=True)
+class DecodeSizing:
+    """A decode pool size from the ITL/KV frontier."""
+
+    replicas: int
+    batch: int                    # b*: sequences per replica at the frontier
+    itl_s: float                  # ITL at b* (corrected)
+    tokens_per_s_per_replica: float
+    in_flight: float              # λ · OSL · ITL(b*): sequences the pool holds
+    limit: str                    # what bounds b*: "ITL", "KV" or "max_num_seqs"
+
+
+@dataclass(frozen=True)
+class PoolModel:
+    """The profile plus the engine arguments and SLO shape that sizing needs."""
+
+    perf: PerfModel
+    ttft_target_s: float
+    tpot_target_s: float
+    quantile: float = 0.9             # the share of (feasible) requests that must meet each target
+    itl_margin: float = 0.9           # decode ITL budget as a share of the TPOT target
+    kv_headroom: float = 0.9          # share of the KV cache decode may fill
+    max_utilisation: float = 0.75     # never plan prefill busier than this, whatever the tail says
+    max_num_batched_tokens: int = DEFAULT_MAX_NUM_BATCHED_TOKENS
+    max_num_seqs: int = DEFAULT_MAX_NUM_SEQS
+
+    # --- prefill -------------------------------------------------------------------------------
+
+    def saturated_tokens_per_s(self, k: float = 1.0) -> float:
+        """Prompt tokens/s one prefill replica delivers with a queue (full token budget per step)."""
+        budget = self.max_num_batched_tokens
+        return k * budget / self.perf.prefill_seconds(budget)
+
+    def service_seconds(self, isl: float, k: float = 1.0) -> float:
+        """How long one prompt occupies a busy replica (its share of batched steps)."""
+        chunk = max(isl, float(self.max_num_batched_tokens))
+        return isl * self.perf.prefill_seconds(round(chunk)) / chunk / k
+
+    def fixed_seconds(self, isl: float, decode_itl_s: float, k: float = 1.0) -> float:
+        """TTFT of a prompt on an idle prefill pool: its prefill, the KV transfer, one decode step."""
+        tokens = max(1, round(isl))
+        return self.perf.prefill_seconds(tokens) / k + self.perf.kv_transfer_seconds(tokens) + decode_itl_s
+
+    def ttft_floor(self, mix: PromptMix, decode_itl_s: float, k: float = 1.0) -> float:
+        """The TTFT quantile (`quantile`) of an idle pool: what no prefill size can beat."""
+        fixed = sorted(self.fixed_seconds(x, decode_itl_s, k) for x in mix.isl_tokens)
+        return fixed[min(len(fixed) - 1, math.ceil(self.quantile * len(fixed)) - 1)]
+
+    def queue_budget_s(self, mix: PromptMix, decode_itl_s: float, k: float = 1.0) -> float:
+        """How long the median feasible prompt may queue: the TTFT target less its idle-pool TTFT."""
+        fixed = sorted(f for f in (self.fixed_seconds(x, decode_itl_s, k) for x in mix.isl_tokens)
+                       if f <= self.ttft_target_s)
+        if not fixed:
+            return 0.0
+        return self.ttft_target_s - fixed[len(fixed) // 2]
+
+    def burst_replicas(self, burst_tokens: float, mix: PromptMix, decode_itl_s: float, k: float = 1.0) -> int:
+        """Replicas that drain `burst_tokens` of prompt work arriving together within the queue budget
+        (least-outstanding-tokens routing spreads a burst over the pool)."""
+        budget = self.queue_budget_s(mix, decode_itl_s, k)
+        if burst_tokens <= 0 or budget <= 0:
+            return 1
+        return max(1, math.ceil(burst_tokens / (self.saturated_tokens_per_s(k) * budget) - 1e-9))
+
+    def prefill_attainment(self, replicas: int, rate: float, mix: PromptMix, decode_itl_s: float,
+                           k: float = 1.0) -> float:
+        """Predicted share of feasible requests whose TTFT meets the target with `replicas`."""
+        if rate <= 0:
+            return 1.0
+        service = [self.service_seconds(x, k) for x in mix.isl_tokens]
+        mean_service = statistics.fmean(service)
+        offered = rate * mean_service
+        if replicas <= 0 or offered >= replicas:
+            return 0.0
+        cs2 = statistics.pvariance(service) / mean_service**2
+        wait_probability = erlang_c(replicas, offered)
+        decay = 2.0 * (replicas / mean_service - rate) / (1.0 + cs2)
+        slack = [self.ttft_target_s - self.fixed_seconds(x, decode_itl_s, k) for x in mix.isl_tokens]
+        feasible = [s for s in slack if s >= 0]
+        if not feasible:
+            return 1.0
+        return 1.0 - statistics.fmean(wait_probability * math.exp(-decay * s) for s in feasible)
+
+    def size_prefill(self, rate: float, mix: PromptMix, decode_itl_s: float, k: float = 1.0,
+                     max_replicas: int = 1024) -> PrefillSizing:
+        """Fewest replicas whose predicted attainment meets `quantile` and utilisation stays under
+        `max_utilisation` (`max_replicas` if none does)."""
+        per_replica = self.saturated_tokens_per_s(k)
+        demand = rate * mix.mean
+        offered = rate * statistics.fmean(self.service_seconds(x, k) for x in mix.isl_tokens)
+        feasible = statistics.fmean(
+            1.0 if self.fixed_seconds(x, decode_itl_s, k) <= self.ttft_target_s else 0.0 for x in mix.isl_tokens)
+        replicas = max(1, math.ceil(offered / self.max_utilisation - 1e-9))
+        while True:
+            attainment = self.prefill_attainment(replicas, rate, mix, decode_itl_s, k)
+            if attainment >= self.quantile or replicas >= max_replicas:
+                return PrefillSizing(replicas, offered / replicas, attainment, feasible, per_replica, demand)
+            replicas += 1
+
+    # --- decode --------------------------------------------------------------------------------
+
+    def decode_frontier(self, context_tokens: float, k: float = 1.0) -> tuple[int, float, str]:
+        """(b*, ITL at b*, what bounds b*) at this context with capacity correction `k`."""
+        perf = self.perf
+        context = max(context_tokens, 1.0)
+        fits = min(perf.max_batch_for_kv(context, self.kv_headroom), self.max_num_seqs)
+        best = perf.max_batch_for_itl(self.tpot_target_s * self.itl_margin * k, context, self.kv_headroom)
+        batch = max(1, min(best, fits))
+        limit = "ITL" if best < fits else "max_num_seqs" if fits == self.max_num_seqs else "KV"
+        return batch, perf.itl_seconds(batch, context) / k, limit
+
+    def size_decode(self, rate: float, isl: float, osl: float, k: float = 1.0) -> DecodeSizing:
+        """Decode replicas for `rate` requests/s of `isl` prompt and `osl` output tokens."""
+        batch, itl, limit = self.decode_frontier(isl + osl / 2.0, k)
+        in_flight = max(rate, 0.0) * osl * itl
+        replicas = max(1, math.ceil(in_flight / batch - 1e-9))
+        return DecodeSizing(replicas, batch, itl, batch / itl, in_flight, limit)
+
+    def decode_shortfall(self, replicas: int, sizing: DecodeSizing) -> float:
+        """Share of the decode demand `replicas` cannot carry at the TPOT target (0 when they can)."""
+        if sizing.in_flight <= 0:
+            return 0.0
+        return max(0.0, 1.0 - replicas * sizing.batch / sizing.in_flight)

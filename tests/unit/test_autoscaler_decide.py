@@ -1,0 +1,308 @@
+"""`xpyd.autoscaler.decide`: one table per rule (metrics check, demand, attribution, pace, reality, budget)."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from xpyd.api.models import AutoscalingSpec
+from xpyd.autoscaler.decide import (
+    DECODE_ADMISSION,
+    GPU_BUDGET,
+    INSUFFICIENT_GPUS,
+    METRICS_UNAVAILABLE,
+    PREFILL_DEMAND,
+    PREFILL_QUEUEING,
+    SCALE_DOWN,
+    SCALE_DOWN_DEFERRED,
+    SCALE_DOWN_GRACE,
+    SCALE_DOWN_UNSAFE,
+    TPOT_OVER_TARGET,
+    WITHIN_TARGETS,
+    AutoscalerConfig,
+    AutoscalerState,
+    RoleBounds,
+    RoleState,
+    decide,
+    metrics_problem,
+    pd_ratio,
+    quantile_at,
+)
+from xpyd.autoscaler.sizing import PoolModel, PromptMix
+from xpyd.sim.perf import PerfModel
+from xpyd.sim.policy import Observation, Quantiles, RoleObservation
+
+pytestmark = pytest.mark.unit
+
+PROFILE = Path(__file__).resolve().parents[1] / "fixtures" / "profiles" / "h200_llama31_8b_fp8_tp1"
+PERF = PerfModel.from_profile(PROFILE).with_kv_transfer(2 * 32 * 8 * 128 * 2, 100.0)
+MODEL = PoolModel(PERF, ttft_target_s=0.5, tpot_target_s=0.025, quantile=0.95)
+CONFIG = AutoscalerConfig(model=MODEL, prefill=RoleBounds(1, 64), decode=RoleBounds(1, 64))
+FAST_TTFT = Quantiles(0.08, 0.12, 0.2, 0.09)
+FAST_TPOT = Quantiles(0.012, 0.015, 0.018, 0.013)
+
+
+def role(replicas: int, **overrides: Any) -> RoleObservation:
+    fields: dict[str, Any] = {"replicas": replicas, "ready": replicas, "num_requests_running": 10.0,
+                              "kv_cache_usage_perc": 0.1, "kv_cache_usage_perc_max": 0.12,
+                              "requests_per_s": 10.0, "prompt_tokens_per_s": 10_000.0,
+                              "generation_tokens_per_s": 2_000.0}
+    fields.update(overrides)
+    return RoleObservation(**fields)
+
+
+def observation(rate: float = 20.0, isl: float = 1000.0, osl: float = 200.0, prefill: int = 2, decode: int = 3,
+                time_s: float = 600.0, **overrides: Any) -> Observation:
+    fields: dict[str, Any] = {
+        "time_s": time_s, "window_s": 60.0, "request_rate": rate, "isl_mean": isl, "osl_mean": osl,
+        "isl_quantiles": Quantiles(900.0, 2000.0, 4000.0, isl), "ttft_seconds": FAST_TTFT, "tpot_seconds": FAST_TPOT,
+        "prefill": role(prefill), "decode": role(decode)}
+    fields.update(overrides)
+    return Observation(**fields)
+
+
+def settled(prefill: int, decode: int, now: float = 600.0, **role_fields: Any) -> AutoscalerState:
+    """A state after a long steady run whose recommendations were the current sizes."""
+    history = tuple((now - 30.0 * i, 0) for i in range(12, 0, -1))
+    return AutoscalerState(
+        time_s=now - 30.0,
+        prefill=RoleState(recommendations=tuple((t, prefill) for t, _ in history), **role_fields),
+        decode=RoleState(recommendations=tuple((t, decode) for t, _ in history), **role_fields))
+
+
+def rate_where(predicate: Any, low: float = 0.1, high: float = 400.0) -> float:
+    """The smallest rate (to 0.1 req/s) where `predicate(rate)` becomes true (it must be monotone)."""
+    for _ in range(40):
+        middle = (low + high) / 2
+        low, high = (low, middle) if predicate(middle) else (middle, high)
+    return high
+
+
+# --- metrics check ---------------------------------------------------------------------------------
+
+@pytest.mark.parametrize(("change", "why"), [
+    ({"request_rate": math.nan}, "request rate missing"),
+    ({"request_rate": -1.0}, "request rate missing"),
+    ({"window_s": 0.0}, "no metrics window"),
+    ({"time_s": 570.0}, "not newer"),
+    ({"isl_mean": math.nan}, "ISL/OSL missing"),
+    ({"osl_mean": math.nan}, "ISL/OSL missing"),
+    ({"prefill": role(2, num_requests_waiting=-1.0)}, "gauges missing or negative"),
+    ({"decode": role(3, kv_cache_usage_perc=1.7)}, "KV-cache usage outside 0-1"),
+    ({"decode": role(3, ready=4)}, "4 ready of 3 replicas"),
+    ({"prefill": role(2, requests_per_s=0.0, num_requests_running=0.0, num_requests_waiting=0.0)},
+     "report no work"),
+])
+def test_missing_stale_or_contradictory_metrics_hold_every_role(change: dict[str, Any], why: str) -> None:
+    state = settled(2, 3)
+    obs = dataclasses.replace(observation(), **change)
+    assert why in (metrics_problem(obs, state) or "")
+    decision = decide(obs, CONFIG, state)
+    assert (decision.prefill.replicas, decision.decode.replicas) == (2, 3)
+    assert decision.reason == METRICS_UNAVAILABLE and not decision.scaling_active
+    assert decision.state == state     # nothing learnt from bad data
+
+
+def test_hold_still_honours_changed_bounds_at_once() -> None:
+    config = dataclasses.replace(CONFIG, prefill=RoleBounds(1, 1), decode=RoleBounds(4, 8))
+    decision = decide(observation(request_rate=math.nan), config, settled(2, 3))
+    assert (decision.prefill.replicas, decision.decode.replicas) == (1, 4)
+    assert not decision.scaling_active
+
+
+def test_healthy_metrics_pass_the_check() -> None:
+    assert metrics_problem(observation(), settled(2, 3)) is None
+    assert metrics_problem(observation(rate=0.0, isl=math.nan, osl=math.nan), settled(2, 3)) is None
+
+
+# --- demand and attribution --------------------------------------------------------------------------
+
+def test_steady_load_that_fits_keeps_the_sizes() -> None:
+    sizes = (MODEL.size_prefill(20.0, PromptMix.from_quantiles(1000.0, Quantiles(900.0, 2000.0)),
+                                0.02).replicas, MODEL.size_decode(20.0, 1000.0, 200.0).replicas)
+    decision = decide(observation(prefill=sizes[0], decode=sizes[1]), CONFIG, settled(*sizes))
+    assert (decision.prefill.replicas, decision.decode.replicas) == sizes
+    assert decision.reason == WITHIN_TARGETS and not decision.changed
+    assert decision.recommended_ratio == pd_ratio(*sizes)
+
+
+def test_more_demand_scales_prefill_up_at_once_by_at_most_max_step() -> None:
+    decision = decide(observation(rate=200.0, prefill=1, decode=20), CONFIG, settled(1, 20))
+    assert decision.prefill.reason == PREFILL_DEMAND
+    assert decision.prefill.recommended > 5
+    assert decision.prefill.replicas == 1 + CONFIG.scale_up.max_step
+    assert "lambda 200.0 req/s" in decision.prefill.message and "needs P" in decision.prefill.message
+
+
+@pytest.mark.parametrize(("changes", "guilty", "reason", "evidence"), [
+    # TTFT over target with a prefill backlog: prefill's fault.
+    ({"ttft_seconds": Quantiles(0.3, 0.9, 1.5, 0.5), "prefill": role(2, num_requests_waiting=60.0)},
+     "prefill", PREFILL_QUEUEING, "prefill waiting 60"),
+    # TTFT over target, prefill queue short, decode KV full: decode's fault.
+    ({"ttft_seconds": Quantiles(0.3, 0.9, 1.5, 0.5), "decode": role(3, kv_cache_usage_perc_max=0.99)},
+     "decode", DECODE_ADMISSION, "KV max 0.99"),
+    # TPOT over target: decode's fault.
+    ({"tpot_seconds": Quantiles(0.02, 0.027, 0.03, 0.022)}, "decode", TPOT_OVER_TARGET, "TPOT p95"),
+])
+def test_breaches_scale_only_the_guilty_role(changes: dict[str, Any], guilty: str, reason: str,
+                                             evidence: str) -> None:
+    decision = decide(dataclasses.replace(observation(prefill=2, decode=3), **changes), CONFIG, settled(2, 3))
+    blamed, other = (decision.prefill, decision.decode) if guilty == "prefill" else (decision.decode, decision.prefill)
+    assert blamed.reason == reason and blamed.replicas == blamed.current + 1
+    assert evidence in blamed.message
+    assert other.replicas <= other.current
+    assert decision.reason == reason
+
+
+def test_breach_with_replicas_already_starting_adds_none_for_that_symptom() -> None:
+    obs = dataclasses.replace(observation(prefill=3, decode=3), ttft_seconds=Quantiles(0.3, 0.9, 1.5, 0.5),
+                              prefill=role(3, ready=2, starting=1, num_requests_waiting=60.0))
+    decision = decide(obs, CONFIG, settled(3, 3))
+    assert decision.prefill.replicas == 3 and "already starting" in decision.prefill.message
+
+
+def test_a_growing_prefill_queue_scales_prefill_before_ttft_breaches() -> None:
+    state = settled(2, 3, waiting=10.0)
+    obs = dataclasses.replace(observation(prefill=2, decode=3), prefill=role(2, num_requests_waiting=40.0))
+    decision = decide(obs, CONFIG, state)
+    assert decision.prefill.reason == PREFILL_QUEUEING and "prefill queue growing" in decision.prefill.message
+    assert decision.prefill.replicas == 3
+
+
+def test_forecast_sizes_for_the_load_after_the_startup_delay() -> None:
+    state = AutoscalerState()
+    for step, rate in enumerate((20.0, 30.0, 40.0, 50.0)):
+        decision = decide(observation(rate=rate, time_s=30.0 * (step + 1), prefill=1, decode=6), CONFIG, state)
+        state = decision.state
+    assert decision.state.rate.trend_per_s > 0
+    assert "(forecast; now 50.0)" in decision.prefill.message
+
+
+# --- pace: fast up, slow down ------------------------------------------------------------------------
+
+def test_scale_down_follows_the_window_maximum_one_step_at_a_time_after_the_n_minus_1_check() -> None:
+    decision = decide(observation(rate=1.0, prefill=4, decode=6), CONFIG, settled(1, 1))
+    assert decision.prefill.reason == SCALE_DOWN and decision.prefill.replicas == 3
+    assert decision.decode.reason == SCALE_DOWN and decision.decode.replicas == 5
+    assert "1.1x load" in decision.prefill.message
+
+
+@pytest.mark.parametrize(("state", "reason", "text"), [
+    (settled(4, 6), SCALE_DOWN_DEFERRED, "stabilisation window's maximum is 4"),
+    (AutoscalerState(), SCALE_DOWN_DEFERRED, "only 0s of the 300s"),
+    (settled(1, 1, last_scale_up_s=500.0), SCALE_DOWN_GRACE, "grace"),
+])
+def test_scale_down_waits(state: AutoscalerState, reason: str, text: str) -> None:
+    decision = decide(observation(rate=1.0, prefill=4, decode=6), CONFIG, state)
+    assert decision.prefill.replicas == 4 and decision.prefill.reason == reason
+    assert text in decision.prefill.message
+
+
+def test_n_minus_one_check_blocks_a_scale_down_without_margin() -> None:
+    mix = PromptMix.from_quantiles(1000.0, Quantiles(900.0, 2000.0))
+
+    def needs(rate: float) -> int:
+        itl = MODEL.size_decode(rate, 1000.0, 200.0).itl_s
+        return MODEL.size_prefill(rate, mix, itl).replicas
+
+    # The largest rate that 2 prefill replicas carry: with 10% more load they no longer do.
+    rate = rate_where(lambda r: needs(r) > 2) - 0.05
+    assert needs(rate) == 2 and needs(rate * 1.1) > 2
+    decision = decide(observation(rate=rate, prefill=3, decode=40), CONFIG, settled(2, 40))
+    assert decision.prefill.reason == SCALE_DOWN_UNSAFE and decision.prefill.replicas == 3
+    assert "N-1 check fails" in decision.prefill.message
+
+
+# --- reality: Pending pods, bounds, budget -------------------------------------------------------------
+
+def test_pending_pods_block_scale_up_of_their_role_only() -> None:
+    obs = dataclasses.replace(observation(rate=200.0), prefill=role(1, pending=1), decode=role(2))
+    decision = decide(obs, CONFIG, settled(2, 2))
+    assert decision.prefill.replicas == 2 and decision.prefill.reason == INSUFFICIENT_GPUS
+    assert decision.degraded_reason == INSUFFICIENT_GPUS
+    assert decision.decode.replicas > 2
+
+
+def test_pending_pods_do_not_block_scale_down() -> None:
+    obs = dataclasses.replace(observation(rate=1.0), prefill=role(3, pending=1), decode=role(2))
+    decision = decide(obs, CONFIG, settled(1, 1))
+    assert decision.prefill.current == 4 and decision.prefill.replicas == 3
+
+
+@pytest.mark.parametrize(("bounds", "expected"), [(RoleBounds(5, 8), 5), (RoleBounds(1, 1), 1)])
+def test_bounds_apply_at_once(bounds: RoleBounds, expected: int) -> None:
+    config = dataclasses.replace(CONFIG, prefill=bounds)
+    decision = decide(observation(prefill=3, decode=3), config, settled(3, 3))
+    assert decision.prefill.replicas == expected
+
+
+def test_gpu_budget_goes_to_the_role_it_helps_most() -> None:
+    config = dataclasses.replace(CONFIG, gpu_budget=8)
+    decision = decide(observation(rate=150.0, prefill=2, decode=2), config, settled(2, 2))
+    assert decision.prefill.replicas + decision.decode.replicas == 8
+    assert decision.budget_binding and decision.reason == GPU_BUDGET
+    assert decision.prefill.replicas >= 1 and decision.decode.replicas >= 1
+
+
+# --- state and helpers -----------------------------------------------------------------------------------
+
+def test_decide_is_pure() -> None:
+    state = settled(2, 3)
+    before = dataclasses.replace(state)
+    first = decide(observation(rate=80.0), CONFIG, state)
+    second = decide(observation(rate=80.0), CONFIG, state)
+    assert first == second and state == before
+    assert first.state.time_s == 600.0 and first.state.prefill.recommendations[-1] == (600.0, first.prefill.recommended)
+
+
+def test_capacity_correction_is_smoothed_clamped_and_frozen_when_thin() -> None:
+    slow = dataclasses.replace(observation(rate=80.0, prefill=4, decode=3), prefill=role(
+        4, requests_per_s=80.0, time_to_first_token_seconds=Quantiles(5.0, 9.0, 9.5, 8.0)))
+    learnt = decide(slow, CONFIG, settled(4, 3)).state.prefill
+    assert learnt.correction == pytest.approx(1.0 + CONFIG.correction_alpha * (CONFIG.correction_min - 1.0))
+    assert learnt.correction_updates == 1
+    thin = dataclasses.replace(slow, prefill=dataclasses.replace(slow.prefill, requests_per_s=0.2))
+    assert decide(thin, CONFIG, settled(4, 3)).state.prefill.correction == 1.0
+    decode = dataclasses.replace(observation(), decode=role(3, generation_tokens_per_s=6000.0,
+                                                            inter_token_latency_seconds=Quantiles(mean=0.02)))
+    assert decide(decode, CONFIG, settled(2, 3)).state.decode.correction_updates == 1
+
+
+def test_bursts_are_learnt_from_the_queue_time_tail_and_size_prefill() -> None:
+    bursty = dataclasses.replace(
+        observation(rate=20.0, prefill=2, decode=3), ttft_seconds=Quantiles(0.2, 1.5, 3.0, 0.6),
+        prefill=role(2, request_queue_time_seconds=Quantiles(0.1, 1.0, 2.5, 0.4)))
+    decision = decide(bursty, CONFIG, settled(2, 3))
+    assert decision.state.prefill.burst_tokens == pytest.approx(
+        quantile_at(Quantiles(0.1, 1.0, 2.5), 95.0) * 2 * MODEL.saturated_tokens_per_s())
+    assert decision.prefill.recommended > 2 and decision.prefill.replicas > 2
+    calm = decide(observation(prefill=2, decode=3), CONFIG, settled(2, 3))
+    assert calm.state.prefill.burst_tokens == 0.0
+
+
+def test_from_spec_reads_the_crd() -> None:
+    spec = AutoscalingSpec.model_validate({
+        "mode": "Auto", "prometheus": {"url": "http://p:9090"}, "slo": {"ttftMs": 300, "tpotMs": 30, "percentile": 99},
+        "prefill": {"minReplicas": 2, "maxReplicas": 6}, "gpuBudget": 20, "intervalSeconds": 15, "startupSeconds": 240,
+        "behavior": {"scaleDown": {"stabilizationWindowSeconds": 600, "maxStep": 2},
+                     "scaleUp": {"stabilizationWindowSeconds": 0, "maxStep": 3}}})
+    config = AutoscalerConfig.from_spec(spec, PERF, prefill_gpus=2)
+    assert config.model.ttft_target_s == 0.3 and config.model.tpot_target_s == 0.03 and config.model.quantile == 0.99
+    assert config.prefill == RoleBounds(2, 6) and config.gpu_budget == 20 and config.prefill_gpus == 2
+    assert (config.interval_s, config.startup_s) == (15.0, 240.0)
+    assert (config.scale_down.window_s, config.scale_down.max_step, config.scale_up.max_step) == (600.0, 2, 3)
+    assert config.horizon_s == 240.0 + 15.0 + 30.0
+
+
+@pytest.mark.parametrize(("percentile", "expected"), [(50, 1.0), (90, 2.0), (95, 2.0 + 8.0 * 5 / 9), (99, 10.0)])
+def test_quantile_at(percentile: float, expected: float) -> None:
+    assert quantile_at(Quantiles(1.0, 2.0, 10.0), percentile) == pytest.approx(expected)
+
+
+@pytest.mark.parametrize(("p", "d", "ratio"), [(2, 6, "1:3"), (3, 5, "3:5"), (4, 4, "1:1")])
+def test_pd_ratio(p: int, d: int, ratio: str) -> None:
+    assert pd_ratio(p, d) == ratio
