@@ -122,11 +122,13 @@ def build_parser() -> argparse.ArgumentParser:
     cluster.add_argument("--json", action="store_true", help="status: machine-readable output")
     cluster.set_defaults(func=_cmd_cluster)
 
+    from xpyd.sim.emulator import add_parser as add_engine_sim_parser
     from xpyd.sim.plan import add_parser as add_plan_parser
     from xpyd.sim.simulator import add_parser as add_sim_parser
 
     add_plan_parser(commands)
     add_sim_parser(commands)
+    add_engine_sim_parser(commands)
     return parser
 
 

@@ -1,0 +1,767 @@
+"""`xpyd engine-sim`: the vLLM engine emulator on real HTTP (loopback only).
+
+Most tests run engines in this event loop (`start_server`, real sockets on 127.0.0.1); the process
+tests start `python -m xpyd.sim.emulator` (the module `xpyd engine-sim` runs) with a pod's rendered
+`vllm serve` arguments, a 200-stream burst and SIGTERM draining.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import math
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import AsyncIterator, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import IO, Any
+
+import aiohttp
+import pytest
+
+from xpyd.cluster.netguard import NonLoopbackAddress, require_loopback
+from xpyd.sim.core import ITL_BUCKETS, REQUEST_LATENCY_BUCKETS, TTFT_BUCKETS, build_1_2_5_buckets
+from xpyd.sim.emulator import DEFAULT_PROFILE, EmulatorConfig, EmulatorServer, config_from_args, start_server
+from xpyd.sim.exposition import NIXL_BYTES_BUCKETS, NIXL_XFER_TIME_BUCKETS
+from xpyd.sim.perf import PerfModel
+from xpyd.sim.shapes import lookup_model
+
+pytestmark = pytest.mark.integration
+
+HOST = "127.0.0.1"
+REPO = Path(__file__).resolve().parents[2]
+KV_BYTES = lookup_model("llama-3.1-8b").kv_bytes_per_token("bf16")
+PERF = PerfModel.from_profile(DEFAULT_PROFILE).with_kv_transfer(KV_BYTES, 100.0)
+NAME = "llama-8b"
+PREFILL_KV = {"do_remote_decode": True, "do_remote_prefill": False, "remote_engine_id": None,
+              "remote_block_ids": None, "remote_host": None, "remote_port": None}
+
+
+def free_port() -> int:
+    """A free TCP port on loopback."""
+    with socket.socket() as sock:
+        sock.bind((HOST, 0))
+        return int(sock.getsockname()[1])
+
+
+@contextlib.asynccontextmanager
+async def engine(**overrides: Any) -> AsyncIterator[EmulatorServer]:
+    """One engine in this event loop on free loopback ports."""
+    settings: dict[str, Any] = {"served_model_names": (NAME,), "host": HOST, "port": 0, "side_channel_port": 0,
+                                "time_scale": 10.0, "kv_bytes_per_token": KV_BYTES, "seed": 1}
+    perf = overrides.pop("perf", PERF)
+    settings.update(overrides)
+    server = await start_server(EmulatorConfig(**settings), perf)
+    try:
+        yield server
+    finally:
+        await server.close()
+
+
+@contextlib.asynccontextmanager
+async def client_session() -> AsyncIterator[aiohttp.ClientSession]:
+    """A client session whose idle connections close before the engine's 5 s keep-alive does."""
+    connector = aiohttp.TCPConnector(limit=0, keepalive_timeout=2.0)
+    async with aiohttp.ClientSession(connector=connector, timeout=aiohttp.ClientTimeout(total=60)) as session:
+        yield session
+
+
+def token_prompt(tokens: int) -> list[int]:
+    """A prompt of token ids: its length is exact."""
+    return list(range(1, tokens + 1))
+
+
+async def post(session: aiohttp.ClientSession, url: str, body: Any,
+               headers: dict[str, str] | None = None) -> tuple[int, Any]:
+    """POST JSON, return (status, decoded JSON body)."""
+    require_loopback(url.split("//")[1].split(":")[0], "test URL")
+    async with session.post(url, json=body, headers=headers) as response:
+        return response.status, await response.json()
+
+
+@dataclass
+class StreamResult:
+    """A streamed response: events, token arrival times and whether `[DONE]` came."""
+
+    status: int
+    events: list[dict[str, Any]] = field(default_factory=list)
+    token_times: list[float] = field(default_factory=list)
+    done: bool = False
+
+    @property
+    def text(self) -> str:
+        out = []
+        for event in self.events:
+            for choice in event.get("choices") or []:
+                out.append(choice.get("text") or (choice.get("delta") or {}).get("content") or "")
+        return "".join(out)
+
+    @property
+    def usage(self) -> dict[str, Any] | None:
+        return next((e["usage"] for e in reversed(self.events) if e.get("usage")), None)
+
+
+async def stream(session: aiohttp.ClientSession, url: str, body: dict[str, Any],
+                 headers: dict[str, str] | None = None) -> StreamResult:
+    """POST with stream=true and read the SSE events; a token is an event whose choice carries text."""
+    async with session.post(url, json={**body, "stream": True}, headers=headers) as response:
+        result = StreamResult(response.status)
+        if response.status != 200:
+            result.events.append(await response.json())
+            return result
+        assert response.headers["Content-Type"].startswith("text/event-stream")
+        async for raw in response.content:
+            line = raw.decode().strip()
+            if not line:
+                continue
+            assert line.startswith("data: "), line
+            data = line[len("data: "):]
+            if data == "[DONE]":
+                result.done = True
+                continue
+            event = json.loads(data)
+            result.events.append(event)
+            choices = event.get("choices") or []
+            if choices and (choices[0].get("text") or (choices[0].get("delta") or {}).get("content")):
+                result.token_times.append(time.perf_counter())
+        return result
+
+
+# --- Prometheus text ------------------------------------------------------------------------------
+
+_SAMPLE = re.compile(r'^([a-zA-Z_:][a-zA-Z0-9_:]*)(\{(.*)\})? (\S+)$')
+_LABEL = re.compile(r'([a-zA-Z_][a-zA-Z0-9_]*)="((?:[^"\\]|\\.)*)"')
+
+
+@dataclass
+class Exposition:
+    """A parsed text exposition (format 0.0.4)."""
+
+    types: dict[str, str]
+    samples: list[tuple[str, dict[str, str], float]]
+
+    def value(self, name: str, **labels: str) -> float:
+        matches = [v for n, lab, v in self.samples if n == name and all(lab.get(k) == x for k, x in labels.items())]
+        assert len(matches) == 1, (name, labels, matches)
+        return matches[0]
+
+    def buckets(self, name: str) -> list[tuple[float, float]]:
+        return [(float(lab["le"]), v) for n, lab, v in self.samples if n == f"{name}_bucket"]
+
+
+def parse_exposition(text: str) -> Exposition:
+    """Parse Prometheus text format, checking every line is well formed and every sample typed."""
+    types: dict[str, str] = {}
+    samples: list[tuple[str, dict[str, str], float]] = []
+    for line in text.splitlines():
+        if line.startswith("# TYPE "):
+            _, _, name, kind = line.split(" ")
+            types[name] = kind
+        elif line.startswith("# HELP ") or not line:
+            continue
+        else:
+            match = _SAMPLE.match(line)
+            assert match, f"malformed sample line: {line!r}"
+            labels = dict(_LABEL.findall(match.group(3) or ""))
+            samples.append((match.group(1), labels, float(match.group(4))))
+    for name, _, _ in samples:
+        family = re.sub(r"_(bucket|count|sum)$", "", name)
+        assert name in types or family in types, f"sample {name} has no # TYPE"
+    return Exposition(types, samples)
+
+
+async def scrape(session: aiohttp.ClientSession, server: EmulatorServer | str) -> Exposition:
+    """GET /metrics and parse it."""
+    url = server if isinstance(server, str) else server.url
+    async with session.get(f"{url}/metrics") as response:
+        assert response.status == 200
+        assert response.headers["Content-Type"] == "text/plain; version=0.0.4; charset=utf-8"
+        return parse_exposition(await response.text())
+
+
+# --- the OpenAI surface ---------------------------------------------------------------------------
+
+async def test_completions_non_stream_counts_exactly() -> None:
+    async with engine() as server, client_session() as session:
+        status, body = await post(session, f"{server.url}/v1/completions",
+                                  {"model": NAME, "prompt": token_prompt(37), "max_tokens": 9},
+                                  headers={"X-Request-Id": "abc"})
+        assert status == 200
+        assert body["id"] == "cmpl-abc" and body["object"] == "text_completion" and body["model"] == NAME
+        assert body["usage"] == {"prompt_tokens": 37, "completion_tokens": 9, "total_tokens": 46,
+                                 "prompt_tokens_details": None}
+        choice = body["choices"][0]
+        assert choice["text"] == " tok" * 9 and choice["finish_reason"] == "length"
+        assert body["kv_transfer_params"] is None
+        # Text prompts: about four characters per token; no model field means the served model.
+        status, body = await post(session, f"{server.url}/v1/completions", {"prompt": "x" * 41, "max_tokens": 1})
+        assert status == 200 and body["usage"]["prompt_tokens"] == 11
+        # The OpenAI default for completions: 16 tokens.
+        status, body = await post(session, f"{server.url}/v1/completions", {"prompt": [[5, 6, 7]]})
+        assert body["usage"] == {"prompt_tokens": 3, "completion_tokens": 16, "total_tokens": 19,
+                                 "prompt_tokens_details": None}
+
+
+async def test_completions_stream_with_and_without_usage() -> None:
+    async with engine() as server, client_session() as session:
+        url = f"{server.url}/v1/completions"
+        result = await stream(session, url, {"model": NAME, "prompt": token_prompt(20), "max_tokens": 12,
+                                             "stream_options": {"include_usage": True}})
+        assert result.status == 200 and result.done
+        assert len(result.token_times) == 12 and result.text == " tok" * 12
+        finishes = [e["choices"][0]["finish_reason"] for e in result.events if e["choices"]]
+        assert finishes == [None] * 11 + ["length"]
+        assert result.events[-1]["choices"] == [] and result.usage == {
+            "prompt_tokens": 20, "completion_tokens": 12, "total_tokens": 32, "prompt_tokens_details": None}
+        result = await stream(session, url, {"prompt": token_prompt(20), "max_tokens": 3})
+        assert result.done and len(result.token_times) == 3 and result.usage is None
+        result = await stream(session, url, {"prompt": token_prompt(5), "max_tokens": 3,
+                                             "stream_options": {"include_usage": True,
+                                                                "continuous_usage_stats": True}})
+        assert [e["usage"]["completion_tokens"] for e in result.events] == [1, 2, 3, 3]
+
+
+async def test_chat_completions_stream_and_non_stream() -> None:
+    async with engine() as server, client_session() as session:
+        url = f"{server.url}/v1/chat/completions"
+        messages = [{"role": "system", "content": "be brief"}, {"role": "user", "content": [
+            {"type": "text", "text": "hello there"}]}]
+        # 1 BOS + (5 + 2) + (5 + 3) + 4 assistant header = 20.
+        status, body = await post(session, url, {"model": NAME, "messages": messages, "max_tokens": 50,
+                                                 "max_completion_tokens": 4})
+        assert status == 200 and body["object"] == "chat.completion" and body["id"].startswith("chatcmpl-")
+        assert body["choices"][0]["message"]["role"] == "assistant"
+        assert body["choices"][0]["message"]["content"] == " tok" * 4
+        assert body["usage"]["prompt_tokens"] == 20 and body["usage"]["completion_tokens"] == 4
+        result = await stream(session, url, {"messages": messages, "max_tokens": 5,
+                                             "stream_options": {"include_usage": True}})
+        assert result.done and result.events[0]["choices"][0]["delta"] == {"role": "assistant", "content": ""}
+        assert all(e["object"] == "chat.completion.chunk" for e in result.events)
+        assert len(result.token_times) == 5 and result.text == " tok" * 5
+        assert result.usage is not None and result.usage["total_tokens"] == 25
+
+
+async def test_models_version_ping() -> None:
+    async with engine(model="/models/llama-8b") as server, client_session() as session:
+        async with session.get(f"{server.url}/v1/models") as response:
+            body = await response.json()
+        assert [card["id"] for card in body["data"]] == [NAME]
+        assert body["data"][0]["root"] == "/models/llama-8b" and body["data"][0]["max_model_len"] == 131072
+        async with session.get(f"{server.url}/version") as response:
+            assert (await response.json())["version"] == "0.33.0"
+        for method in ("GET", "POST"):
+            async with session.request(method, f"{server.url}/ping") as response:
+                assert response.status == 200
+
+
+async def test_health_is_503_while_loading_then_200() -> None:
+    # 10 modelled seconds of loading at 20x: 0.5 s.
+    async with engine(startup_delay_s=10.0, time_scale=20.0) as server, client_session() as session:
+        async with session.get(f"{server.url}/health") as response:
+            assert response.status == 503
+            assert "loading" in (await response.json())["error"]["message"]
+        status, body = await post(session, f"{server.url}/v1/completions", {"prompt": "hi"})
+        assert status == 503 and body["error"]["type"] == "ServiceUnavailableError"
+        async with session.get(f"{server.url}/metrics") as response:
+            assert response.status == 200
+        started = time.monotonic()
+        while True:
+            async with session.get(f"{server.url}/health") as response:
+                if response.status == 200:
+                    assert await response.read() == b""
+                    break
+            assert time.monotonic() - started < 5
+            await asyncio.sleep(0.02)
+        assert 0.3 < time.monotonic() - started + 0.05 < 1.5
+
+
+# --- errors -----------------------------------------------------------------------------------------
+
+BAD_REQUESTS: list[tuple[str, str, Any, int, str]] = [
+    ("not JSON", "completions", b"{nope", 400, "Invalid JSON"),
+    ("not an object", "completions", [1, 2], 400, "JSON object"),
+    ("unknown model", "completions", {"model": "gpt-4", "prompt": "x"}, 404, "The model `gpt-4` does not exist."),
+    ("max_tokens 0", "completions", {"prompt": "x", "max_tokens": 0}, 400, "at least 1"),
+    ("max_tokens text", "completions", {"prompt": "x", "max_tokens": "5"}, 400, "must be an integer"),
+    ("max_tokens bool", "chat/completions", {"messages": [{"role": "user", "content": "x"}], "max_tokens": True},
+     400, "must be an integer"),
+    ("no prompt", "completions", {"max_tokens": 3}, 400, "prompt"),
+    ("empty token list", "completions", {"prompt": []}, 400, "prompt"),
+    ("batched prompts", "completions", {"prompt": ["a", "b"]}, 400, "batched"),
+    ("no messages", "chat/completions", {"messages": []}, 400, "messages"),
+    ("image content", "chat/completions", {"messages": [{"role": "user", "content": [
+        {"type": "image_url", "image_url": {"url": "x"}}]}]}, 400, "text"),
+    ("stream_options without stream", "completions", {"prompt": "x", "stream_options": {"include_usage": True}},
+     400, "Stream options can only be defined when `stream=True`."),
+    ("stream not bool", "completions", {"prompt": "x", "stream": "yes"}, 400, "stream"),
+    ("n=2", "completions", {"prompt": "x", "n": 2}, 400, "n "),
+    ("prompt over max-model-len", "completions", {"prompt": token_prompt(1000)}, 400,
+     "maximum context length is 1000 tokens"),
+    ("max_tokens over max-model-len", "completions", {"prompt": token_prompt(900), "max_tokens": 101}, 400,
+     "'max_tokens' or 'max_completion_tokens' is too large: 101"),
+    ("kv_transfer_params not an object", "completions", {"prompt": "x", "kv_transfer_params": "yes"}, 400,
+     "kv_transfer_params"),
+]
+
+
+async def test_bad_requests_get_vllm_error_envelopes() -> None:
+    async with engine(max_model_len=1000, max_kv_tokens=10_000) as server, client_session() as session:
+        for what, path, body, status, message in BAD_REQUESTS:
+            data = body if isinstance(body, bytes) else json.dumps(body).encode()
+            async with session.post(f"{server.url}/v1/{path}", data=data,
+                                    headers={"Content-Type": "application/json"}) as response:
+                assert response.status == status, what
+                error = (await response.json())["error"]
+            assert set(error) == {"message", "type", "param", "code"}, what
+            assert error["code"] == status and error["param"] is None, what
+            assert error["type"] == ("NotFoundError" if status == 404 else "BadRequestError"), what
+            assert message in error["message"], (what, error["message"])
+        async with session.post(f"{server.url}/v1/completions", data=b'{"prompt": "x"}',
+                                headers={"Content-Type": "text/plain"}) as response:
+            assert response.status == 400
+            assert "application/json" in (await response.json())["error"]["message"]
+        # The engine is unharmed.
+        status, _ = await post(session, f"{server.url}/v1/completions", {"prompt": "x", "max_tokens": 2})
+        assert status == 200
+
+
+# --- metrics ----------------------------------------------------------------------------------------
+
+GAUGES = ("vllm:num_requests_running", "vllm:num_requests_waiting", "vllm:kv_cache_usage_perc")
+COUNTERS = ("vllm:prompt_tokens_total", "vllm:generation_tokens_total", "vllm:request_success_total",
+            "vllm:prompt_tokens_by_source_total", "vllm:num_preemptions_total",
+            "vllm:nixl_num_failed_transfers_total", "vllm:nixl_num_kv_expired_reqs_total")
+HISTOGRAMS: dict[str, Sequence[float]] = {
+    "vllm:time_to_first_token_seconds": TTFT_BUCKETS,
+    "vllm:inter_token_latency_seconds": ITL_BUCKETS,
+    "vllm:request_time_per_output_token_seconds": ITL_BUCKETS,
+    "vllm:e2e_request_latency_seconds": REQUEST_LATENCY_BUCKETS,
+    "vllm:request_queue_time_seconds": REQUEST_LATENCY_BUCKETS,
+    "vllm:request_inference_time_seconds": REQUEST_LATENCY_BUCKETS,
+    "vllm:request_prefill_time_seconds": REQUEST_LATENCY_BUCKETS,
+    "vllm:request_decode_time_seconds": REQUEST_LATENCY_BUCKETS,
+    "vllm:request_prompt_tokens": build_1_2_5_buckets(131072),
+    "vllm:request_generation_tokens": build_1_2_5_buckets(131072),
+    "vllm:nixl_xfer_time_seconds": NIXL_XFER_TIME_BUCKETS,
+    "vllm:nixl_bytes_transferred": NIXL_BYTES_BUCKETS,
+}
+
+
+async def test_metrics_names_types_labels_and_buckets() -> None:
+    async with engine() as server, client_session() as session:
+        for _ in range(3):
+            await post(session, f"{server.url}/v1/completions", {"prompt": token_prompt(100), "max_tokens": 10})
+        metrics = await scrape(session, server)
+    for name in GAUGES:
+        assert metrics.types[name] == "gauge"
+    for name in COUNTERS:
+        assert metrics.types[name] == "counter"
+    for name, buckets in HISTOGRAMS.items():
+        assert metrics.types[name] == "histogram"
+        series = metrics.buckets(name)
+        assert [le for le, _ in series] == [*buckets, math.inf], name
+        counts = [count for _, count in series]
+        assert counts == sorted(counts), f"{name} buckets are not cumulative"
+        assert counts[-1] == metrics.value(f"{name}_count")
+    assert "vllm:gpu_cache_usage_perc" not in metrics.types
+    assert "vllm:time_per_output_token_seconds" not in metrics.types
+    for name, labels, _ in metrics.samples:
+        assert labels["model_name"] == NAME and labels["engine"] == "0", name
+    assert metrics.value("vllm:prompt_tokens_total") == 300
+    assert metrics.value("vllm:generation_tokens_total") == 30
+    assert metrics.value("vllm:request_success_total", finished_reason="length") == 3
+    assert {lab["finished_reason"] for n, lab, _ in metrics.samples if n == "vllm:request_success_total"} == {
+        "stop", "length", "abort", "error"}
+    assert metrics.value("vllm:prompt_tokens_by_source_total", source="local_compute") == 300
+    assert metrics.value("vllm:prompt_tokens_by_source_total", source="external_kv_transfer") == 0
+    assert metrics.value("vllm:request_generation_tokens_sum") == 30
+    assert metrics.value("vllm:inter_token_latency_seconds_count") == 27
+    # Wall seconds at time scale 10: a 100-token prefill of ~19.5 ms modelled shows ~2 ms.
+    ttft = metrics.value("vllm:time_to_first_token_seconds_sum") / 3
+    assert PERF.prefill_seconds(100) / 10 - 1e-9 <= ttft < PERF.prefill_seconds(100) / 10 + 0.01
+    assert metrics.value("vllm:num_requests_running") == 0 and metrics.value("vllm:kv_cache_usage_perc") == 0
+
+
+async def test_kv_capacity_makes_requests_wait() -> None:
+    # Room for one 600 + 100 token request at a time.
+    async with engine(max_kv_tokens=1000, max_model_len=1000, time_scale=1.0) as server, \
+            client_session() as session:
+        url = f"{server.url}/v1/completions"
+        first = asyncio.create_task(stream(session, url, {"prompt": token_prompt(600), "max_tokens": 100}))
+        await asyncio.sleep(0.05)
+        second = asyncio.create_task(stream(session, url, {"prompt": token_prompt(600), "max_tokens": 100}))
+        await asyncio.sleep(0.05)
+        metrics = await scrape(session, server)
+        assert metrics.value("vllm:num_requests_waiting") == 1 and metrics.value("vllm:num_requests_running") == 1
+        assert metrics.value("vllm:kv_cache_usage_perc") == pytest.approx(0.7)
+        done_first, done_second = await asyncio.gather(first, second)
+        assert done_second.token_times[0] >= done_first.token_times[-1]
+
+
+async def test_client_disconnect_aborts() -> None:
+    async with engine(time_scale=1.0) as server, client_session() as session:
+        async with session.post(f"{server.url}/v1/completions", json={
+                "prompt": token_prompt(50), "max_tokens": 5000, "stream": True}) as response:
+            await response.content.readline()
+        for _ in range(100):
+            metrics = await scrape(session, server)
+            if metrics.value("vllm:num_requests_running") == 0:
+                break
+            await asyncio.sleep(0.02)
+        assert metrics.value("vllm:request_success_total", finished_reason="abort") == 1
+        assert metrics.value("vllm:num_requests_running") == 0 and metrics.value("vllm:kv_cache_usage_perc") == 0
+
+
+# --- P/D: the NIXL pull flow ------------------------------------------------------------------------
+
+async def prefill_leg(session: aiohttp.ClientSession, prefill: str, body: dict[str, Any],
+                      request_id: str) -> dict[str, Any]:
+    """The proxy's first leg (toy_proxy_server): max_tokens=1, no streaming, do_remote_decode."""
+    leg = {key: value for key, value in body.items() if key not in ("stream", "stream_options", "min_tokens")}
+    leg.update(max_tokens=1, stream=False, kv_transfer_params=dict(PREFILL_KV))
+    if "max_completion_tokens" in body:
+        leg["max_completion_tokens"] = 1
+    status, answer = await post(session, f"{prefill}/v1/completions", leg, headers={"X-Request-Id": request_id})
+    assert status == 200, answer
+    params: dict[str, Any] = answer["kv_transfer_params"]
+    return params
+
+
+async def test_prefill_leg_returns_kv_transfer_params_and_holds_kv() -> None:
+    async with engine(kv_role="kv_producer", tensor_parallel_size=2) as prefill, client_session() as session:
+        status, body = await post(session, f"{prefill.url}/v1/completions", {
+            "prompt": token_prompt(100), "max_tokens": 1, "kv_transfer_params": PREFILL_KV},
+            headers={"X-Request-Id": "r1"})
+        assert status == 200 and body["usage"]["completion_tokens"] == 1
+        params = body["kv_transfer_params"]
+        side_host, side_port = prefill.engine.side_channel
+        assert params["do_remote_prefill"] is True and params["do_remote_decode"] is False
+        assert params["remote_engine_id"] == prefill.engine.engine_id
+        assert params["remote_host"] == side_host == HOST and params["remote_port"] == side_port != prefill.http_port
+        assert params["tp_size"] == 2 and params["remote_request_id"].startswith("cmpl-r1")
+        assert len(params["remote_block_ids"]) == 7   # ceil(100 / 16)
+        # A do_remote_decode request stops after one token even if it asked for more.
+        status, body = await post(session, f"{prefill.url}/v1/completions", {
+            "prompt": token_prompt(100), "max_tokens": 50, "kv_transfer_params": PREFILL_KV})
+        assert body["usage"]["completion_tokens"] == 1
+        metrics = await scrape(session, prefill)
+        assert metrics.value("vllm:kv_cache_usage_perc") == pytest.approx(202 / prefill.engine.core.capacity)
+        # The side channel (on its own port) tells a consumer about the lease, and frees it.
+        kv_url = f"http://{side_host}:{side_port}/xpyd/kv/{params['remote_request_id']}"
+        async with session.get(kv_url) as response:
+            held = await response.json()
+        assert held["engine_id"] == prefill.engine.engine_id and held["prompt_tokens"] == 100
+        assert 0 < held["lease_remaining_s"] <= 30 / 10
+        async with session.post(f"{kv_url}/release") as response:
+            assert response.status == 200
+        async with session.post(f"{kv_url}/release") as response:
+            assert response.status == 404
+        metrics = await scrape(session, prefill)
+        assert metrics.value("vllm:kv_cache_usage_perc") == pytest.approx(101 / prefill.engine.core.capacity)
+
+
+async def test_decode_leg_waits_for_the_transfer_and_decodes_only() -> None:
+    # A slow link makes the transfer stand out: 400 tokens x 128 KiB at 10 Gb/s = 41.9 ms, at 1x.
+    slow = PerfModel.from_profile(DEFAULT_PROFILE).with_kv_transfer(KV_BYTES, 10.0)
+    transfer_s = slow.kv_transfer_seconds(400)
+    async with engine(kv_role="kv_producer", perf=slow, time_scale=1.0) as prefill, \
+            engine(kv_role="kv_consumer", perf=slow, time_scale=1.0) as decode, client_session() as session:
+        body = {"model": NAME, "prompt": token_prompt(400), "max_tokens": 20}
+        params = await prefill_leg(session, prefill.url, body, "pd-1")
+        sent = time.perf_counter()
+        result = await stream(session, f"{decode.url}/v1/completions",
+                              {**body, "kv_transfer_params": params, "stream_options": {"include_usage": True}},
+                              headers={"X-Request-Id": "pd-1"})
+        ttft = result.token_times[0] - sent
+        assert result.done and len(result.token_times) == 20
+        assert result.usage is not None and result.usage["prompt_tokens"] == 400
+        # Transfer, then one decode step; no prefill (which alone would take ~26 ms more).
+        first_step = slow.decode_step_seconds(1, 400)
+        assert transfer_s + first_step <= ttft < transfer_s + first_step + 0.015
+        decode_metrics = await scrape(session, decode)
+        assert decode_metrics.value("vllm:prompt_tokens_by_source_total", source="external_kv_transfer") == 400
+        assert decode_metrics.value("vllm:prompt_tokens_by_source_total", source="local_compute") == 0
+        assert decode_metrics.value("vllm:nixl_xfer_time_seconds_sum") == pytest.approx(transfer_s)
+        assert decode_metrics.value("vllm:nixl_bytes_transferred_sum") == 400 * KV_BYTES
+        assert decode_metrics.value("vllm:nixl_num_failed_transfers_total") == 0
+        # The decode engine released the producer's blocks once it had them.
+        for _ in range(50):
+            if prefill.engine.num_held == 0:
+                break
+            await asyncio.sleep(0.01)
+        prefill_metrics = await scrape(session, prefill)
+        assert prefill_metrics.value("vllm:kv_cache_usage_perc") == 0
+        assert prefill_metrics.value("vllm:nixl_num_kv_expired_reqs_total") == 0
+
+
+async def test_transfer_faster_than_the_producers_answer_waits_for_it() -> None:
+    # At 500x a 400-token transfer takes ~8 us of wall time, far less than the side-channel round trip:
+    # the decode engine waits for the producer's answer, then loads the KV (once, in its metrics).
+    async with engine(kv_role="kv_producer", time_scale=500.0) as prefill, \
+            engine(kv_role="kv_consumer", time_scale=500.0) as decode, client_session() as session:
+        body = {"prompt": token_prompt(400), "max_tokens": 30}
+        params = await prefill_leg(session, prefill.url, body, "fast")
+        status, answer = await post(session, f"{decode.url}/v1/completions", {**body, "kv_transfer_params": params})
+        assert status == 200 and answer["usage"]["completion_tokens"] == 30
+        metrics = await scrape(session, decode)
+        assert metrics.value("vllm:prompt_tokens_by_source_total", source="external_kv_transfer") == 400
+        assert metrics.value("vllm:nixl_xfer_time_seconds_count") == 1
+        assert metrics.value("vllm:generation_tokens_total") == 30
+        assert metrics.value("vllm:request_success_total", finished_reason="length") == 1
+        # The same race with a producer that holds nothing: no token, no work counted.
+        status, answer = await post(session, f"{decode.url}/v1/completions",
+                                    {**body, "kv_transfer_params": unknown_params(prefill)})
+        assert status == 500
+        metrics = await scrape(session, decode)
+        assert metrics.value("vllm:generation_tokens_total") == 30
+        assert metrics.value("vllm:kv_cache_usage_perc") == 0
+
+
+async def test_decode_without_params_computes_the_prompt_locally() -> None:
+    async with engine(kv_role="kv_consumer") as decode, client_session() as session:
+        status, body = await post(session, f"{decode.url}/v1/chat/completions",
+                                  {"messages": [{"role": "user", "content": "x" * 400}], "max_tokens": 4})
+        assert status == 200 and body["kv_transfer_params"] is None
+        metrics = await scrape(session, decode)
+        prompt = body["usage"]["prompt_tokens"]
+        assert metrics.value("vllm:prompt_tokens_by_source_total", source="local_compute") == prompt == 110
+        assert metrics.value("vllm:prompt_tokens_by_source_total", source="external_kv_transfer") == 0
+
+
+def unknown_params(prefill: EmulatorServer) -> dict[str, Any]:
+    host, port = prefill.engine.side_channel
+    return {"do_remote_prefill": True, "do_remote_decode": False, "remote_engine_id": prefill.engine.engine_id,
+            "remote_block_ids": [1, 2], "remote_host": host, "remote_port": port,
+            "remote_request_id": "cmpl-never-prefilled-0", "tp_size": 1}
+
+
+async def test_load_failure_policy_fail() -> None:
+    async with engine(kv_role="kv_producer") as prefill, engine(kv_role="kv_consumer") as decode, \
+            client_session() as session:
+        body = {"prompt": token_prompt(30), "max_tokens": 5, "kv_transfer_params": unknown_params(prefill)}
+        status, answer = await post(session, f"{decode.url}/v1/completions", body)
+        assert status == 500
+        assert answer["error"]["type"] == "InternalServerError" and answer["error"]["code"] == 500
+        assert "holds no KV" in answer["error"]["message"]
+        result = await stream(session, f"{decode.url}/v1/completions", body)
+        assert result.status == 200 and result.done and not result.token_times
+        assert result.events[-1]["error"]["code"] == 500
+        # A producer that is gone (nothing listens there) fails the same way.
+        gone = {**unknown_params(prefill), "remote_port": free_port()}
+        status, answer = await post(session, f"{decode.url}/v1/completions", {**body, "kv_transfer_params": gone})
+        assert status == 500 and "cannot reach" in answer["error"]["message"]
+        # Parameters that point outside loopback are never dialled.
+        outside = {**unknown_params(prefill), "remote_host": "10.0.0.1"}
+        status, answer = await post(session, f"{decode.url}/v1/completions", {**body, "kv_transfer_params": outside})
+        assert status == 500 and "outside 127.0.0.0/8" in answer["error"]["message"]
+        metrics = await scrape(session, decode)
+        assert metrics.value("vllm:request_success_total", finished_reason="error") == 4
+        assert metrics.value("vllm:nixl_num_failed_transfers_total") == 4
+        assert metrics.value("vllm:prompt_tokens_total") == 0
+        assert metrics.value("vllm:num_requests_running") == 0 and metrics.value("vllm:num_requests_waiting") == 0
+
+
+async def test_load_failure_policy_recompute() -> None:
+    async with engine(kv_role="kv_producer") as prefill, \
+            engine(kv_role="kv_consumer", kv_load_failure_policy="recompute") as decode, client_session() as session:
+        body = {"prompt": token_prompt(30), "max_tokens": 5, "kv_transfer_params": unknown_params(prefill)}
+        status, answer = await post(session, f"{decode.url}/v1/completions", body)
+        assert status == 200 and answer["usage"]["completion_tokens"] == 5
+        metrics = await scrape(session, decode)
+        assert metrics.value("vllm:prompt_tokens_by_source_total", source="local_compute") == 30
+        assert metrics.value("vllm:prompt_tokens_by_source_total", source="external_kv_transfer") == 0
+        assert metrics.value("vllm:nixl_num_failed_transfers_total") == 1
+        assert metrics.value("vllm:request_success_total", finished_reason="length") == 1
+
+
+async def test_expired_lease_fails_the_decode_leg() -> None:
+    # A 0.2 s (modelled) lease at 1x: the decode leg comes too late.
+    async with engine(kv_role="kv_producer", kv_lease_s=0.2, time_scale=1.0) as prefill, \
+            engine(kv_role="kv_consumer") as decode, client_session() as session:
+        body = {"prompt": token_prompt(64), "max_tokens": 3}
+        params = await prefill_leg(session, prefill.url, body, "late")
+        await asyncio.sleep(0.3)
+        status, answer = await post(session, f"{decode.url}/v1/completions", {**body, "kv_transfer_params": params})
+        assert status == 500 and "lease expired" in answer["error"]["message"]
+        prefill_metrics = await scrape(session, prefill)
+        assert prefill_metrics.value("vllm:nixl_num_kv_expired_reqs_total") == 1
+        assert prefill_metrics.value("vllm:kv_cache_usage_perc") == 0
+
+
+# --- command line and processes ---------------------------------------------------------------------
+
+def rendered_args(role: str) -> list[str]:
+    """The `vllm serve` arguments the operator renders for the sample NIXL serving."""
+    from xpyd.api.load import load_servings
+    from xpyd.render import render
+
+    sample = REPO / "manifests" / "samples" / "nixl.yaml"
+    serving = load_servings(sample.read_text(), source=str(sample))[0]
+    for obj in render(serving.metadata.name, serving.metadata.namespace, serving.spec):
+        if obj["kind"] == "Deployment" and obj["metadata"]["name"].endswith(f"-{role}"):
+            container = obj["spec"]["template"]["spec"]["containers"][0]
+            assert container["command"][-2:] == ["vllm", "serve"]
+            return list(container["args"])
+    raise AssertionError(f"no {role} Deployment")
+
+
+def test_rendered_vllm_args_configure_the_engine(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("POD_IP", raising=False)
+    monkeypatch.setenv("VLLM_NIXL_SIDE_CHANNEL_PORT", "5611")
+    for role, kv_role in (("prefill", "kv_producer"), ("decode", "kv_consumer")):
+        args = rendered_args(role)
+        config, perf, ignored = config_from_args([*args, "--gpu-memory-utilization", "0.9", "--enable-prefix-caching"])
+        assert config.role == role and config.kv_role == kv_role and config.kv_load_failure_policy == "fail"
+        assert config.model == "meta-llama/Llama-3.1-8B-Instruct" and config.model_name == NAME
+        assert config.port == 8000 and config.host == HOST and config.side_channel_port == 5611
+        assert config.kv_lease_s == 30 and config.shutdown_timeout_s == 60
+        assert ignored == ["--gpu-memory-utilization", "0.9", "--enable-prefix-caching"]
+        assert perf.kv_transfer_seconds(1000) == pytest.approx(PERF.kv_transfer_seconds(1000))
+    config, _, _ = config_from_args(["m", "--role", "decode", "--kv-transfer-config.kv_load_failure_policy",
+                                     "recompute", "--kv-transfer-config.kv_role=kv_consumer", "--max-model-len", "32k",
+                                     "--kv-cache-dtype", "fp8"])
+    assert config.kv_load_failure_policy == "recompute" and config.max_model_len == 32000
+    assert config.kv_bytes_per_token == KV_BYTES // 2
+    with pytest.raises(ValueError, match="contradicts"):
+        config_from_args(["--role", "decode", '--kv-transfer-config={"kv_role": "kv_producer"}'])
+    with pytest.raises(NonLoopbackAddress, match=r"outside 127\.0\.0\.0/8"):
+        config_from_args(["--host", "0.0.0.0"])
+    config, _, _ = config_from_args([])
+    assert config.kv_role is None and config.role == "none"
+
+
+class EngineProcess:
+    """`python -m xpyd.sim.emulator ARGS` on loopback, with its HTTP and side-channel ports; its log
+    goes to a temporary file (a pipe nobody reads could block it)."""
+
+    def __init__(self, args: Sequence[str], log: IO[str]) -> None:
+        self.port = free_port()
+        self.side_channel_port = free_port()
+        env = {**os.environ, "VLLM_NIXL_SIDE_CHANNEL_PORT": str(self.side_channel_port),
+               "VLLM_NIXL_SIDE_CHANNEL_HOST": HOST, "POD_IP": HOST}
+        self.log = log
+        self.process = subprocess.Popen([sys.executable, "-m", "xpyd.sim.emulator", *args, f"--port={self.port}"],
+                                        env=env, stdout=self.log, stderr=subprocess.STDOUT, text=True)
+        self.url = f"http://{HOST}:{self.port}"
+
+    async def wait_ready(self, session: aiohttp.ClientSession, timeout_s: float = 20.0) -> None:
+        """Until /health answers 200."""
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            assert self.process.poll() is None, self.output()
+            with contextlib.suppress(aiohttp.ClientError):
+                async with session.get(f"{self.url}/health") as response:
+                    if response.status == 200:
+                        return
+            await asyncio.sleep(0.05)
+        raise AssertionError(f"engine-sim not ready after {timeout_s} s: {self.output()}")
+
+    def output(self) -> str:
+        """Its log so far."""
+        self.log.seek(0)
+        return self.log.read()
+
+    def stop(self) -> int:
+        """SIGTERM, wait (bounded), return the exit code."""
+        if self.process.poll() is None:
+            self.process.send_signal(signal.SIGTERM)
+        try:
+            return self.process.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            self.process.kill()
+            self.process.wait()
+            raise
+
+
+@contextlib.asynccontextmanager
+async def engine_process(args: Sequence[str], session: aiohttp.ClientSession) -> AsyncIterator[EngineProcess]:
+    """A ready engine process, stopped (SIGTERM) at the end."""
+    with tempfile.TemporaryFile(mode="w+") as log:
+        process = EngineProcess(args, log)
+        try:
+            await process.wait_ready(session)
+            yield process
+        finally:
+            process.stop()
+
+
+async def test_process_with_rendered_args_serves_the_pd_flow() -> None:
+    extra = ["--time-scale=10", "--gpu-memory-utilization=0.9", "--enable-chunked-prefill"]
+    async with client_session() as session, \
+            engine_process([*rendered_args("prefill"), *extra], session) as prefill, \
+            engine_process([*rendered_args("decode"), *extra], session) as decode:
+        async with session.get(f"{decode.url}/v1/models") as response:
+            assert [card["id"] for card in (await response.json())["data"]] == [NAME]
+        body = {"model": NAME, "prompt": token_prompt(300), "max_tokens": 8}
+        params = await prefill_leg(session, prefill.url, body, "proc-1")
+        assert params["remote_port"] == prefill.side_channel_port and params["remote_host"] == HOST
+        result = await stream(session, f"{decode.url}/v1/completions", {**body, "kv_transfer_params": params})
+        assert result.done and len(result.token_times) == 8
+        metrics = await scrape(session, decode.url)
+        assert metrics.value("vllm:prompt_tokens_by_source_total", source="external_kv_transfer") == 300
+        log = prefill.output()
+        assert "ignoring vLLM arguments the emulator does not model: --gpu-memory-utilization=0.9" in log
+    assert prefill.process.returncode == 0 and decode.process.returncode == 0
+
+
+async def test_burst_of_200_concurrent_streams() -> None:
+    async with client_session() as session, \
+            engine_process(["--time-scale=5", "--served-model-name", NAME], session) as server:
+        url = f"{server.url}/v1/completions"
+        started = time.monotonic()
+        results = await asyncio.wait_for(asyncio.gather(*(
+            stream(session, url, {"prompt": token_prompt(200 + i), "max_tokens": 64,
+                                  "stream_options": {"include_usage": True}}) for i in range(200))), timeout=60)
+        elapsed = time.monotonic() - started
+        assert all(r.done and r.usage is not None and r.usage["completion_tokens"] == 64 for r in results)
+        assert sum(r.usage["prompt_tokens"] for r in results if r.usage) == sum(200 + i for i in range(200))
+        metrics = await scrape(session, server.url)
+        assert metrics.value("vllm:request_success_total", finished_reason="length") == 200
+        assert metrics.value("vllm:generation_tokens_total") == 200 * 64
+        assert metrics.value("vllm:num_requests_running") == 0
+    assert elapsed < 30
+
+
+async def test_sigterm_drains_in_flight_requests() -> None:
+    with tempfile.TemporaryFile(mode="w+") as log:
+        process = EngineProcess(["--shutdown-timeout=20", "--served-model-name", NAME], log)
+        try:
+            async with client_session() as session:
+                await process.wait_ready(session)
+                url = f"{process.url}/v1/completions"
+                # ~250 tokens at batch 1: about 1.1 s at 1x.
+                task = asyncio.create_task(stream(session, url, {"prompt": token_prompt(100), "max_tokens": 250}))
+                await asyncio.sleep(0.3)
+                process.process.send_signal(signal.SIGTERM)
+                await asyncio.sleep(0.2)
+                with pytest.raises(aiohttp.ClientConnectionError):
+                    async with aiohttp.ClientSession() as fresh, fresh.get(f"{process.url}/health"):
+                        pass
+                result = await asyncio.wait_for(task, timeout=10)
+                assert result.done and len(result.token_times) == 250
+                exit_code = await asyncio.get_running_loop().run_in_executor(None, process.process.wait, 10)
+                assert exit_code == 0
+        finally:
+            process.stop()
+        assert "draining" in process.output()
+
+
+def test_cli_registers_engine_sim() -> None:
+    from xpyd.cli import build_parser
+
+    try:
+        args = build_parser().parse_args(["engine-sim", "--role", "prefill", "--port", "0", "--foo=1"])
+    except SystemExit:
+        pytest.skip("cli.py does not register `xpyd engine-sim` yet")
+    assert args.argv == ["--role", "prefill", "--port", "0", "--foo=1"]
+    help_text = subprocess.run([sys.executable, "-m", "xpyd.cli", "engine-sim", "--help"], capture_output=True,
+                               text=True, timeout=30, check=True).stdout
+    assert "--time-scale" in help_text and "--kv-transfer-config" in help_text
