@@ -87,6 +87,12 @@ class FakeKube(kmock.KubernetesEmulator):  # type: ignore[misc]
             return None
         return copy.deepcopy(self._objects[key].raw)
 
+    def objects_of(self, resource: str) -> list[JSON]:
+        """Every live object of a resource (e.g. "v1/events")."""
+        wanted = kmock.resource(resource)
+        return [copy.deepcopy(self._objects[key].raw) for key in list(self._objects)
+                if key[0] == wanted and not self._objects[key].deleted]
+
     async def put_object(self, resource: str, obj: JSON) -> None:
         """Set an object as a controller would (e.g. a Deployment's status), announcing it on watches."""
         meta = obj["metadata"]

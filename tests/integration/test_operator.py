@@ -126,11 +126,21 @@ async def create_serving(fake: FakeKube, body: dict[str, Any] | None = None) -> 
     await request(fake, "POST", CR_PATH, copy.deepcopy(body or SERVING))
 
 
+def kopf_done(fake: FakeKube) -> bool:
+    """kopf has recorded the change as handled (its one write of bookkeeping per change)."""
+    annotations = (fake.get_object(CR, NS, "llama") or {}).get("metadata", {}).get("annotations", {})
+    return "xpyd.io/last-handled-configuration" in annotations
+
+
 async def converge(fake: FakeKube) -> None:
     await create_serving(fake)
     await eventually(lambda: children_exist(fake), what="children")
     await mark_deployments_ready(fake)
     await eventually(lambda: (condition(fake, "Ready") or {}).get("status") == "True", what="Ready=True")
+    # The reconcile writes the status, then the Event of the transition; kopf then records the change.
+    await eventually(lambda: any(e.get("reason") == "AllReplicasReady" for e in fake.objects_of("v1/events")),
+                     what="the Ready event")
+    await eventually(lambda: kopf_done(fake), what="kopf done with the create")
 
 
 async def quiet_period(fake: FakeKube, seconds: float) -> list[Any]:
@@ -204,8 +214,7 @@ async def test_invalid_spec_sets_condition_and_touches_nothing(fake: FakeKube, o
     assert ready["status"] == "False" and ready["reason"] == "InvalidSpec"
     assert "P2pNcclConnector was removed in vLLM 0.24" in ready["message"]
     # kopf records that it is done with this change (once), then nothing retries.
-    await eventually(lambda: "xpyd.io/last-handled-configuration" in (
-        fake.get_object(CR, NS, "llama") or {}).get("metadata", {}).get("annotations", {}), what="kopf done")
+    await eventually(lambda: kopf_done(fake), what="kopf done")
     assert await quiet_period(fake, 1.0) == []
     assert not any("apply-patch" in w.content_type for w in fake.writes)
     events = [w for w in fake.writes if w.path.endswith("/events")]
