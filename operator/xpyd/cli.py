@@ -122,6 +122,7 @@ def build_parser() -> argparse.ArgumentParser:
     cluster.add_argument("--json", action="store_true", help="status: machine-readable output")
     cluster.set_defaults(func=_cmd_cluster)
 
+    from xpyd.proxy.main import add_parser as add_proxy_parser
     from xpyd.sim.emulator import add_parser as add_engine_sim_parser
     from xpyd.sim.plan import add_parser as add_plan_parser
     from xpyd.sim.simulator import add_parser as add_sim_parser
@@ -129,6 +130,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_plan_parser(commands)
     add_sim_parser(commands)
     add_engine_sim_parser(commands)
+    add_proxy_parser(commands)
     return parser
 
 

@@ -1,0 +1,223 @@
+"""`xpyd proxy`: the command line, and running the proxy until SIGTERM/SIGINT.
+
+The operator starts it with (see `xpyd.render.proxy_args`)::
+
+    xpyd proxy --port=8000 --connector=NixlConnector --namespace=NS
+        --prefill-selector=xpyd.io/serving=NAME,xpyd.io/role=prefill
+        --decode-selector=xpyd.io/serving=NAME,xpyd.io/role=decode
+        --engine-port=8000 --routing-policy=LeastLoaded --served-model-name=NAME
+
+and, outside Kubernetes, `xpyd proxy --prefill URL --decode URL [--decode URL ...]`.
+The optional API key comes from the environment variable XPYD_PROXY_API_KEY.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import logging
+import os
+import signal
+from typing import Any
+
+from xpyd.api.models import Connector, RoutingPolicy
+from xpyd.proxy import protocol
+from xpyd.proxy.server import API_KEY_ENV, ProxyConfig
+
+log = logging.getLogger(__name__)
+
+#: Seconds in-flight requests get to finish after SIGTERM (the pod's grace period is 60 s).
+SHUTDOWN_SECONDS = 45.0
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """The proxy's flags."""
+    parser.add_argument("--host", default="0.0.0.0", help="address to listen on (default 0.0.0.0)")
+    parser.add_argument("--port", type=int, default=8000, help="port to listen on (default 8000)")
+    parser.add_argument("--connector", default=Connector.NIXL.value, choices=[c.value for c in Connector],
+                        help="KV connector of the pool: decides what each leg carries (default NixlConnector)")
+    parser.add_argument("--routing-policy", default=RoutingPolicy.LEAST_LOADED.value,
+                        choices=[p.value for p in RoutingPolicy],
+                        help="LeastLoaded: fewest outstanding prompt tokens (prefill) or requests (decode), ties "
+                        "random; PowerOfTwo: the less loaded of two random instances; RoundRobin")
+    parser.add_argument("--served-model-name", default=None,
+                        help="model name clients must use (others get 404); unset: any name passes through")
+    where = parser.add_argument_group("engines (Kubernetes pods, or fixed URLs)")
+    where.add_argument("--namespace", default=None, help="namespace of the engine pods (default: the proxy's own)")
+    where.add_argument("--prefill-selector", default=None, help="label selector of the prefill pods")
+    where.add_argument("--decode-selector", default=None, help="label selector of the decode pods")
+    where.add_argument("--engine-port", type=int, default=8000, help="HTTP port of the engines in their pods")
+    where.add_argument("--prefill", action="append", default=[], metavar="URL",
+                       help="a prefill engine's base URL, e.g. http://10.0.0.5:8000 (repeatable)")
+    where.add_argument("--decode", action="append", default=[], metavar="URL",
+                       help="a decode engine's base URL (repeatable)")
+    failures = parser.add_argument_group("failures and limits")
+    failures.add_argument("--prefill-retries", type=int, default=2,
+                          help="other prefill instances tried after a failed prefill leg (default 2)")
+    failures.add_argument("--decode-retries", type=int, default=1,
+                          help="other decode instances tried when decode fails before its first byte (default 1)")
+    failures.add_argument("--prefill-timeout", type=float, default=300.0, help="seconds for a prefill leg")
+    failures.add_argument("--decode-timeout", type=float, default=3600.0,
+                          help="seconds for an unstreamed decode leg")
+    failures.add_argument("--stream-idle-timeout", type=float, default=300.0,
+                          help="longest silence of a streamed decode leg, in seconds")
+    failures.add_argument("--connect-timeout", type=float, default=2.0, help="seconds to connect to an engine")
+    failures.add_argument("--health-interval", type=float, default=2.0, help="seconds between health probes")
+    failures.add_argument("--health-timeout", type=float, default=2.0, help="seconds a health probe may take")
+    failures.add_argument("--breaker-threshold", type=int, default=3,
+                          help="consecutive failed legs that open an instance's circuit breaker")
+    failures.add_argument("--breaker-cooldown", type=float, default=2.0,
+                          help="seconds before an open breaker's first recovery probe (doubles while it fails)")
+    failures.add_argument("--upstream-idle-timeout", type=float, default=4.0,
+                          help="seconds an idle upstream connection is kept; must stay below the engines' "
+                          "keep-alive (uvicorn: 5 s)")
+    failures.add_argument("--max-concurrency", type=int, default=2048,
+                          help="client requests in flight before new ones get 429")
+    failures.add_argument("--max-body-bytes", type=int, default=32 * 1024 * 1024,
+                          help="largest request body accepted (larger: 413)")
+    failures.add_argument("--decode-only-fallback", action="store_true",
+                          help="when no prefill instance can serve, let decode compute the prompt (counted in "
+                          "xpyd_proxy_decode_only_fallbacks_total and logged) instead of answering 503")
+    connectors = parser.add_argument_group("connector settings")
+    connectors.add_argument("--mooncake-bootstrap-port", type=int, default=protocol.MOONCAKE_BOOTSTRAP_PORT,
+                            help="MooncakeConnector: prefill engines' VLLM_MOONCAKE_BOOTSTRAP_PORT")
+    connectors.add_argument("--p2p-nccl-kv-port", type=int, default=protocol.P2P_NCCL_KV_PORT,
+                            help="P2pNcclConnector: engines' kv_port, for instances that have not registered")
+    connectors.add_argument("--p2p-nccl-registration-port", type=int, default=0,
+                            help="P2pNcclConnector: ZMQ port engines register on (their proxy_port, e.g. 30001; "
+                            "0: off; needs pyzmq and msgpack)")
+    parser.add_argument("-v", "--verbose", action="store_true", help="debug logging")
+
+
+def add_parser(subparsers: Any) -> None:
+    """Register `proxy` on the `xpyd` command's sub-parsers."""
+    parser = subparsers.add_parser("proxy", help="run the xPyD routing proxy (prefill, then decode with the KV "
+                                   "hand-off)", description=__doc__,
+                                   formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_arguments(parser)
+    parser.set_defaults(func=run)
+
+
+def config_from_args(args: argparse.Namespace) -> ProxyConfig:
+    """The proxy's configuration from parsed flags and the environment."""
+    return ProxyConfig(
+        connector=Connector(args.connector),
+        routing_policy=RoutingPolicy(args.routing_policy),
+        served_model_name=args.served_model_name,
+        api_key=os.environ.get(API_KEY_ENV) or None,
+        prefill_retries=args.prefill_retries,
+        decode_retries=args.decode_retries,
+        prefill_timeout=args.prefill_timeout,
+        decode_timeout=args.decode_timeout,
+        stream_idle_timeout=args.stream_idle_timeout,
+        connect_timeout=args.connect_timeout,
+        health_interval=args.health_interval,
+        health_timeout=args.health_timeout,
+        breaker_threshold=args.breaker_threshold,
+        breaker_cooldown=args.breaker_cooldown,
+        upstream_idle_timeout=args.upstream_idle_timeout,
+        max_concurrency=args.max_concurrency,
+        max_body_bytes=args.max_body_bytes,
+        decode_only_fallback=args.decode_only_fallback,
+        mooncake_bootstrap_port=args.mooncake_bootstrap_port,
+        p2p_nccl_kv_port=args.p2p_nccl_kv_port,
+    )
+
+
+def _check(args: argparse.Namespace) -> str | None:
+    """A message when the flags contradict each other."""
+    kube = args.prefill_selector is not None or args.decode_selector is not None
+    static = bool(args.prefill or args.decode)
+    if kube == static:
+        return "give either --prefill-selector and --decode-selector (Kubernetes) or --prefill and --decode URLs"
+    if kube and not (args.prefill_selector and args.decode_selector):
+        return "--prefill-selector and --decode-selector go together"
+    if static and not args.decode:
+        return "at least one --decode URL is needed"
+    if static and not args.prefill and not args.decode_only_fallback:
+        return "at least one --prefill URL is needed (or --decode-only-fallback)"
+    if args.upstream_idle_timeout >= 5.0:
+        return "--upstream-idle-timeout must stay below the engines' 5 s keep-alive"
+    return None
+
+
+def run(args: argparse.Namespace) -> int:
+    """Run the proxy until SIGTERM or SIGINT; 2 on contradictory flags."""
+    logging.basicConfig(level=logging.DEBUG if args.verbose else logging.INFO,
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    problem = _check(args)
+    if problem:
+        log.error("xpyd proxy: %s", problem)
+        return 2
+    asyncio.run(serve(args))
+    return 0
+
+
+def _own_namespace() -> str:
+    path = "/var/run/secrets/kubernetes.io/serviceaccount/namespace"
+    with contextlib.suppress(OSError), open(path) as file:  # noqa: PTH123 (one read of a well-known file)
+        return file.read().strip()
+    return os.environ.get("POD_NAMESPACE", "default")
+
+
+async def serve(args: argparse.Namespace) -> None:
+    """Start discovery and the HTTP server; stop on a signal, letting requests in flight finish."""
+    from aiohttp import web
+
+    from xpyd.proxy.discovery import PodWatcher, static_endpoints
+    from xpyd.proxy.server import Proxy
+
+    config = config_from_args(args)
+    proxy = Proxy(config)
+    runner = web.AppRunner(proxy.app(), access_log=None, handler_cancellation=True,
+                           shutdown_timeout=SHUTDOWN_SECONDS)
+    await runner.setup()
+    loop = asyncio.get_running_loop()
+    watchers: list[PodWatcher] = []
+    registration = None
+    if args.prefill_selector:
+        from xpyd.kube import Kube
+
+        kube = Kube.from_environment()
+        namespace = args.namespace or _own_namespace()
+        for role, selector in (("prefill", args.prefill_selector), ("decode", args.decode_selector)):
+            def publish(endpoints: list[Any], role: Any = role) -> None:
+                loop.call_soon_threadsafe(proxy.set_endpoints, role, endpoints)
+
+            watcher = PodWatcher(kube, namespace, selector, args.engine_port, publish)
+            watcher.start()
+            watchers.append(watcher)
+    else:
+        proxy.set_endpoints("prefill", static_endpoints(args.prefill))
+        proxy.set_endpoints("decode", static_endpoints(args.decode))
+    if config.connector == Connector.P2P_NCCL and args.p2p_nccl_registration_port:
+        from xpyd.proxy.p2pnccl import Registrations
+
+        def register(role: Any, endpoints: list[Any]) -> None:
+            loop.call_soon_threadsafe(proxy.set_endpoints, role, endpoints, "registration")
+
+        registration = Registrations(args.host, args.p2p_nccl_registration_port, register)
+        registration.start()
+    site = web.TCPSite(runner, args.host, args.port)
+    await site.start()
+    log.info("xpyd proxy (%s, %s) listening on %s:%d", config.connector.value, config.routing_policy.value,
+             args.host, args.port)
+    stop = asyncio.Event()
+    for signum in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(signum, stop.set)
+    await stop.wait()
+    log.info("stopping: finishing requests in flight (up to %.0f s)", SHUTDOWN_SECONDS)
+    for watcher in watchers:
+        watcher.stop()
+    if registration is not None:
+        registration.stop()
+    await runner.cleanup()
+
+
+def main() -> int:
+    """`python -m xpyd.proxy`: the same flags as `xpyd proxy`."""
+    parser = argparse.ArgumentParser(prog="python -m xpyd.proxy", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_arguments(parser)
+    return run(parser.parse_args())

@@ -1,0 +1,50 @@
+"""Which instance of a role gets the next leg. Pure: the caller passes the candidates, their
+loads and the random source.
+
+The load of an instance is what the proxy itself has outstanding there: prompt tokens for prefill
+(a prefill engine's queue drains at a rate in tokens per second, so one long prompt weighs as much
+as many short ones) and requests for decode (each running sequence costs a decode engine about the
+same per step). Every proxy replica counts only its own traffic; with several replicas, random tie
+breaking keeps them from herding onto the same idle instance.
+
+- LeastLoaded: the candidate with the least load; ties broken uniformly at random.
+- PowerOfTwo: two distinct candidates drawn at random, the less loaded of the two (ties random);
+  nearly as balanced as LeastLoaded and less prone to herding when many proxies share a pool.
+- RoundRobin: candidates in a stable order (by name), one after another, ignoring load.
+"""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Callable, Sequence
+from typing import TypeVar
+
+from xpyd.api.models import RoutingPolicy
+
+T = TypeVar("T")
+
+
+def pick(policy: RoutingPolicy, candidates: Sequence[T], load: Callable[[T], float], name: Callable[[T], str],
+         rng: random.Random, turn: int) -> T:
+    """The candidate `policy` chooses. `turn` counts earlier picks of this role (RoundRobin);
+    `candidates` must not be empty."""
+    if not candidates:
+        raise ValueError("no candidates to pick from")
+    if len(candidates) == 1:
+        return candidates[0]
+    if policy == RoutingPolicy.ROUND_ROBIN:
+        ordered = sorted(candidates, key=name)
+        return ordered[turn % len(ordered)]
+    if policy == RoutingPolicy.POWER_OF_TWO:
+        first, second = rng.sample(list(candidates), 2)
+        return _least(first, second, load=load, rng=rng)
+    loads = [load(candidate) for candidate in candidates]
+    lowest = min(loads)
+    return rng.choice([c for c, value in zip(candidates, loads, strict=True) if value == lowest])
+
+
+def _least(first: T, second: T, *, load: Callable[[T], float], rng: random.Random) -> T:
+    a, b = load(first), load(second)
+    if a == b:
+        return first if rng.random() < 0.5 else second
+    return first if a < b else second

@@ -1,0 +1,184 @@
+"""What each KV connector expects on the two legs of a disaggregated request. Pure: no I/O.
+
+The proxy sends every client request twice: a prefill leg that computes the prompt's KV cache and
+generates one token, and a decode leg that receives the KV cache and generates the answer the
+client sees. The connectors differ in what the legs carry and whether they may run at once
+(vLLM 0.33 unless noted; see `../shared/VLLM_FACTS.md`):
+
+- NixlConnector (pull, `toy_proxy_server.py`): prefill first with
+  `kv_transfer_params={do_remote_decode: true, ...}`; its answer's `kv_transfer_params` (block ids,
+  engine id, side-channel address) go to decode, which reads the KV from prefill. Sequential.
+- NixlPushConnector (`disagg_proxy_pushconnector_demo.py`, `nixl/push_scheduler.py`): decode needs
+  only the prefill engine's identity (`remote_engine_id`, `remote_host`, `remote_port`, `tp_size`,
+  `pp_size`) and the shared request id; it registers its blocks and prefill writes into them. The
+  identity comes from a prefill answer, so the first request to a prefill instance runs
+  sequentially and teaches the proxy the identity; later ones send both legs at once.
+- MooncakeConnector (`mooncake_connector_proxy.py`): both legs at once, tied by a `transfer_id`;
+  decode gets prefill's bootstrap address and engine id (read from the bootstrap server's
+  `GET /query`).
+- P2pNcclConnector (vLLM <= 0.23, `disagg_proxy_p2p_nccl_xpyd.py`): no `kv_transfer_params`; the
+  request id `___prefill_addr_{P}___decode_addr_{D}_{uuid}` tells each side its peer's ZMQ address.
+  Sequential.
+- LMCacheConnectorV1: prefill then decode with the original body; LMCache moves the KV itself.
+
+Both legs always carry the same `X-Request-Id`.
+"""
+
+from __future__ import annotations
+
+import uuid
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any, Final
+
+from xpyd.api.models import Connector
+
+JSON = dict[str, Any]
+
+#: The prefill leg's `kv_transfer_params` for NIXL (pull and push), exactly as vLLM's proxies send them.
+NIXL_PREFILL_PARAMS: Final[Mapping[str, Any]] = {
+    "do_remote_decode": True,
+    "do_remote_prefill": False,
+    "remote_engine_id": None,
+    "remote_block_ids": None,
+    "remote_host": None,
+    "remote_port": None,
+}
+
+#: Fields the prefill leg must not carry: it generates one token and answers in one piece.
+_PREFILL_DROPPED: Final = ("stream_options", "min_tokens", "min_completion_tokens")
+
+#: The identity of a NixlPushConnector prefill engine, as its answers report it.
+PUSH_IDENTITY_REQUIRED: Final = ("remote_engine_id", "remote_host", "remote_port", "tp_size")
+PUSH_IDENTITY_OPTIONAL: Final = ("pp_size", "dcp_size")
+
+#: vLLM's MooncakeConnector bootstrap port default (VLLM_MOONCAKE_BOOTSTRAP_PORT).
+MOONCAKE_BOOTSTRAP_PORT: Final = 8998
+#: vLLM's P2pNcclConnector first ZMQ port (kv_port; rank r listens on kv_port + r).
+P2P_NCCL_KV_PORT: Final = 14579
+
+
+@dataclass(frozen=True)
+class ConnectorTraits:
+    """How the proxy drives one connector."""
+
+    #: Both legs are sent at once (once whatever decode needs up front is known).
+    concurrent: bool
+    #: A decode leg that failed before its first byte may be sent again to another decode instance
+    #: with the same prefill result (the KV stays on prefill until decode reads it).
+    decode_reuses_prefill: bool
+    #: The prefill answer must carry `kv_transfer_params` (else the KV hand-off silently fails
+    #: and decode would recompute the prompt: treated as a prefill failure).
+    prefill_answer_has_params: bool
+
+
+TRAITS: Final[Mapping[Connector, ConnectorTraits]] = {
+    Connector.NIXL: ConnectorTraits(concurrent=False, decode_reuses_prefill=True, prefill_answer_has_params=True),
+    Connector.NIXL_PUSH: ConnectorTraits(concurrent=True, decode_reuses_prefill=False,
+                                         prefill_answer_has_params=True),
+    Connector.MOONCAKE: ConnectorTraits(concurrent=True, decode_reuses_prefill=False,
+                                        prefill_answer_has_params=False),
+    Connector.LMCACHE: ConnectorTraits(concurrent=False, decode_reuses_prefill=True,
+                                       prefill_answer_has_params=False),
+    Connector.P2P_NCCL: ConnectorTraits(concurrent=False, decode_reuses_prefill=False,
+                                        prefill_answer_has_params=False),
+}
+
+
+def prefill_body(body: Mapping[str, Any], kv_transfer_params: Mapping[str, Any] | None) -> JSON:
+    """The prefill leg: a copy of the client's body that generates one token, unstreamed, without
+    the fields prefill must not see, with `kv_transfer_params` (or none)."""
+    leg = {key: value for key, value in body.items() if key not in _PREFILL_DROPPED}
+    leg["max_tokens"] = 1
+    if "max_completion_tokens" in leg:
+        leg["max_completion_tokens"] = 1
+    leg["stream"] = False
+    if kv_transfer_params is None:
+        leg.pop("kv_transfer_params", None)
+    else:
+        leg["kv_transfer_params"] = dict(kv_transfer_params)
+    return leg
+
+
+def decode_body(body: Mapping[str, Any], kv_transfer_params: Mapping[str, Any] | None) -> JSON:
+    """The decode leg: the client's body as sent, with the hand-off parameters (a client's own
+    `kv_transfer_params` never reach an engine)."""
+    leg = dict(body)
+    if kv_transfer_params is None:
+        leg.pop("kv_transfer_params", None)
+    else:
+        leg["kv_transfer_params"] = dict(kv_transfer_params)
+    return leg
+
+
+# -- NIXL push ---------------------------------------------------------------------------------
+
+
+def push_identity(kv_transfer_params: Any) -> JSON | None:
+    """The prefill engine's identity from a NixlPushConnector prefill answer, or None when the
+    answer does not carry a complete one (then decode cannot register with it)."""
+    if not isinstance(kv_transfer_params, dict):
+        return None
+    identity: JSON = {}
+    for key in PUSH_IDENTITY_REQUIRED:
+        value = kv_transfer_params.get(key)
+        if value is None or isinstance(value, list | dict):
+            return None
+        identity[key] = value
+    for key in PUSH_IDENTITY_OPTIONAL:
+        if kv_transfer_params.get(key) is not None:
+            identity[key] = kv_transfer_params[key]
+    return identity
+
+
+def push_decode_params(identity: Mapping[str, Any], request_id: str) -> JSON:
+    """Decode's `kv_transfer_params` in push mode: prefill's identity, no block ids (decode
+    allocates its own and registers them), and the request id both legs share."""
+    return {**identity, "do_remote_prefill": True, "do_remote_decode": False, "remote_request_id": request_id}
+
+
+# -- Mooncake ----------------------------------------------------------------------------------
+
+
+def mooncake_transfer_id(request_id: str) -> str:
+    """The id that ties a Mooncake prefill and decode together (vLLM's proxy: `xfer-<request id>`)."""
+    return f"xfer-{request_id}"
+
+
+def mooncake_prefill_params(transfer_id: str) -> JSON:
+    """Prefill's `kv_transfer_params` for Mooncake."""
+    return {"do_remote_decode": True, "do_remote_prefill": False, "transfer_id": transfer_id}
+
+
+def mooncake_decode_params(transfer_id: str, bootstrap_addr: str, engine_id: str) -> JSON:
+    """Decode's `kv_transfer_params` for Mooncake: where prefill's bootstrap server is and which
+    engine (data-parallel rank) holds the KV."""
+    return {"do_remote_decode": False, "do_remote_prefill": True, "remote_bootstrap_addr": bootstrap_addr,
+            "remote_engine_id": engine_id, "transfer_id": transfer_id}
+
+
+def mooncake_engine_id(query_answer: Any, rank: int = 0) -> str | None:
+    """The engine id of data-parallel `rank` in a bootstrap server's `GET /query` answer
+    (`{"0": {"engine_id": ...}, ...}`), or None."""
+    if not isinstance(query_answer, dict):
+        return None
+    entry = query_answer.get(str(rank))
+    engine_id = entry.get("engine_id") if isinstance(entry, dict) else None
+    return engine_id if isinstance(engine_id, str) and engine_id else None
+
+
+# -- P2pNccl -----------------------------------------------------------------------------------
+
+
+def p2p_nccl_request_id(prefill_zmq: str, decode_zmq: str, unique: str | None = None) -> str:
+    """The request id that tells a P2pNccl prefill engine where decode listens and vice versa.
+
+    vLLM parses it with `___decode_addr_(.*):(\\d+)` (prefill side) and
+    `___prefill_addr_(.*):(\\d+)___` (decode side), so the unique tail is hex without colons."""
+    tail = unique if unique is not None else uuid.uuid4().hex
+    return f"___prefill_addr_{prefill_zmq}___decode_addr_{decode_zmq}_{tail}"
+
+
+def host_port(host: str, port: int) -> str:
+    """`host:port`, with an IPv6 host in brackets."""
+    return f"[{host}]:{port}" if ":" in host and not host.startswith("[") else f"{host}:{port}"

@@ -1,0 +1,237 @@
+"""A stub vLLM engine that answers at once: vLLM's OpenAI API (completions, chat, streaming with
+usage, /v1/models, /health) and the `kv_transfer_params` answers of a NIXL prefill engine and a
+Mooncake bootstrap server (`GET /query`). It models no timing at all (`xpyd engine-sim` does): it is
+the engine of the proxy benchmark, where only the proxy's own cost should show, and of the proxy's
+failure-injection tests, which switch its faults on and off (`fail_status`, `hang`, `health_status`,
+`break_after_chunks`, `omit_kv_params`, `token_delay`) and read what it received (`seen`) and how
+requests ended (`cancelled`).
+
+    python -m xpyd.proxy.stubengine --host 127.0.0.1 --port 8100 [--port 8101 ...]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import itertools
+import json
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from aiohttp import web
+from multidict import CIMultiDict
+
+from xpyd.proxy.validation import text_tokens
+
+JSON = dict[str, Any]
+#: Longest answer the stub generates (vLLM refuses more than the context allows with a 400 too).
+MAX_TOKENS = 4096
+
+
+@dataclass(frozen=True)
+class Seen:
+    """A generation request as the stub received it."""
+
+    path: str
+    headers: CIMultiDict[str]
+    body: JSON
+
+
+def _prompt_tokens(body: JSON) -> int:
+    prompt = body.get("prompt")
+    if isinstance(prompt, str):
+        return text_tokens(prompt)
+    if isinstance(prompt, list) and prompt and all(isinstance(t, int) for t in prompt):
+        return len(prompt)
+    messages = body.get("messages")
+    if isinstance(messages, list):
+        return sum(4 + text_tokens(str(m.get("content") or "")) for m in messages if isinstance(m, dict))
+    return 1
+
+
+@dataclass
+class StubEngine:
+    """One stub engine; `start()` serves it on loopback (or `app()` for an existing runner)."""
+
+    name: str = "stub"
+    default_max_tokens: int = 16
+    record: bool = True
+    side_channel_port: int = 5600
+    fail_status: int | None = None
+    hang: bool = False
+    health_status: int = 200
+    hang_health: bool = False
+    break_after_chunks: int | None = None
+    omit_kv_params: bool = False
+    token_delay: float = 0.0
+    seen: list[Seen] = field(default_factory=list)
+    started: int = 0
+    completed: int = 0
+    cancelled: int = 0
+    host: str = "127.0.0.1"
+    port: int = 0
+    _runner: web.AppRunner | None = None
+    _ids: itertools.count[int] = field(default_factory=itertools.count)
+
+    @property
+    def url(self) -> str:
+        """Base URL once started."""
+        return f"http://{self.host}:{self.port}"
+
+    @property
+    def engine_id(self) -> str:
+        """The NIXL/Mooncake engine id the stub reports."""
+        return f"{self.name}-engine"
+
+    def app(self) -> web.Application:
+        """The aiohttp application."""
+        app = web.Application(client_max_size=64 * 1024 * 1024)
+        app.router.add_post("/v1/completions", self._generate)
+        app.router.add_post("/v1/chat/completions", self._generate)
+        app.router.add_get("/v1/models", self._models)
+        app.router.add_get("/health", self._health)
+        app.router.add_get("/query", self._query)
+        return app
+
+    async def start(self, host: str = "127.0.0.1", port: int = 0) -> str:
+        """Serve on `host:port` (0: any free port); returns the base URL."""
+        self._runner = web.AppRunner(self.app(), access_log=None, handler_cancellation=True, shutdown_timeout=0.5)
+        await self._runner.setup()
+        site = web.TCPSite(self._runner, host, port)
+        await site.start()
+        server = site._server
+        assert server is not None and server.sockets  # type: ignore[attr-defined]
+        self.host, self.port = host, server.sockets[0].getsockname()[1]  # type: ignore[attr-defined]
+        return self.url
+
+    async def stop(self) -> None:
+        """Stop serving (open connections are closed)."""
+        if self._runner is not None:
+            await self._runner.cleanup()
+            self._runner = None
+
+    async def _health(self, request: web.Request) -> web.Response:
+        if self.hang_health:
+            await asyncio.sleep(3600)
+        return web.Response(status=self.health_status)
+
+    async def _models(self, request: web.Request) -> web.Response:
+        return web.json_response({"object": "list", "data": [
+            {"id": self.name, "object": "model", "created": 0, "owned_by": "vllm", "root": self.name,
+             "parent": None, "max_model_len": 131072}]})
+
+    async def _query(self, request: web.Request) -> web.Response:
+        return web.json_response({"0": {"engine_id": self.engine_id}})
+
+    async def _generate(self, request: web.Request) -> web.StreamResponse:
+        try:
+            body = json.loads(await request.read())
+        except ValueError:
+            return web.json_response({"error": {"message": "invalid JSON", "type": "BadRequestError",
+                                                "param": None, "code": 400}}, status=400)
+        if not isinstance(body, dict):
+            return web.json_response({"error": {"message": "not an object", "type": "BadRequestError",
+                                                "param": None, "code": 400}}, status=400)
+        if self.record:
+            self.seen.append(Seen(request.path, CIMultiDict(request.headers), body))
+        self.started += 1
+        try:
+            if self.hang:
+                await asyncio.sleep(3600)
+            if self.fail_status is not None:
+                return web.json_response({"error": {"message": "injected failure", "type": "InternalServerError",
+                                                    "param": None, "code": self.fail_status}}, status=self.fail_status)
+            response = await self._answer(request, body)
+            self.completed += 1
+            return response
+        except asyncio.CancelledError:
+            self.cancelled += 1
+            raise
+
+    def _kv_answer(self, request: web.Request, params: Any) -> JSON | None:
+        if not isinstance(params, dict) or not params.get("do_remote_decode") or self.omit_kv_params:
+            return None
+        if "transfer_id" in params:  # Mooncake: decode learns everything from the proxy
+            return None
+        return self.kv_answer(request.headers.get("X-Request-Id", ""))
+
+    def kv_answer(self, request_id: str) -> JSON:
+        """The `kv_transfer_params` a NIXL prefill leg with this X-Request-Id is answered with."""
+        return {"do_remote_prefill": True, "do_remote_decode": False, "remote_block_ids": [[1, 2, 3]],
+                "remote_engine_id": self.engine_id, "remote_request_id": f"cmpl-{request_id}-0",
+                "remote_host": self.host, "remote_port": self.side_channel_port, "tp_size": 1, "pp_size": 1}
+
+    async def _answer(self, request: web.Request, body: JSON) -> web.StreamResponse:
+        chat = request.path.endswith("/chat/completions")
+        model = str(body.get("model", self.name))
+        limit = body.get("max_completion_tokens") if chat and body.get("max_completion_tokens") else None
+        tokens = int(limit or body.get("max_tokens") or self.default_max_tokens)
+        if not 0 < tokens <= MAX_TOKENS:
+            return web.json_response({"error": {"message": f"max_tokens must be within 1..{MAX_TOKENS}",
+                                                "type": "BadRequestError", "param": "max_tokens", "code": 400}},
+                                     status=400)
+        prompt_tokens = _prompt_tokens(body)
+        kv = self._kv_answer(request, body.get("kv_transfer_params"))
+        ident = f"{'chatcmpl' if chat else 'cmpl'}-{request.headers.get('X-Request-Id', next(self._ids))}"
+        created = int(time.time())
+        usage = {"prompt_tokens": prompt_tokens, "total_tokens": prompt_tokens + tokens, "completion_tokens": tokens}
+        words = [f" tok{i}" for i in range(tokens)]
+        if not body.get("stream"):
+            if chat:
+                choice: JSON = {"index": 0, "message": {"role": "assistant", "content": "".join(words)},
+                                "logprobs": None, "finish_reason": "length"}
+            else:
+                choice = {"index": 0, "text": "".join(words), "logprobs": None, "finish_reason": "length"}
+            return web.json_response({
+                "id": ident, "object": "chat.completion" if chat else "text_completion", "created": created,
+                "model": model, "choices": [choice], "usage": usage, "kv_transfer_params": kv})
+        response = web.StreamResponse(headers={"Content-Type": "text/event-stream; charset=utf-8"})
+        await response.prepare(request)
+        kind = "chat.completion.chunk" if chat else "text_completion"
+        for index, word in enumerate(words):
+            if self.break_after_chunks is not None and index >= self.break_after_chunks:
+                assert request.transport is not None
+                request.transport.abort()
+                return response
+            last = index == len(words) - 1
+            if chat:
+                delta: JSON = {"role": "assistant", "content": word} if index == 0 else {"content": word}
+                choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": "length" if last else None}
+            else:
+                choice = {"index": 0, "text": word, "logprobs": None, "finish_reason": "length" if last else None}
+            chunk = {"id": ident, "object": kind, "created": created, "model": model, "choices": [choice]}
+            await response.write(b"data: " + json.dumps(chunk).encode() + b"\n\n")
+            if self.token_delay:
+                await asyncio.sleep(self.token_delay)
+        options = body.get("stream_options")
+        if isinstance(options, dict) and options.get("include_usage"):
+            chunk = {"id": ident, "object": kind, "created": created, "model": model, "choices": [], "usage": usage}
+            await response.write(b"data: " + json.dumps(chunk).encode() + b"\n\n")
+        await response.write(b"data: [DONE]\n\n")
+        await response.write_eof()
+        return response
+
+
+async def _serve(host: str, ports: list[int]) -> None:
+    engines = [StubEngine(name=f"stub-{port}", record=False) for port in ports]
+    for engine, port in zip(engines, ports, strict=True):
+        await engine.start(host, port)
+    await asyncio.Event().wait()
+
+
+def main() -> int:
+    """Serve stub engines until killed."""
+    parser = argparse.ArgumentParser(prog="python -m xpyd.proxy.stubengine", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--host", default="127.0.0.1")
+    parser.add_argument("--port", type=int, action="append", required=True, help="a port to serve (repeatable)")
+    args = parser.parse_args()
+    from xpyd.cluster.netguard import require_loopback
+
+    asyncio.run(_serve(require_loopback(args.host, "stub engine address"), args.port))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

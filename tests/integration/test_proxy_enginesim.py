@@ -1,0 +1,176 @@
+"""The proxy process in front of `xpyd engine-sim` processes (real processes, real HTTP, loopback):
+the NIXL hand-off really happens (decode counts the prompt as `external_kv_transfer`), streams come
+through intact with usage, a client's disconnect aborts the decode request in the engine, and a
+decode engine killed mid-load costs no client an error."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+
+import aiohttp
+import pytest
+
+from xpyd.cluster.netguard import require_loopback
+
+pytest.importorskip("xpyd.sim.emulator")
+
+pytestmark = pytest.mark.integration
+
+HOST = require_loopback("127.0.0.1")
+#: Modelled time runs this many times faster than the wall clock.
+TIME_SCALE = "5"
+PROMPT = "hello " * 50
+
+
+def _free_ports(count: int) -> list[int]:
+    sockets = [socket.socket() for _ in range(count)]
+    for s in sockets:
+        s.bind((HOST, 0))
+    ports = [s.getsockname()[1] for s in sockets]
+    for s in sockets:
+        s.close()
+    return ports
+
+
+@dataclass
+class Cluster:
+    proxy: str
+    prefill: list[str]
+    decode: list[str]
+    processes: dict[str, subprocess.Popen[bytes]]
+
+
+async def _wait_healthy(url: str, process: subprocess.Popen[bytes], timeout: float = 60.0) -> None:
+    async with aiohttp.ClientSession() as session:
+        for _ in range(int(timeout / 0.1)):
+            assert process.poll() is None, f"{url} exited"
+            try:
+                async with session.get(url + "/health") as response:
+                    if response.status == 200:
+                        return
+            except aiohttp.ClientError:
+                pass
+            await asyncio.sleep(0.1)
+    raise AssertionError(f"{url} never became healthy")
+
+
+@pytest.fixture
+async def cluster() -> AsyncIterator[Cluster]:
+    ports = _free_ports(5)
+    processes: dict[str, subprocess.Popen[bytes]] = {}
+    env = {**os.environ, "VLLM_NIXL_SIDE_CHANNEL_PORT": "0"}
+    roles = {"prefill": ports[:2], "decode": ports[2:4]}
+    try:
+        for role, role_ports in roles.items():
+            for port in role_ports:
+                url = f"http://{HOST}:{port}"
+                processes[url] = subprocess.Popen(
+                    [sys.executable, "-m", "xpyd.sim.emulator", "--role", role, "--host", HOST, "--port", str(port),
+                     "--time-scale", TIME_SCALE], env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        urls = {role: [f"http://{HOST}:{port}" for port in role_ports] for role, role_ports in roles.items()}
+        proxy = f"http://{HOST}:{ports[4]}"
+        processes[proxy] = subprocess.Popen(
+            [sys.executable, "-m", "xpyd.proxy", "--host", HOST, "--port", str(ports[4]),
+             *[a for url in urls["prefill"] for a in ("--prefill", url)],
+             *[a for url in urls["decode"] for a in ("--decode", url)], "--health-interval", "0.2"],
+            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        for url, process in processes.items():
+            await _wait_healthy(url, process)
+        async with aiohttp.ClientSession() as session:
+            for _ in range(100):
+                async with session.get(proxy + "/health") as response:
+                    state = await response.json()
+                if state["prefill"]["eligible"] == 2 and state["decode"]["eligible"] == 2:
+                    break
+                await asyncio.sleep(0.1)
+        yield Cluster(proxy, urls["prefill"], urls["decode"], processes)
+    finally:
+        for process in processes.values():
+            if process.poll() is None:
+                process.send_signal(signal.SIGKILL)
+            process.wait(timeout=10)
+
+
+async def _metric(session: aiohttp.ClientSession, urls: list[str], name: str, labels: str = "") -> float:
+    total = 0.0
+    for url in urls:
+        try:
+            async with session.get(url + "/metrics") as response:
+                text = await response.text()
+        except aiohttp.ClientError:
+            continue
+        for line in text.splitlines():
+            if line.startswith(name + "{") and labels in line:
+                total += float(line.rsplit(" ", 1)[1])
+    return total
+
+
+async def test_the_kv_hand_off_happens_and_streams_arrive_intact(cluster: Cluster) -> None:
+    async with aiohttp.ClientSession() as session:
+        body = {"model": "meta-llama/Llama-3.1-8B-Instruct", "prompt": PROMPT, "max_tokens": 12}
+        async with session.post(cluster.proxy + "/v1/completions", json=body) as response:
+            assert response.status == 200, await response.text()
+            answer = await response.json()
+        assert answer["choices"][0]["text"] == " tok" * 12 and answer["usage"]["completion_tokens"] == 12
+        chat = {"model": "meta-llama/Llama-3.1-8B-Instruct", "messages": [{"role": "user", "content": PROMPT}],
+                "max_tokens": 8, "stream": True, "stream_options": {"include_usage": True}}
+        async with session.post(cluster.proxy + "/v1/chat/completions", json=chat) as response:
+            assert response.status == 200
+            text = await response.text()
+        events = [e[len("data: "):] for e in text.split("\n\n") if e.startswith("data: ")]
+        assert events[-1] == "[DONE]"
+        chunks = [json.loads(e) for e in events[:-1]]
+        content = "".join(c["choices"][0]["delta"].get("content", "") for c in chunks if c["choices"])
+        assert content == " tok" * 8 and chunks[-1]["usage"]["completion_tokens"] == 8
+        # Decode received the KV: its prompts came over the (emulated) NIXL transfer, none computed locally.
+        transferred = await _metric(session, cluster.decode, "vllm:prompt_tokens_by_source_total",
+                                    'source="external_kv_transfer"')
+        local = await _metric(session, cluster.decode, "vllm:prompt_tokens_by_source_total", 'source="local_compute"')
+        assert transferred > 0 and local == 0
+        assert await _metric(session, cluster.prefill, "vllm:request_success_total") == 2
+
+
+async def test_a_client_disconnect_aborts_the_decode_request(cluster: Cluster) -> None:
+    async with aiohttp.ClientSession() as session:
+        body = {"model": "meta-llama/Llama-3.1-8B-Instruct", "prompt": PROMPT, "max_tokens": 4000, "stream": True}
+        response = await session.post(cluster.proxy + "/v1/completions", json=body)
+        assert response.status == 200
+        await response.content.readline()
+        response.close()
+        for _ in range(100):
+            if await _metric(session, cluster.decode, "vllm:request_success_total", 'finished_reason="abort"') == 1:
+                break
+            await asyncio.sleep(0.05)
+        else:
+            raise AssertionError("the decode engine never saw the abort")
+
+
+async def test_a_decode_engine_killed_mid_load_costs_no_client_an_error(cluster: Cluster) -> None:
+    statuses: list[int] = []
+    failures: list[str] = []
+    body = {"model": "meta-llama/Llama-3.1-8B-Instruct", "prompt": PROMPT, "max_tokens": 4}
+
+    async def client(session: aiohttp.ClientSession, count: int) -> None:
+        for _ in range(count):
+            async with session.post(cluster.proxy + "/v1/completions", json=body) as response:
+                text = await response.text()
+                statuses.append(response.status)
+                if response.status != 200:
+                    failures.append(text)
+
+    async with aiohttp.ClientSession() as session:
+        clients = asyncio.gather(*(client(session, 15) for _ in range(8)))
+        while len(statuses) < 30:
+            await asyncio.sleep(0.01)
+        cluster.processes[cluster.decode[0]].send_signal(signal.SIGKILL)
+        await asyncio.wait_for(clients, 60)
+    assert statuses == [200] * 120, failures
+

@@ -1,0 +1,275 @@
+"""Failure injection: engines that answer 500, hang, answer without hand-off parameters, report
+503 on /health, break mid-stream, are killed (real processes) mid-load, or come and go while
+requests flow. No client may see an error that a healthy instance could have served. Every load
+here is bounded in requests and time."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import signal
+import subprocess
+import sys
+from collections import Counter
+from collections.abc import AsyncIterator
+from typing import Any
+
+import aiohttp
+import pytest
+
+from tests.integration.test_proxy_protocol import COMPLETION, HOST, Rig, eventually, rig
+from xpyd.api.models import Connector, RoutingPolicy
+from xpyd.proxy.discovery import static_endpoints
+from xpyd.proxy.stubengine import StubEngine
+
+pytestmark = pytest.mark.integration
+
+
+async def load(r: Rig, requests: int, concurrency: int, body: dict[str, Any] | None = None,
+               during: Any = None) -> Counter[int]:
+    """`requests` requests from `concurrency` clients (statuses counted); `during()` runs once a
+    third of them are done."""
+    statuses: Counter[int] = Counter()
+    remaining = list(range(requests))
+    done = asyncio.Event()
+
+    async def client() -> None:
+        while remaining:
+            remaining.pop()
+            status, _, _ = await r.post("/v1/completions", body or COMPLETION)
+            statuses[status] += 1
+            if sum(statuses.values()) >= requests // 3:
+                done.set()
+
+    clients = [asyncio.ensure_future(client()) for _ in range(concurrency)]
+    if during is not None:
+        await asyncio.wait_for(done.wait(), 30)
+        await during()
+    await asyncio.wait_for(asyncio.gather(*clients), 60)
+    return statuses
+
+
+async def test_a_prefill_answering_500_is_retried_on_another_and_its_breaker_opens() -> None:
+    async with rig(prefill=2, decode=1, breaker_cooldown=30.0) as r:
+        r.prefill[0].fail_status = 500
+        assert await load(r, 40, 4) == {200: 40}
+        bad = r.proxy.pools["prefill"].instances[r.prefill[0].url]
+        assert not bad.breaker.allows()
+        assert r.prefill[0].started == 3               # three failures opened it; then no more traffic
+        assert r.proxy.metrics.retries.value("prefill") == 3
+        assert r.proxy.metrics.breaker_trips.value("prefill") == 1
+
+
+async def test_every_prefill_failing_is_a_clear_503() -> None:
+    async with rig(prefill=2, decode=1) as r:
+        for engine in r.prefill:
+            engine.fail_status = 500
+        status, answer, _ = await r.post("/v1/completions", COMPLETION)
+        assert status == 503 and answer["error"]["type"] == "ServiceUnavailableError"
+        assert "Prefill failed" in answer["error"]["message"]
+        assert r.decode[0].seen == []                  # never a silent decode-only answer
+        assert r.proxy.metrics.requests.value("NixlConnector", "completions", "unavailable") == 1
+
+
+async def test_decode_only_fallback_only_when_configured_and_counted() -> None:
+    async with rig(prefill=1, decode=1, decode_only_fallback=True) as r:
+        r.prefill[0].fail_status = 503
+        status, _, _ = await r.post("/v1/completions", COMPLETION)
+        assert status == 200
+        assert r.decode[0].seen[0].body == COMPLETION  # no kv_transfer_params: decode computes the prompt
+        assert r.proxy.metrics.fallbacks.value("prefill_failed") == 1
+        assert r.proxy.metrics.requests.value("NixlConnector", "completions", "fallback") == 1
+
+
+async def test_a_prefill_answer_without_kv_transfer_params_is_a_prefill_failure() -> None:
+    async with rig(prefill=2, decode=1) as r:
+        r.prefill[0].omit_kv_params = True              # an engine not configured as kv_producer
+        assert await load(r, 10, 2) == {200: 10}
+        assert all(leg.body["kv_transfer_params"]["remote_engine_id"] == "p1-engine" for leg in r.decode[0].seen)
+
+
+async def test_a_hanging_prefill_times_out_and_is_retried() -> None:
+    async with rig(prefill=2, decode=1, prefill_timeout=0.3, health_timeout=0.2) as r:
+        r.prefill[0].hang = r.prefill[0].hang_health = True
+        assert await load(r, 12, 3) == {200: 12}
+        await eventually(lambda: r.proxy.pools["prefill"].instances[r.prefill[0].url].healthy is False,
+                         what="the hanging prefill marked unhealthy by its probe")
+
+
+async def test_a_decode_failing_before_its_first_byte_is_retried_once_elsewhere() -> None:
+    async with rig(prefill=1, decode=2) as r:
+        r.decode[0].fail_status = 500
+        assert await load(r, 20, 4, {**COMPLETION, "stream": True}) == {200: 20}
+        retries = r.proxy.metrics.retries.value("decode")
+        assert retries >= 1
+        # The failed decode got the request (it may have read the KV): the retry prefills again.
+        assert r.prefill[0].started == 20 + retries
+
+
+async def test_a_decode_retry_reuses_the_kv_when_the_failed_decode_never_got_the_request() -> None:
+    async with rig(prefill=1, decode=1, routing_policy=RoutingPolicy.ROUND_ROBIN, health_interval=60.0) as r:
+        dead_port = (await _free_ports(1))[0]
+        dead = f"http://{HOST}:{dead_port}"
+        r.proxy.set_endpoints("decode", static_endpoints([r.decode[0].url, dead]))
+        instance = r.proxy.pools["decode"].instances[dead]
+        await eventually(lambda: instance.healthy is False, what="the first probe of the dead instance")
+        instance.healthy = True                         # as if it had died just after a good probe
+        sent = 0
+        while r.proxy.metrics.retries.value("decode") == 0 and sent < 10:
+            assert (await r.post("/v1/completions", COMPLETION))[0] == 200
+            sent += 1
+        assert r.proxy.metrics.retries.value("decode") == 1
+        assert r.prefill[0].started == sent             # NIXL pull: one prefill per request
+
+
+async def test_every_decode_failing_is_a_503() -> None:
+    async with rig(prefill=1, decode=2) as r:
+        for engine in r.decode:
+            engine.fail_status = 500
+        status, answer, _ = await r.post("/v1/completions", COMPLETION)
+        assert status == 503 and "Decode failed on 2 instance(s)" in answer["error"]["message"]
+
+
+async def test_a_stream_broken_after_its_first_bytes_ends_with_an_error_event() -> None:
+    async with rig() as r:
+        r.decode[0].break_after_chunks = 2
+        status, text, _ = await r.post("/v1/completions", {**COMPLETION, "stream": True})
+        assert status == 200
+        events = [e[len("data: "):] for e in text.split("\n\n") if e.startswith("data: ")]
+        assert len(events) == 4 and events[-1] == "[DONE]"
+        assert [json.loads(e)["choices"][0]["text"] for e in events[:2]] == [" tok0", " tok1"]
+        assert json.loads(events[2])["error"]["code"] == 502
+        assert r.proxy.metrics.requests.value("NixlConnector", "completions", "broken_stream") == 1
+
+
+async def test_an_instance_answering_503_on_health_gets_no_traffic_until_it_recovers() -> None:
+    loading = StubEngine(name="d-loading", health_status=503)
+    async with rig(engines=([StubEngine(name="p0")], [StubEngine(name="d0"), loading])) as r:
+        assert await load(r, 20, 4) == {200: 20}
+        assert loading.started == 0
+        loading.health_status = 200
+        await r.ready(decode=2)
+        assert await load(r, 20, 4) == {200: 20}
+        assert loading.started > 0
+
+
+async def test_decode_endpoints_scaled_up_and_down_while_requests_flow() -> None:
+    extra = StubEngine(name="d-new")
+    await extra.start(HOST)
+    async with rig(prefill=1, decode=2) as r:
+        r.decode[0].token_delay = r.decode[1].token_delay = 0.01
+        body = {**COMPLETION, "stream": True}
+
+        async def scale() -> None:
+            # Scale up by one and down by one at once: d0 leaves discovery with streams in flight.
+            r.proxy.set_endpoints("decode", static_endpoints([r.decode[1].url, extra.url]))
+            await r.ready(decode=2)
+
+        statuses = await load(r, 150, 8, body, during=scale)
+        before = r.decode[0].started
+        assert statuses == {200: 150}
+        assert await load(r, 30, 4, body) == {200: 30}
+        assert r.decode[0].started == before           # gone from discovery: nothing new
+        assert extra.started > 0
+        assert r.decode[0].cancelled == 0              # its streams in flight finished
+        await eventually(lambda: r.decode[0].url not in r.proxy.pools["decode"].instances,
+                         what="the removed instance forgotten once idle")
+    await extra.stop()
+
+
+# -- real processes killed mid-load -----------------------------------------------------------------
+
+
+async def _free_ports(count: int) -> list[int]:
+    import socket
+
+    sockets = [socket.socket() for _ in range(count)]
+    for s in sockets:
+        s.bind((HOST, 0))
+    ports = [s.getsockname()[1] for s in sockets]
+    for s in sockets:
+        s.close()
+    return ports
+
+
+async def _engine_process(port: int) -> subprocess.Popen[bytes]:
+    process = subprocess.Popen([sys.executable, "-m", "xpyd.proxy.stubengine", "--host", HOST, "--port", str(port)],
+                               stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    async with aiohttp.ClientSession() as session:
+        for _ in range(200):
+            try:
+                async with session.get(f"http://{HOST}:{port}/health") as response:
+                    if response.status == 200:
+                        return process
+            except aiohttp.ClientError:
+                await asyncio.sleep(0.05)
+    process.kill()
+    raise AssertionError("stub engine process did not start")
+
+
+@pytest.fixture
+async def engine_processes() -> AsyncIterator[list[tuple[subprocess.Popen[bytes], StubEngine]]]:
+    ports = await _free_ports(4)
+    processes = [await _engine_process(port) for port in ports]
+    handles = []
+    for port, process in zip(ports, processes, strict=True):
+        handle = StubEngine(name=f"proc-{port}")
+        handle.host, handle.port = HOST, port          # a handle for its URL; the engine runs in the process
+        handles.append((process, handle))
+    yield handles
+    for process, _ in handles:
+        if process.poll() is None:
+            process.send_signal(signal.SIGKILL)
+        process.wait(timeout=10)
+
+
+@pytest.mark.parametrize("stream", [False, True])
+async def test_killing_a_prefill_and_a_decode_process_mid_load(
+        engine_processes: list[tuple[subprocess.Popen[bytes], StubEngine]], stream: bool) -> None:
+    (p0, p0h), (_, p1h), (d0, d0h), (_, d1h) = engine_processes
+    async with rig(engines=([p0h, p1h], [d0h, d1h])) as r:
+        async def kill() -> None:
+            p0.send_signal(signal.SIGKILL)
+            d0.send_signal(signal.SIGKILL)
+
+        statuses = await load(r, 300, 16, {**COMPLETION, "stream": stream}, during=kill)
+        assert statuses == {200: 300}
+        pools = r.proxy.pools
+        await eventually(lambda: not pools["prefill"].instances[p0h.url].eligible()
+                         and not pools["decode"].instances[d0h.url].eligible(), what="the dead instances excluded")
+
+
+async def test_connector_with_concurrent_legs_survives_a_failing_prefill() -> None:
+    prefill = StubEngine(name="p0")
+    spare = StubEngine(name="p1")
+    for engine in (prefill, spare):
+        await engine.start(HOST)
+    async with rig(engines=([prefill, spare], [StubEngine(name="d0")]), connector=Connector.NIXL_PUSH) as r:
+        assert await load(r, 10, 2) == {200: 10}         # both identities learnt
+        prefill.fail_status = 500
+        assert await load(r, 20, 4) == {200: 20}
+        assert r.proxy.metrics.retries.value("prefill") >= 1
+
+
+async def test_a_retried_mooncake_attempt_gets_a_fresh_transfer_id() -> None:
+    from tests.integration.test_proxy_kube import _common_port
+
+    hosts = [HOST, "127.0.0.2", "127.0.0.3"]
+    port = _common_port(hosts)
+    failing, healthy, decode = StubEngine(name="p0", fail_status=500), StubEngine(name="p1"), StubEngine(name="d0")
+    for engine, host in zip((failing, healthy, decode), hosts, strict=True):
+        await engine.start(host, port)
+    async with rig(engines=([failing, healthy], [decode]), connector=Connector.MOONCAKE, mooncake_bootstrap_port=port,
+                   routing_policy=RoutingPolicy.ROUND_ROBIN) as r:
+        ids = set()
+        for n in range(4):
+            assert (await r.post("/v1/completions", COMPLETION, {"X-Request-Id": f"r{n}"}))[0] == 200
+        for engine in (failing, healthy):
+            for leg in engine.seen:
+                ids.add((leg.headers["X-Request-Id"], leg.body["kv_transfer_params"]["transfer_id"]))
+        retried = [(i, t) for i, t in ids if "attempt" in i]
+        assert retried and all(t == f"xfer-{i}" for i, t in retried)
+        # Each client request had exactly one decode leg paired with a prefill that succeeded.
+        succeeded = {leg.body["kv_transfer_params"]["transfer_id"] for leg in healthy.seen}
+        assert len(succeeded) == 4
+        assert sum(leg.body["kv_transfer_params"]["transfer_id"] in succeeded for leg in decode.seen) == 4

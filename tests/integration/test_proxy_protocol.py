@@ -1,0 +1,355 @@
+"""Protocol conformance of the proxy over real HTTP on loopback: what each connector's legs carry,
+streaming intact, request ids, auth, the 4xx answers that never reach an engine, and cancellation
+reaching the engines. The engines are stub engines in this process (`xpyd.proxy.stubengine`).
+
+`Rig` (the proxy in front of stub engines) is shared by the other proxy integration tests.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import re
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import aiohttp
+import pytest
+from aiohttp import web
+
+from xpyd.api.models import Connector
+from xpyd.cluster.netguard import require_loopback
+from xpyd.proxy import protocol
+from xpyd.proxy.discovery import static_endpoints
+from xpyd.proxy.pool import Role
+from xpyd.proxy.server import Proxy, ProxyConfig
+from xpyd.proxy.stubengine import StubEngine
+
+pytestmark = pytest.mark.integration
+
+HOST = require_loopback("127.0.0.1")
+#: Fast probes and short timeouts, so failure tests run in seconds.
+TEST_CONFIG: dict[str, Any] = {"health_interval": 0.1, "health_timeout": 0.5, "connect_timeout": 0.5,
+                               "prefill_timeout": 5.0, "breaker_cooldown": 0.2, "seed": 7}
+
+
+async def eventually(check: Callable[[], bool], timeout: float = 5.0, what: str = "condition") -> None:
+    """Wait (bounded) until `check()` holds."""
+    deadline = asyncio.get_running_loop().time() + timeout
+    while not check():
+        if asyncio.get_running_loop().time() > deadline:
+            raise AssertionError(f"timed out waiting for {what}")
+        await asyncio.sleep(0.02)
+
+
+@dataclass
+class Rig:
+    """A proxy in front of stub engines, and a client session."""
+
+    proxy: Proxy
+    url: str
+    prefill: list[StubEngine]
+    decode: list[StubEngine]
+    session: aiohttp.ClientSession
+    extra: list[Any] = field(default_factory=list)
+
+    async def post(self, path: str, body: Any, headers: dict[str, str] | None = None) -> tuple[int, Any, Any]:
+        """POST JSON; (status, parsed JSON or raw text, response headers)."""
+        data = body if isinstance(body, bytes) else json.dumps(body).encode()
+        async with self.session.post(self.url + path, data=data, headers=headers or {}) as response:
+            text = await response.text()
+            try:
+                parsed: Any = json.loads(text)
+            except ValueError:
+                parsed = text
+            return response.status, parsed, response.headers
+
+    def set(self, role: Any, engines: list[StubEngine]) -> None:
+        """Point discovery at these engines."""
+        self.proxy.set_endpoints(role, static_endpoints([e.url for e in engines]))
+
+    async def ready(self, prefill: int | None = None, decode: int | None = None) -> None:
+        """Wait until the proxy has probed its instances healthy."""
+        want: dict[Role, int] = {"prefill": len(self.prefill) if prefill is None else prefill,
+                                 "decode": len(self.decode) if decode is None else decode}
+        await eventually(lambda: all(self.proxy.pools[r].counts()["eligible"] == n for r, n in want.items()),
+                         what=f"eligible instances {want}")
+
+
+@contextlib.asynccontextmanager
+async def rig(prefill: int = 1, decode: int = 1, engines: tuple[list[StubEngine], list[StubEngine]] | None = None,
+              **config: Any) -> AsyncIterator[Rig]:
+    """Start stub engines and a proxy in front of them (all on loopback), torn down after."""
+    prefills, decodes = engines or ([StubEngine(name=f"p{i}") for i in range(prefill)],
+                                    [StubEngine(name=f"d{i}") for i in range(decode)])
+    for engine in (*prefills, *decodes):
+        if not engine.port:
+            await engine.start(HOST)
+    proxy = Proxy(ProxyConfig(**{**TEST_CONFIG, **config}))
+    runner = web.AppRunner(proxy.app(), access_log=None, handler_cancellation=True, shutdown_timeout=1.0)
+    await runner.setup()
+    site = web.TCPSite(runner, HOST, 0)
+    await site.start()
+    port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
+    session = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=30))
+    the_rig = Rig(proxy, f"http://{HOST}:{port}", prefills, decodes, session)
+    the_rig.set("prefill", prefills)
+    the_rig.set("decode", decodes)
+    try:
+        await the_rig.ready(prefill=sum(e.health_status == 200 for e in prefills),
+                            decode=sum(e.health_status == 200 for e in decodes))
+        yield the_rig
+    finally:
+        await session.close()
+        await runner.cleanup()
+        for engine in (*prefills, *decodes):
+            await engine.stop()
+
+
+COMPLETION = {"model": "m", "prompt": "the quick brown fox", "max_tokens": 8, "min_tokens": 2, "temperature": 0}
+CHAT = {"model": "m", "messages": [{"role": "user", "content": "hello"}], "max_completion_tokens": 6,
+        "stream": True, "stream_options": {"include_usage": True}}
+
+
+def _events(text: str) -> list[Any]:
+    events = [line[len("data: "):] for line in text.split("\n\n") if line.startswith("data: ")]
+    return [event if event == "[DONE]" else json.loads(event) for event in events]
+
+
+async def test_nixl_pull_legs_carry_exactly_what_vllm_expects() -> None:
+    async with rig(connector=Connector.NIXL) as r:
+        status, answer, headers = await r.post("/v1/completions", COMPLETION,
+                                               {"X-Request-Id": "client-1", "Authorization": "Bearer secret"})
+        assert status == 200, answer
+        assert headers["X-Request-Id"] == "client-1"
+        assert answer["choices"][0]["text"] == "".join(f" tok{i}" for i in range(8))
+        (prefill,), (decode,) = r.prefill[0].seen, r.decode[0].seen
+        assert prefill.body == protocol.prefill_body(COMPLETION, protocol.NIXL_PREFILL_PARAMS)
+        assert prefill.body["kv_transfer_params"] == {
+            "do_remote_decode": True, "do_remote_prefill": False, "remote_engine_id": None,
+            "remote_block_ids": None, "remote_host": None, "remote_port": None}
+        assert "min_tokens" not in prefill.body and prefill.body["max_tokens"] == 1
+        handed_off = r.prefill[0].kv_answer("client-1")
+        assert decode.body == {**COMPLETION, "kv_transfer_params": handed_off}
+        for leg in (prefill, decode):
+            assert leg.headers["X-Request-Id"] == "client-1"
+            assert leg.headers["Authorization"] == "Bearer secret"
+
+
+async def test_streaming_passes_through_intact_with_usage() -> None:
+    async with rig() as r:
+        status, text, headers = await r.post("/v1/chat/completions", CHAT)
+        assert status == 200 and headers["Content-Type"].startswith("text/event-stream")
+        request_id = headers["X-Request-Id"]
+        # What the decode engine sends for the same leg, asked directly.
+        async with r.session.post(r.decode[0].url + "/v1/chat/completions", json=r.decode[0].seen[0].body,
+                                  headers={"X-Request-Id": request_id}) as direct:
+            expected = await direct.text()
+    strip = [{k: v for k, v in e.items() if k != "created"} if isinstance(e, dict) else e for e in _events(text)]
+    assert strip == [{k: v for k, v in e.items() if k != "created"} if isinstance(e, dict) else e
+                     for e in _events(expected)]
+    assert strip[-1] == "[DONE]" and strip[-2]["usage"]["completion_tokens"] == 6
+    prefill = r.prefill[0].seen[0].body
+    assert prefill["stream"] is False and "stream_options" not in prefill and prefill["max_completion_tokens"] == 1
+
+
+async def test_a_stream_is_relayed_chunk_by_chunk_not_buffered() -> None:
+    async with rig() as r:
+        r.decode[0].token_delay = 0.2
+        body = {**CHAT, "max_completion_tokens": 5}
+        async with r.session.post(r.url + "/v1/chat/completions", json=body) as response:
+            first = await response.content.readline()
+            decode_started = r.decode[0].started
+            assert first.startswith(b"data: ") and decode_started == 1
+            assert r.decode[0].completed == 0      # the first token reached us while decode still ran
+            await response.read()
+
+
+async def test_request_id_generated_when_absent_or_unusable() -> None:
+    async with rig() as r:
+        _, _, headers = await r.post("/v1/completions", COMPLETION)
+        _, _, bad = await r.post("/v1/completions", COMPLETION, {"X-Request-Id": "has space"})
+        assert re.fullmatch(r"[0-9a-f-]{36}", headers["X-Request-Id"])
+        assert bad["X-Request-Id"] != "has space"
+        assert r.decode[0].seen[0].headers["X-Request-Id"] == headers["X-Request-Id"]
+
+
+async def test_nixl_push_learns_the_identity_then_sends_both_legs_at_once() -> None:
+    async with rig(connector=Connector.NIXL_PUSH) as r:
+        assert (await r.post("/v1/completions", COMPLETION, {"X-Request-Id": "one"}))[0] == 200
+        identity = protocol.push_identity(r.prefill[0].kv_answer("one"))
+        assert identity is not None and identity["remote_engine_id"] == "p0-engine"
+        r.prefill[0].hang = True                   # the second prefill never answers: decode must already be out
+        task = asyncio.ensure_future(r.post("/v1/completions", COMPLETION, {"X-Request-Id": "two"}))
+        await eventually(lambda: len(r.decode[0].seen) == 2, what="decode leg sent before prefill answered")
+        r.prefill[0].hang = False
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await task
+        for leg in r.decode[0].seen:
+            request_id = leg.headers["X-Request-Id"]
+            assert leg.body == {**COMPLETION, "kv_transfer_params": protocol.push_decode_params(identity, request_id)}
+        assert [leg.body for leg in r.prefill[0].seen] == \
+            [protocol.prefill_body(COMPLETION, protocol.NIXL_PREFILL_PARAMS)] * 2
+
+
+async def test_nixl_push_sends_decode_again_when_prefill_restarted_with_a_new_identity() -> None:
+    async with rig(connector=Connector.NIXL_PUSH) as r:
+        assert (await r.post("/v1/completions", COMPLETION))[0] == 200
+        r.prefill[0].name = "p0-restarted"
+        status, _, _ = await r.post("/v1/completions", COMPLETION, {"X-Request-Id": "after"})
+        assert status == 200
+        stale, fresh = r.decode[0].seen[1:]
+        assert stale.body["kv_transfer_params"]["remote_engine_id"] == "p0-engine"
+        assert fresh.body["kv_transfer_params"]["remote_engine_id"] == "p0-restarted-engine"
+        learnt = r.proxy.pools["prefill"].instances[r.prefill[0].url].push_identity
+        assert learnt is not None and learnt["remote_engine_id"] == "p0-restarted-engine"
+
+
+async def mooncake_rig() -> contextlib.AbstractAsyncContextManager[Rig]:
+    """A Mooncake rig whose prefill engine is also its own bootstrap server."""
+    prefill = StubEngine(name="p0")
+    await prefill.start(HOST)
+    return rig(engines=([prefill], [StubEngine(name="d0")]), connector=Connector.MOONCAKE,
+               mooncake_bootstrap_port=prefill.port)
+
+
+async def test_mooncake_sends_both_legs_at_once_with_one_transfer_id() -> None:
+    async with await mooncake_rig() as r:
+        status, _, _ = await r.post("/v1/completions", COMPLETION, {"X-Request-Id": "mc"})
+        assert status == 200
+        (prefill,), (decode,) = r.prefill[0].seen, r.decode[0].seen
+        assert prefill.body == protocol.prefill_body(COMPLETION, {"do_remote_decode": True, "do_remote_prefill": False,
+                                                                  "transfer_id": "xfer-mc"})
+        assert prefill.headers["X-data-parallel-rank"] == "0"
+        assert decode.body == {**COMPLETION, "kv_transfer_params": {
+            "do_remote_decode": False, "do_remote_prefill": True,
+            "remote_bootstrap_addr": f"http://{HOST}:{r.prefill[0].port}", "remote_engine_id": "p0-engine",
+            "transfer_id": "xfer-mc"}}
+        assert prefill.headers["X-Request-Id"] == decode.headers["X-Request-Id"] == "mc"
+
+
+async def test_p2p_nccl_encodes_the_peers_in_the_request_id() -> None:
+    async with rig(connector=Connector.P2P_NCCL) as r:
+        status, _, headers = await r.post("/v1/completions", COMPLETION, {"X-Request-Id": "client"})
+        assert status == 200 and headers["X-Request-Id"] == "client"
+        (prefill,), (decode,) = r.prefill[0].seen, r.decode[0].seen
+        upstream_id = prefill.headers["X-Request-Id"]
+        assert decode.headers["X-Request-Id"] == upstream_id
+        assert re.fullmatch(rf"___prefill_addr_{HOST}:14579___decode_addr_{HOST}:14579_[0-9a-f]{{32}}", upstream_id)
+        assert "kv_transfer_params" not in prefill.body and decode.body == COMPLETION
+
+
+async def test_lmcache_prefills_then_decodes_the_original_body() -> None:
+    async with rig(connector=Connector.LMCACHE) as r:
+        assert (await r.post("/v1/completions", COMPLETION))[0] == 200
+        assert r.prefill[0].seen[0].body == protocol.prefill_body(COMPLETION, None)
+        assert r.decode[0].seen[0].body == COMPLETION
+
+
+async def test_models_come_from_the_decode_pool() -> None:
+    async with rig() as r, r.session.get(r.url + "/v1/models") as response:
+        assert response.status == 200
+        assert (await response.json())["data"][0]["id"] == "d0"
+
+
+async def test_api_key_protects_the_proxy() -> None:
+    async with rig(api_key="k3y") as r:
+        assert (await r.post("/v1/completions", COMPLETION))[0] == 401
+        assert (await r.post("/v1/completions", COMPLETION, {"Authorization": "Bearer nope"}))[0] == 401
+        async with r.session.get(r.url + "/v1/models") as response:
+            assert response.status == 401
+        assert r.prefill[0].seen == [] and r.decode[0].seen == []
+        assert (await r.post("/v1/completions", COMPLETION, {"Authorization": "Bearer k3y"}))[0] == 200
+        async with r.session.get(r.url + "/health") as response:
+            assert response.status == 200               # probes need no key
+
+
+@pytest.mark.parametrize(("body", "status"), [
+    (b"{not json", 400), (b'{"prompt": "x"}', 400), (b'{"model": "m", "prompt": 5}', 400),
+    (b'{"model": "other", "prompt": "x"}', 404), (b'{"model": "m", "prompt": "' + b"x" * 5000 + b'"}', 413),
+])
+async def test_malformed_requests_get_json_errors_before_any_upstream_call(body: bytes, status: int) -> None:
+    async with rig(served_model_name="m", max_body_bytes=4096) as r:
+        got, answer, headers = await r.post("/v1/completions", body, {"Content-Type": "application/json"})
+        assert got == status
+        assert answer["error"]["code"] == status and answer["error"]["message"]
+        assert headers["X-Request-Id"]
+        assert r.prefill[0].seen == [] and r.decode[0].seen == []
+        assert r.proxy.metrics.rejected.value(str(status)) == 1
+
+
+async def test_saturation_answers_429() -> None:
+    async with rig(max_concurrency=2) as r:
+        r.prefill[0].hang = True
+        waiting = [asyncio.ensure_future(r.post("/v1/completions", COMPLETION)) for _ in range(2)]
+        await eventually(lambda: r.prefill[0].started == 2, what="two requests in flight")
+        status, answer, headers = await r.post("/v1/completions", COMPLETION)
+        assert (status, answer["error"]["type"], headers["Retry-After"]) == (429, "RateLimitError", "1")
+        for task in waiting:
+            task.cancel()
+        await asyncio.gather(*waiting, return_exceptions=True)
+
+
+async def _disconnect_while(r: Rig, body: Any, started: Callable[[], bool]) -> None:
+    """Send a request, wait until `started()`, then drop the client connection."""
+    session = aiohttp.ClientSession()
+    task = asyncio.ensure_future(session.post(r.url + "/v1/completions", json=body))
+    try:
+        await eventually(started, what="the legs to start")
+    finally:
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+        await session.close()
+
+
+@pytest.mark.parametrize("where", ["prefill", "decode", "mid-stream"])
+async def test_a_client_disconnect_cancels_the_upstream_leg(where: str) -> None:
+    async with rig() as r:
+        prefill, decode = r.prefill[0], r.decode[0]
+        if where == "prefill":
+            prefill.hang = True
+        elif where == "decode":
+            decode.hang = True
+        else:
+            decode.token_delay = 0.5
+        body = {**COMPLETION, "stream": where == "mid-stream"}
+        engine = prefill if where == "prefill" else decode
+        await _disconnect_while(r, body, lambda: engine.started == 1)
+        await eventually(lambda: engine.cancelled == 1, what=f"the {where} leg cancelled upstream")
+        await eventually(lambda: r.proxy.in_flight == 0, what="the proxy to forget the request")
+        assert r.proxy.metrics.requests.value("NixlConnector", "completions", "cancelled") == 1
+
+
+async def test_a_client_disconnect_cancels_both_concurrent_legs() -> None:
+    async with await mooncake_rig() as r:
+        r.prefill[0].hang = r.decode[0].hang = True
+        await _disconnect_while(r, COMPLETION, lambda: r.prefill[0].started == r.decode[0].started == 1)
+        await eventually(lambda: r.prefill[0].cancelled == r.decode[0].cancelled == 1, what="both legs cancelled")
+
+
+async def test_metrics_page() -> None:
+    async with rig() as r:
+        await r.post("/v1/completions", COMPLETION)
+        await r.post("/v1/completions", {**COMPLETION, "stream": True})
+        async with r.session.get(r.url + "/metrics") as response:
+            text = await response.text()
+    for line in ('xpyd_proxy_requests_total{connector="NixlConnector",endpoint="completions",outcome="success"} 2',
+                 'xpyd_proxy_time_to_first_byte_seconds_count{connector="NixlConnector",endpoint="completions"} 2',
+                 'xpyd_proxy_leg_duration_seconds_count{role="prefill",result="success"} 2',
+                 f'xpyd_proxy_breaker_state{{role="decode",upstream="{r.decode[0].url}"}} 0',
+                 f'xpyd_proxy_upstream_in_flight{{role="prefill",upstream="{r.prefill[0].url}"}} 0',
+                 'xpyd_proxy_upstreams{role="decode",state="eligible"} 1', "xpyd_proxy_in_flight_requests 0"):
+        assert line in text.splitlines(), line
+
+
+
+async def test_idle_upstream_connections_close_before_the_engines_keep_alive() -> None:
+    """vLLM (uvicorn) closes idle connections after 5 s; reusing one it is closing costs a reset."""
+    async with rig() as r:
+        assert r.proxy.session is not None
+        connector = r.proxy.session.connector
+        assert connector is not None
+        assert connector._keepalive_timeout == r.proxy.config.upstream_idle_timeout < 5.0  # type: ignore[attr-defined]

@@ -1,0 +1,239 @@
+"""Routing policies, instance eligibility, the circuit breaker, metrics exposition, Kubernetes
+pod endpoints and P2pNccl registrations: the proxy's pure parts."""
+
+from __future__ import annotations
+
+import random
+from collections import Counter
+from typing import Any
+
+import pytest
+
+from xpyd.api.models import RoutingPolicy
+from xpyd.proxy.breaker import Breaker, BreakerState
+from xpyd.proxy.discovery import _equality_selector, pod_endpoints, pod_ready
+from xpyd.proxy.metrics import Counter as MetricCounter
+from xpyd.proxy.metrics import Gauge, Histogram, exposition
+from xpyd.proxy.p2pnccl import EXPIRY_SECONDS, RegistrationTable
+from xpyd.proxy.picking import pick
+from xpyd.proxy.pool import Endpoint, Pool
+
+pytestmark = pytest.mark.unit
+
+LEAST, TWO, ROUND = RoutingPolicy.LEAST_LOADED, RoutingPolicy.POWER_OF_TWO, RoutingPolicy.ROUND_ROBIN
+
+
+def _pick_many(policy: RoutingPolicy, loads: dict[str, float], times: int = 2000, seed: int = 1) -> Counter[str]:
+    rng = random.Random(seed)
+    names = list(loads)
+    return Counter(pick(policy, names, load=loads.__getitem__, name=str, rng=rng, turn=turn)
+                   for turn in range(times))
+
+
+@pytest.mark.parametrize(("policy", "loads", "allowed"), [
+    (LEAST, {"a": 3, "b": 1, "c": 2}, {"b"}),
+    (LEAST, {"a": 0, "b": 0, "c": 5}, {"a", "b"}),
+    (LEAST, {"only": 9}, {"only"}),
+    (TWO, {"a": 0, "b": 100}, {"a"}),                 # of two, the less loaded: b never wins
+    (TWO, {"a": 0, "b": 1, "c": 100}, {"a", "b"}),    # the most loaded of three never wins
+    (ROUND, {"a": 0, "b": 100, "c": 0}, {"a", "b", "c"}),
+])
+def test_policies_pick_only_what_they_may(policy: RoutingPolicy, loads: dict[str, float], allowed: set[str]) -> None:
+    assert set(_pick_many(policy, loads)) == allowed
+
+
+def test_least_loaded_breaks_ties_uniformly() -> None:
+    counts = _pick_many(LEAST, {"a": 1, "b": 1, "c": 1, "d": 2}, times=4000)
+    assert set(counts) == {"a", "b", "c"}
+    assert all(1100 < counts[name] < 1560 for name in "abc"), counts
+
+
+def test_round_robin_cycles_in_name_order() -> None:
+    rng = random.Random(0)
+    picked = [pick(ROUND, ["c", "a", "b"], load=lambda _: 0.0, name=str, rng=rng, turn=t) for t in range(6)]
+    assert picked == ["a", "b", "c", "a", "b", "c"]
+
+
+def test_power_of_two_prefers_light_instances() -> None:
+    counts = _pick_many(TWO, {"a": 0, "b": 1, "c": 2, "d": 3}, times=6000)
+    assert counts["a"] > counts["b"] > counts["c"] and "d" not in counts
+
+
+def test_pick_refuses_no_candidates() -> None:
+    with pytest.raises(ValueError, match="no candidates"):
+        pick(LEAST, [], load=lambda _: 0.0, name=str, rng=random.Random(), turn=0)
+
+
+# -- the pool ----------------------------------------------------------------------------------
+
+
+def _pool(role: Any = "decode", urls: tuple[str, ...] = ("http://a", "http://b")) -> Pool:
+    pool = Pool(role, LEAST, random.Random(0))
+    for instance in pool.update([Endpoint(url) for url in urls]):
+        instance.healthy = True
+    return pool
+
+
+def test_prefill_load_is_prompt_tokens_and_decode_load_is_requests() -> None:
+    prefill = _pool("prefill")
+    prefill.instances["http://a"].acquire(tokens=1000)
+    prefill.instances["http://b"].acquire(tokens=10)
+    prefill.instances["http://b"].acquire(tokens=10)
+    assert prefill.pick().url == "http://b"      # fewer tokens, more requests
+    decode = _pool("decode")
+    decode.instances["http://a"].acquire(tokens=1000)
+    decode.instances["http://b"].acquire()
+    decode.instances["http://b"].acquire()
+    assert decode.pick().url == "http://a"       # fewer requests
+
+
+@pytest.mark.parametrize(("change", "eligible"), [
+    (lambda i: None, True),
+    (lambda i: setattr(i, "healthy", None), False),    # never probed
+    (lambda i: setattr(i, "healthy", False), False),   # /health answered 503 (loading) or nothing
+    (lambda i: setattr(i, "ready", False), False),     # pod NotReady or terminating
+    (lambda i: setattr(i, "listed", False), False),    # gone from discovery
+    (lambda i: [i.breaker.failure(0.0) for _ in range(3)], False),
+])
+def test_eligibility(change: Any, eligible: bool) -> None:
+    pool = _pool(urls=("http://a",))
+    change(pool.instances["http://a"])
+    assert (pool.pick() is not None) == eligible
+
+
+def test_an_unlisted_instance_stays_until_its_last_leg_ends() -> None:
+    pool = _pool()
+    busy = pool.instances["http://a"]
+    busy.acquire()
+    added = pool.update([Endpoint("http://b"), Endpoint("http://c")])
+    assert [i.url for i in added] == ["http://c"]
+    assert set(pool.instances) == {"http://a", "http://b", "http://c"}
+    assert pool.pick(exclude={"http://b", "http://c"}) is None   # a gets nothing new
+    busy.release()
+    pool.forget_if_done(busy)
+    assert set(pool.instances) == {"http://b", "http://c"}
+    assert pool.counts() == {"eligible": 1, "unhealthy": 1, "open": 0, "not_ready": 0}
+
+
+# -- the circuit breaker ------------------------------------------------------------------------
+
+
+def test_breaker_opens_after_consecutive_failures_and_recovers_by_probe() -> None:
+    breaker = Breaker(threshold=3, base_cooldown=2.0, max_cooldown=5.0)
+    assert [breaker.failure(0.0) for _ in range(2)] == [False, False]
+    breaker.success()                                  # not consecutive: reset
+    assert [breaker.failure(t) for t in (1.0, 1.0, 1.0)] == [False, False, True]
+    assert (breaker.allows(), breaker.state(2.0)) == (False, BreakerState.OPEN)
+    breaker.probe(True, 2.0)                           # before the cooldown: ignored
+    assert breaker.state(2.0) == BreakerState.OPEN
+    assert breaker.state(3.0) == BreakerState.HALF_OPEN
+    breaker.probe(False, 3.0)                          # failed recovery probe: doubled cooldown
+    assert (breaker.state(6.9), breaker.state(7.0)) == (BreakerState.OPEN, BreakerState.HALF_OPEN)
+    breaker.probe(False, 7.0)
+    assert breaker.cooldown == 5.0                     # capped
+    breaker.probe(True, 12.0)
+    assert (breaker.allows(), breaker.state(12.0), breaker.failures) == (True, BreakerState.CLOSED, 0)
+
+
+# -- metrics exposition -------------------------------------------------------------------------
+
+
+def test_exposition_format() -> None:
+    requests = MetricCounter("x_requests_total", "Requests.", ("outcome",))
+    requests.inc("success")
+    requests.inc("success", amount=2)
+    latency = Histogram("x_seconds", "Latency.", ("role",), buckets=(0.1, 1.0))
+    latency.observe(0.05, "p")
+    latency.observe(0.5, "p")
+    latency.observe(5.0, "p")
+    gauge = Gauge("x_in_flight", "In flight.", ("upstream",), lambda: [(('http://a"b',), 2.0)])
+    assert exposition([requests, latency, gauge]).splitlines() == [
+        "# HELP x_requests_total Requests.", "# TYPE x_requests_total counter",
+        'x_requests_total{outcome="success"} 3',
+        "# HELP x_seconds Latency.", "# TYPE x_seconds histogram",
+        'x_seconds_bucket{role="p",le="0.1"} 1', 'x_seconds_bucket{role="p",le="1"} 2',
+        'x_seconds_bucket{role="p",le="+Inf"} 3', 'x_seconds_sum{role="p"} 5.55', 'x_seconds_count{role="p"} 3',
+        "# HELP x_in_flight In flight.", "# TYPE x_in_flight gauge", 'x_in_flight{upstream="http://a\\"b"} 2']
+    assert latency.count("p") == 3 and requests.value("success") == 3
+
+
+# -- Kubernetes pods ------------------------------------------------------------------------------
+
+
+def _pod(name: str, ip: str | None, ready: bool = True, deleting: bool = False) -> dict[str, Any]:
+    meta: dict[str, Any] = {"name": name, "labels": {"xpyd.io/role": "decode"}}
+    if deleting:
+        meta["deletionTimestamp"] = "2026-01-01T00:00:00Z"
+    status: dict[str, Any] = {"conditions": [{"type": "Ready", "status": "True" if ready else "False"}]}
+    if ip:
+        status["podIP"] = ip
+    return {"metadata": meta, "status": status}
+
+
+def test_pod_endpoints() -> None:
+    pods = [_pod("a", "10.0.0.1"), _pod("b", None), _pod("c", "10.0.0.3", ready=False),
+            _pod("d", "10.0.0.4", deleting=True), _pod("e", "fd00::5")]
+    assert pod_endpoints(pods, 8000) == [
+        Endpoint("http://10.0.0.1:8000", ready=True), Endpoint("http://10.0.0.3:8000", ready=False),
+        Endpoint("http://10.0.0.4:8000", ready=False), Endpoint("http://[fd00::5]:8000", ready=True)]
+    assert not pod_ready({"metadata": {}, "status": {}})
+
+
+@pytest.mark.parametrize(("selector", "labels"), [
+    ("a=b,c=d", {"a": "b", "c": "d"}),
+    ("a==b", {"a": "b"}),
+    ("", {}),
+    ("a!=b", None),
+    ("a in (b,c)", None),
+    ("!a", None),
+])
+def test_equality_selector(selector: str, labels: dict[str, str] | None) -> None:
+    assert _equality_selector(selector) == labels
+
+
+# -- P2pNccl registrations ------------------------------------------------------------------------
+
+
+def test_registration_table() -> None:
+    table = RegistrationTable()
+    assert table.register({"type": "P", "http_address": "10.0.0.1:8000", "zmq_address": "10.0.0.1:14579"}, 0.0) \
+        == "prefill"
+    assert table.register({"type": "P", "http_address": "10.0.0.1:8000", "zmq_address": "10.0.0.1:14579"}, 3.0) \
+        is None                                                    # a heartbeat: nothing changed
+    assert table.register({b"type": b"D", b"http_address": b"10.0.0.2:8000", b"zmq_address": b"10.0.0.2:14579"},
+                          3.0) == "decode"
+    for junk in ({"type": "X", "http_address": "a", "zmq_address": "b"}, {"type": "P"}, [1], None):
+        assert table.register(junk, 3.0) is None
+    assert table.endpoints("prefill") == [Endpoint("http://10.0.0.1:8000", zmq_address="10.0.0.1:14579")]
+    assert table.expire(3.0 + EXPIRY_SECONDS) == []
+    assert table.expire(3.0 + EXPIRY_SECONDS + 0.1) == ["prefill", "decode"]
+    assert table.endpoints("prefill") == table.endpoints("decode") == []
+
+
+def test_pod_watcher_applies_list_and_watch_events() -> None:
+    from xpyd.proxy.discovery import PodWatcher
+
+    published: list[list[Endpoint]] = []
+    watcher = PodWatcher(None, "ns", "xpyd.io/role=decode", 8000, published.append)  # type: ignore[arg-type]
+    watcher._get = lambda query: {"metadata": {"resourceVersion": "10"},  # type: ignore[method-assign]
+                                  "items": [_pod("a", "10.0.0.1")]}
+    assert watcher._list() == "10"
+    ready_b = _pod("b", "10.0.0.2")
+    ready_b["metadata"]["resourceVersion"] = "12"
+    events = [{"type": "ADDED", "object": ready_b},
+              {"type": "BOOKMARK", "object": {"metadata": {"resourceVersion": "13"}}},
+              {"type": "MODIFIED", "object": {**_pod("a", "10.0.0.1", deleting=True),
+                                              "metadata": {**_pod("a", "10.0.0.1", deleting=True)["metadata"],
+                                                           "resourceVersion": "14"}}},
+              {"type": "MODIFIED", "object": {**_pod("c", "10.0.0.3"), "metadata": {"name": "c", "labels": {}}}},
+              {"type": "DELETED", "object": _pod("b", "10.0.0.2")}]
+    watcher._stream = lambda query: iter(events)  # type: ignore[method-assign]
+    assert watcher._watch("10") == "14"
+    assert published == [
+        [Endpoint("http://10.0.0.1:8000")],
+        [Endpoint("http://10.0.0.1:8000"), Endpoint("http://10.0.0.2:8000")],
+        [Endpoint("http://10.0.0.1:8000", ready=False), Endpoint("http://10.0.0.2:8000")],
+        [Endpoint("http://10.0.0.1:8000", ready=False)],
+    ]
+    watcher._stream = lambda query: iter([{"type": "ERROR", "object": {"code": 410, "message": "too old"}}])  # type: ignore[method-assign]
+    assert watcher._watch("14") == ""                  # 410 Gone: list again
