@@ -14,7 +14,6 @@ import math
 import os
 import re
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -27,6 +26,7 @@ from typing import IO, Any
 import aiohttp
 import pytest
 
+from xpyd.cluster.controlplane import free_port
 from xpyd.cluster.netguard import NonLoopbackAddress, require_loopback
 from xpyd.sim.core import ITL_BUCKETS, REQUEST_LATENCY_BUCKETS, TTFT_BUCKETS, build_1_2_5_buckets
 from xpyd.sim.emulator import DEFAULT_PROFILE, EmulatorConfig, EmulatorServer, config_from_args, start_server
@@ -43,13 +43,6 @@ PERF = PerfModel.from_profile(DEFAULT_PROFILE).with_kv_transfer(KV_BYTES, 100.0)
 NAME = "llama-8b"
 PREFILL_KV = {"do_remote_decode": True, "do_remote_prefill": False, "remote_engine_id": None,
               "remote_block_ids": None, "remote_host": None, "remote_port": None}
-
-
-def free_port() -> int:
-    """A free TCP port on loopback."""
-    with socket.socket() as sock:
-        sock.bind((HOST, 0))
-        return int(sock.getsockname()[1])
 
 
 @contextlib.asynccontextmanager

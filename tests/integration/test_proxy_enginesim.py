@@ -9,7 +9,6 @@ import asyncio
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 from collections.abc import AsyncIterator
@@ -18,6 +17,7 @@ from dataclasses import dataclass
 import aiohttp
 import pytest
 
+from xpyd.cluster.controlplane import free_ports
 from xpyd.cluster.netguard import require_loopback
 
 pytest.importorskip("xpyd.sim.emulator")
@@ -29,15 +29,6 @@ HOST = require_loopback("127.0.0.1")
 TIME_SCALE = "5"
 PROMPT = "hello " * 50
 
-
-def _free_ports(count: int) -> list[int]:
-    sockets = [socket.socket() for _ in range(count)]
-    for s in sockets:
-        s.bind((HOST, 0))
-    ports = [s.getsockname()[1] for s in sockets]
-    for s in sockets:
-        s.close()
-    return ports
 
 
 @dataclass
@@ -64,7 +55,7 @@ async def _wait_healthy(url: str, process: subprocess.Popen[bytes], timeout: flo
 
 @pytest.fixture
 async def cluster() -> AsyncIterator[Cluster]:
-    ports = _free_ports(5)
+    ports = free_ports(5)
     processes: dict[str, subprocess.Popen[bytes]] = {}
     env = {**os.environ, "VLLM_NIXL_SIDE_CHANNEL_PORT": "0"}
     roles = {"prefill": ports[:2], "decode": ports[2:4]}

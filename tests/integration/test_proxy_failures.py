@@ -19,6 +19,7 @@ import pytest
 
 from tests.integration.test_proxy_protocol import COMPLETION, HOST, Rig, eventually, rig
 from xpyd.api.models import Connector, RoutingPolicy
+from xpyd.cluster.controlplane import free_port, free_ports
 from xpyd.proxy.discovery import static_endpoints
 from xpyd.proxy.stubengine import StubEngine
 
@@ -108,7 +109,7 @@ async def test_a_decode_failing_before_its_first_byte_is_retried_once_elsewhere(
 
 async def test_a_decode_retry_reuses_the_kv_when_the_failed_decode_never_got_the_request() -> None:
     async with rig(prefill=1, decode=1, routing_policy=RoutingPolicy.ROUND_ROBIN, health_interval=60.0) as r:
-        dead_port = (await _free_ports(1))[0]
+        dead_port = free_port()
         dead = f"http://{HOST}:{dead_port}"
         r.proxy.set_endpoints("decode", static_endpoints([r.decode[0].url, dead]))
         instance = r.proxy.pools["decode"].instances[dead]
@@ -180,17 +181,6 @@ async def test_decode_endpoints_scaled_up_and_down_while_requests_flow() -> None
 # -- real processes killed mid-load -----------------------------------------------------------------
 
 
-async def _free_ports(count: int) -> list[int]:
-    import socket
-
-    sockets = [socket.socket() for _ in range(count)]
-    for s in sockets:
-        s.bind((HOST, 0))
-    ports = [s.getsockname()[1] for s in sockets]
-    for s in sockets:
-        s.close()
-    return ports
-
 
 async def _engine_process(port: int) -> subprocess.Popen[bytes]:
     process = subprocess.Popen([sys.executable, "-m", "xpyd.proxy.stubengine", "--host", HOST, "--port", str(port)],
@@ -209,7 +199,7 @@ async def _engine_process(port: int) -> subprocess.Popen[bytes]:
 
 @pytest.fixture
 async def engine_processes() -> AsyncIterator[list[tuple[subprocess.Popen[bytes], StubEngine]]]:
-    ports = await _free_ports(4)
+    ports = free_ports(4)
     processes = [await _engine_process(port) for port in ports]
     handles = []
     for port, process in zip(ports, processes, strict=True):

@@ -87,11 +87,20 @@ class ClusterError(RuntimeError):
     """A step of `up` failed; the message names the step and the log to read."""
 
 
+def free_ports(count: int) -> list[int]:
+    """`count` distinct free TCP ports on loopback (all held open until every one is chosen)."""
+    sockets = [socket.socket() for _ in range(count)]
+    try:
+        for sock in sockets:
+            sock.bind((HOST, 0))
+        return [int(sock.getsockname()[1]) for sock in sockets]
+    finally:
+        for sock in sockets:
+            sock.close()
+
+
 def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind((HOST, 0))
-        port: int = sock.getsockname()[1]
-        return port
+    return free_ports(1)[0]
 
 
 def _alive(pid: int) -> bool:
