@@ -29,7 +29,7 @@ import asyncio
 import contextlib
 import importlib.util
 import json
-import socket
+import signal
 import subprocess
 import sys
 import time
@@ -40,6 +40,8 @@ from pathlib import Path
 from typing import Any
 
 import aiohttp
+
+from xpyd.cluster.controlplane import free_port
 
 HOST = "127.0.0.1"
 PROMPT = "the quick brown fox jumps over the lazy dog " * 12
@@ -137,13 +139,6 @@ SERVERS = {"aiohttp": _serve_aiohttp, "starlette": _serve_starlette, "xpyd+uvloo
 # -- orchestration ----------------------------------------------------------------------------------
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind((HOST, 0))
-        port: int = s.getsockname()[1]
-        return port
-
-
 def _available(stack: str) -> bool:
     needs = {"starlette": ("uvicorn", "starlette", "httpx"), "xpyd+uvloop": ("uvloop",)}.get(stack, ())
     return all(importlib.util.find_spec(module) is not None for module in needs)
@@ -155,7 +150,7 @@ def _process(argv: list[str]) -> Iterator[subprocess.Popen[bytes]]:
     try:
         yield process
     finally:
-        process.terminate()
+        process.send_signal(signal.SIGINT)  # the proxy drains on SIGTERM; SIGINT stops it at once
         try:
             process.wait(timeout=10)
         except subprocess.TimeoutExpired:
@@ -281,7 +276,7 @@ def main() -> int:
     stacks = [s for s in args.stacks.split(",") if s]
     skipped = [s for s in stacks if not _available(s)]
     stacks = [s for s in stacks if s not in skipped]
-    prefill_port, decode_port = _free_port(), _free_port()
+    prefill_port, decode_port = free_port(), free_port()
     prefill, decode = f"http://{HOST}:{prefill_port}", f"http://{HOST}:{decode_port}"
     out = sys.stdout
     stub = [sys.executable, "-m", "xpyd.proxy.stubengine", "--host", HOST, "--port"]
@@ -295,7 +290,7 @@ def main() -> int:
         # Every stack runs at once and each cell measures the direct baseline and then every stack, so a
         # change in the machine's background load hits all of them alike (an idle proxy costs only its
         # health probes).
-        urls = {stack: f"http://{HOST}:{_free_port()}" for stack in (stacks if cells else [])}
+        urls = {stack: f"http://{HOST}:{free_port()}" for stack in (stacks if cells else [])}
         with contextlib.ExitStack() as running:
             for stack, url in urls.items():
                 running.enter_context(_process(_stack_argv(stack, int(url.rsplit(":", 1)[1]), prefill, decode)))
@@ -327,7 +322,7 @@ def main() -> int:
                           f"{result.p99_ms:>8.2f} {added_p50:>10.2f} {added_p99:>10.2f} {result.errors:>7}\n")
         out.flush()
         if args.soak_seconds > 0:
-            port = _free_port()
+            port = free_port()
             url = f"http://{HOST}:{port}"
             with _process(_stack_argv("xpyd", port, prefill, decode)) as proxy:
                 _wait(url)

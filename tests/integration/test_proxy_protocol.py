@@ -338,6 +338,8 @@ async def test_metrics_page() -> None:
             text = await response.text()
     for line in ('xpyd_proxy_requests_total{connector="NixlConnector",endpoint="completions",outcome="success"} 2',
                  'xpyd_proxy_time_to_first_byte_seconds_count{connector="NixlConnector",endpoint="completions"} 2',
+                 # TTFT proper: the streamed request only.
+                 'xpyd_proxy_time_to_first_token_seconds_count{connector="NixlConnector",endpoint="completions"} 1',
                  'xpyd_proxy_leg_duration_seconds_count{role="prefill",result="success"} 2',
                  f'xpyd_proxy_breaker_state{{role="decode",upstream="{r.decode[0].url}"}} 0',
                  f'xpyd_proxy_upstream_in_flight{{role="prefill",upstream="{r.prefill[0].url}"}} 0',

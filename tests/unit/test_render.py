@@ -262,6 +262,52 @@ def test_proxy_gets_connector_and_selectors() -> None:
     assert c["securityContext"]["readOnlyRootFilesystem"] is True
 
 
+def proxy_pod(spec: dict[str, Any]) -> dict[str, Any]:
+    return objects_of(spec)[("Deployment", "llama-proxy")]["spec"]["template"]["spec"]  # type: ignore[no-any-return]
+
+
+@pytest.mark.parametrize(("port", "connector"), [(8998, "MooncakeConnector"), (9100, "MooncakeConnector"),
+                                                  (9100, "NixlConnector")])
+def test_the_mooncake_bootstrap_port_goes_to_engines_and_proxy_alike(port: int, connector: str) -> None:
+    kv: dict[str, Any] = {"connector": connector}
+    if connector == "MooncakeConnector":
+        kv["mooncake"] = {"bootstrapPort": port}
+    args = proxy_pod({"kvTransfer": kv})["containers"][0]["args"]
+    flags = [a for a in args if a.startswith("--mooncake-bootstrap-port")]
+    if connector == "MooncakeConnector":
+        assert env_of({"kvTransfer": kv})["VLLM_MOONCAKE_BOOTSTRAP_PORT"] == str(port)
+        assert flags == [f"--mooncake-bootstrap-port={port}"]
+    else:
+        assert flags == []
+
+
+def test_proxy_probes_and_grace_fit_its_stop_sequence() -> None:
+    pod = proxy_pod({})
+    c = pod["containers"][0]
+    # Readiness is the endpoint that fails on SIGTERM; liveness stays up while the proxy drains.
+    assert c["readinessProbe"]["httpGet"]["path"] == "/ready"
+    assert c["livenessProbe"]["httpGet"]["path"] == "/health"
+    probe = c["readinessProbe"]
+    drain = float(next(a for a in c["args"] if a.startswith("--drain-seconds=")).split("=")[1])
+    finish = float(next(a for a in c["args"] if a.startswith("--finish-timeout=")).split("=")[1])
+    # The probe sees the failure well within the drain period, and the grace period covers both.
+    assert probe["periodSeconds"] * probe["failureThreshold"] < drain
+    assert pod["terminationGracePeriodSeconds"] > drain + finish
+    assert "lifecycle" not in c            # the proxy drains by itself: no preStop to add to the budget
+
+
+@pytest.mark.parametrize(("extra", "grace"), [
+    (["--finish-timeout=300"], 10 + 300 + 5),
+    (["--drain-seconds", "20", "--finish-timeout", "100"], 20 + 100 + 5),
+    (["--drain-seconds=0"], 45 + 5),
+    (["--finish-timeout=oops"], 10 + 45 + 5),
+])
+def test_proxy_grace_follows_the_users_stop_flags(extra: list[str], grace: int) -> None:
+    pod = proxy_pod({"proxy": {"extraArgs": extra}})
+    assert pod["terminationGracePeriodSeconds"] == grace
+    assert pod["containers"][0]["args"][-len(extra):] == extra
+
+
 # ------------------------------------------------------------------------------------------------
 # The command
 

@@ -9,6 +9,14 @@ The operator starts it with (see `xpyd.render.proxy_args`)::
 
 and, outside Kubernetes, `xpyd proxy --prefill URL --decode URL [--decode URL ...]`.
 The optional API key comes from the environment variable XPYD_PROXY_API_KEY.
+
+Stopping. On SIGTERM (what Kubernetes sends a terminating pod) the proxy at once fails its
+readiness (`GET /ready` answers 503; `GET /health`, the liveness probe, stays 200), then keeps
+serving for `--drain-seconds`, new requests included, while the pod leaves the Service's
+endpoints. Then it closes its listener, gives the requests in flight (streams included) up to
+`--finish-timeout` seconds to finish, cancels what is left and exits 0. SIGINT skips the drain
+period, and so does a second signal. The pod's terminationGracePeriodSeconds covers both periods
+(see `xpyd.render`).
 """
 
 from __future__ import annotations
@@ -23,12 +31,17 @@ from typing import Any
 
 from xpyd.api.models import Connector, RoutingPolicy
 from xpyd.proxy import protocol
-from xpyd.proxy.server import API_KEY_ENV, ProxyConfig
+from xpyd.proxy.server import API_KEY_ENV, Proxy, ProxyConfig
 
 log = logging.getLogger(__name__)
 
-#: Seconds in-flight requests get to finish after SIGTERM (the pod's grace period is 60 s).
-SHUTDOWN_SECONDS = 45.0
+#: Seconds the proxy keeps serving after SIGTERM while it fails readiness (endpoint removal is not instant).
+DRAIN_SECONDS = 5.0
+#: Seconds the requests in flight get to finish once the listener is closed.
+FINISH_SECONDS = 45.0
+#: Upper bounds of the two: a stopping proxy must not hold its pod for long.
+MAX_DRAIN_SECONDS = 300.0
+MAX_FINISH_SECONDS = 3600.0
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -76,6 +89,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                           help="client requests in flight before new ones get 429")
     failures.add_argument("--max-body-bytes", type=int, default=32 * 1024 * 1024,
                           help="largest request body accepted (larger: 413)")
+    failures.add_argument("--drain-seconds", type=float, default=DRAIN_SECONDS,
+                          help="after SIGTERM: seconds of serving on with readiness failed, so the pod leaves the "
+                          f"Service first (default {DRAIN_SECONDS:g}, at most {MAX_DRAIN_SECONDS:g})")
+    failures.add_argument("--finish-timeout", type=float, default=FINISH_SECONDS,
+                          help="after the drain: seconds requests in flight get to finish before they are cut "
+                          f"(default {FINISH_SECONDS:g}, at most {MAX_FINISH_SECONDS:g})")
     failures.add_argument("--decode-only-fallback", action="store_true",
                           help="when no prefill instance can serve, let decode compute the prompt (counted in "
                           "xpyd_proxy_decode_only_fallbacks_total and logged) instead of answering 503")
@@ -139,6 +158,10 @@ def _check(args: argparse.Namespace) -> str | None:
         return "at least one --prefill URL is needed (or --decode-only-fallback)"
     if args.upstream_idle_timeout >= 5.0:
         return "--upstream-idle-timeout must stay below the engines' 5 s keep-alive"
+    if not 0 <= args.drain_seconds <= MAX_DRAIN_SECONDS:
+        return f"--drain-seconds must be within 0..{MAX_DRAIN_SECONDS:g}"
+    if not 0 < args.finish_timeout <= MAX_FINISH_SECONDS:
+        return f"--finish-timeout must be above 0 and at most {MAX_FINISH_SECONDS:g}"
     return None
 
 
@@ -166,12 +189,11 @@ async def serve(args: argparse.Namespace) -> None:
     from aiohttp import web
 
     from xpyd.proxy.discovery import PodWatcher, static_endpoints
-    from xpyd.proxy.server import Proxy
 
     config = config_from_args(args)
     proxy = Proxy(config)
     runner = web.AppRunner(proxy.app(), access_log=None, handler_cancellation=True,
-                           shutdown_timeout=SHUTDOWN_SECONDS)
+                           shutdown_timeout=args.finish_timeout)
     await runner.setup()
     loop = asyncio.get_running_loop()
     watchers: list[PodWatcher] = []
@@ -203,16 +225,42 @@ async def serve(args: argparse.Namespace) -> None:
     await site.start()
     log.info("xpyd proxy (%s, %s) listening on %s:%d", config.connector.value, config.routing_policy.value,
              args.host, args.port)
-    stop = asyncio.Event()
+    stopping = Stopping(proxy)
     for signum in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(signum, stop.set)
-    await stop.wait()
-    log.info("stopping: finishing requests in flight (up to %.0f s)", SHUTDOWN_SECONDS)
+        loop.add_signal_handler(signum, stopping.signalled, signum)
+    await stopping.drain(args.drain_seconds)
+    log.info("closing the listener; %d request(s) in flight get up to %g s", proxy.in_flight, args.finish_timeout)
     for watcher in watchers:
         watcher.stop()
     if registration is not None:
         registration.stop()
     await runner.cleanup()
+    log.info("stopped")
+
+
+class Stopping:
+    """The signals that stop the proxy: the first SIGTERM starts the drain (readiness fails, serving
+    goes on for the drain period); SIGINT, or any second signal, ends the drain period at once."""
+
+    def __init__(self, proxy: Proxy) -> None:
+        self.proxy = proxy
+        self.requested = asyncio.Event()
+        self.hurry = asyncio.Event()
+
+    def signalled(self, signum: int) -> None:
+        """A signal handler (runs in the event loop)."""
+        if self.requested.is_set() or signum == signal.SIGINT:
+            self.hurry.set()
+        self.proxy.start_draining()
+        self.requested.set()
+
+    async def drain(self, seconds: float) -> None:
+        """Wait for a stop signal, then serve on (failing readiness) for `seconds`, or until hurried."""
+        await self.requested.wait()
+        if seconds > 0 and not self.hurry.is_set():
+            log.info("draining for %g s: readiness fails, requests are still served", seconds)
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self.hurry.wait(), seconds)
 
 
 def main() -> int:

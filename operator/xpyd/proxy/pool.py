@@ -49,8 +49,12 @@ class Instance:
     zmq_address: str | None = None
     #: NixlPushConnector: the prefill engine's identity, learnt from its answers.
     push_identity: dict[str, Any] | None = None
-    #: MooncakeConnector: the prefill engine's id (data-parallel rank 0), from its bootstrap server.
-    mooncake_engine_id: str | None = None
+    #: MooncakeConnector: the engine id of each data-parallel rank of the prefill engine, from its
+    #: bootstrap server (`GET /query`); None until asked, and again after a failure or a restart.
+    mooncake_engines: dict[int, str] | None = None
+    #: Legs outstanding per data-parallel rank, where the proxy pins legs to ranks (Mooncake).
+    rank_outstanding: dict[int, int] = field(default_factory=dict)
+    rank_turn: int = 0
     probing: bool = False
 
     @property
@@ -75,6 +79,33 @@ class Instance:
         """A leg counted by `acquire` finished."""
         self.outstanding_requests -= 1
         self.outstanding_tokens -= tokens
+
+    def forget_identity(self) -> None:
+        """Drop what was learnt about the engine's identity (a restarted engine has new ids)."""
+        self.mooncake_engines = None
+
+    def pick_rank(self, ranks: Iterable[int]) -> int:
+        """The data-parallel rank with the fewest outstanding legs; ties go round, starting after the
+        rank picked last, so an idle instance spreads its legs over every rank."""
+        ordered = sorted(ranks)
+        if not ordered:
+            raise ValueError("no data-parallel rank to pick from")
+        self.rank_turn += 1
+        start = self.rank_turn % len(ordered)
+        rotated = ordered[start:] + ordered[:start]
+        return min(rotated, key=lambda rank: self.rank_outstanding.get(rank, 0))
+
+    def acquire_rank(self, rank: int) -> None:
+        """Count a leg pinned to data-parallel `rank`."""
+        self.rank_outstanding[rank] = self.rank_outstanding.get(rank, 0) + 1
+
+    def release_rank(self, rank: int) -> None:
+        """A leg counted by `acquire_rank` finished."""
+        left = self.rank_outstanding.get(rank, 0) - 1
+        if left > 0:
+            self.rank_outstanding[rank] = left
+        else:
+            self.rank_outstanding.pop(rank, None)
 
 
 @dataclass

@@ -14,8 +14,11 @@ client sees. The connectors differ in what the legs carry and whether they may r
   identity comes from a prefill answer, so the first request to a prefill instance runs
   sequentially and teaches the proxy the identity; later ones send both legs at once.
 - MooncakeConnector (`mooncake_connector_proxy.py`): both legs at once, tied by a `transfer_id`;
-  decode gets prefill's bootstrap address and engine id (read from the bootstrap server's
-  `GET /query`).
+  decode gets prefill's bootstrap address and engine id. A prefill pod runs one bootstrap server
+  (on its global rank 0, at VLLM_MOONCAKE_BOOTSTRAP_PORT) for all its data-parallel ranks;
+  `GET /query` maps each DP rank to its engine id (`{"0": {"engine_id": ...}, "1": ...}`). The
+  prefill leg is pinned to one rank with the `X-data-parallel-rank` header, and decode gets that
+  rank's engine id (decode's connector resolves the rank's workers from the same `/query`).
 - P2pNcclConnector (vLLM <= 0.23, `disagg_proxy_p2p_nccl_xpyd.py`): no `kv_transfer_params`; the
   request id `___prefill_addr_{P}___decode_addr_{D}_{uuid}` tells each side its peer's ZMQ address.
   Sequential.
@@ -54,6 +57,8 @@ PUSH_IDENTITY_OPTIONAL: Final = ("pp_size", "dcp_size")
 
 #: vLLM's MooncakeConnector bootstrap port default (VLLM_MOONCAKE_BOOTSTRAP_PORT).
 MOONCAKE_BOOTSTRAP_PORT: Final = 8998
+#: The header that pins a request to one data-parallel rank of a vLLM server (internal load balancing).
+DP_RANK_HEADER: Final = "X-data-parallel-rank"
 #: vLLM's P2pNcclConnector first ZMQ port (kv_port; rank r listens on kv_port + r).
 P2P_NCCL_KV_PORT: Final = 14579
 
@@ -157,14 +162,33 @@ def mooncake_decode_params(transfer_id: str, bootstrap_addr: str, engine_id: str
             "remote_engine_id": engine_id, "transfer_id": transfer_id}
 
 
-def mooncake_engine_id(query_answer: Any, rank: int = 0) -> str | None:
-    """The engine id of data-parallel `rank` in a bootstrap server's `GET /query` answer
-    (`{"0": {"engine_id": ...}, ...}`), or None."""
+def mooncake_engine_ids(query_answer: Any) -> dict[int, str]:
+    """The engine id of every data-parallel rank in a bootstrap server's `GET /query` answer
+    (`{"0": {"engine_id": ..., "worker_addr": ...}, "1": ...}`); entries that are not a rank with a
+    non-empty string engine id are left out."""
     if not isinstance(query_answer, dict):
-        return None
-    entry = query_answer.get(str(rank))
-    engine_id = entry.get("engine_id") if isinstance(entry, dict) else None
-    return engine_id if isinstance(engine_id, str) and engine_id else None
+        return {}
+    engines: dict[int, str] = {}
+    for key, entry in query_answer.items():
+        rank = _rank(key)
+        engine_id = entry.get("engine_id") if isinstance(entry, dict) else None
+        if rank is not None and isinstance(engine_id, str) and engine_id:
+            engines[rank] = engine_id
+    return engines
+
+
+def _rank(key: Any) -> int | None:
+    """A data-parallel rank from a JSON object key ("0", "1", ...), or None."""
+    if isinstance(key, int) and not isinstance(key, bool):
+        return key if key >= 0 else None
+    if isinstance(key, str) and key.isascii() and key.isdigit() and len(key) <= 6:
+        return int(key)
+    return None
+
+
+def mooncake_engine_id(query_answer: Any, rank: int = 0) -> str | None:
+    """The engine id of data-parallel `rank` in a bootstrap server's `GET /query` answer, or None."""
+    return mooncake_engine_ids(query_answer).get(rank)
 
 
 # -- P2pNccl -----------------------------------------------------------------------------------

@@ -22,6 +22,11 @@ One request, in order:
 5. Streamed answers are relayed chunk by chunk as they arrive; unstreamed ones in one piece. A client
    that goes away cancels the handler, which closes both upstream connections (vLLM aborts a
    request whose connection closes).
+
+Draining (`start_draining`, on SIGTERM: see `xpyd.proxy.main`): `/ready` answers 503 at once so
+Kubernetes takes the pod out of its Service, while requests still arriving are served as usual;
+their answers carry `Connection: close`, so clients holding a kept-alive connection to this pod
+reconnect through the Service to another one. `/health` (liveness) stays 200 throughout.
 """
 
 from __future__ import annotations
@@ -153,6 +158,9 @@ class ProxyMetrics:
     ttft: Histogram = field(default_factory=lambda: Histogram(
         "xpyd_proxy_time_to_first_byte_seconds", "Client-seen time to the answer's first byte (TTFT when "
         "streamed).", ("connector", "endpoint")))
+    stream_ttft: Histogram = field(default_factory=lambda: Histogram(
+        "xpyd_proxy_time_to_first_token_seconds", "Client-seen time to the first streamed chunk of streamed "
+        "requests: their TTFT (the autoscaler reads it).", ("connector", "endpoint")))
     duration: Histogram = field(default_factory=lambda: Histogram(
         "xpyd_proxy_request_duration_seconds", "Client-seen request duration.", ("connector", "endpoint")))
     legs: Histogram = field(default_factory=lambda: Histogram(
@@ -211,6 +219,7 @@ class Proxy:
         }
         self._sources: dict[Role, dict[str, list[Endpoint]]] = {role: {} for role in ROLES}
         self.in_flight = 0
+        self.draining = False
         self.session: aiohttp.ClientSession | None = None
         self._tasks: set[asyncio.Task[None]] = set()
         self._prober: asyncio.Task[None] | None = None
@@ -226,6 +235,8 @@ class Proxy:
                   ("role", "upstream"), self._health_states),
             Gauge("xpyd_proxy_upstreams", "Upstream instances by role and state.", ("role", "state"),
                   self._pool_states),
+            Gauge("xpyd_proxy_draining", "1 once the proxy was told to stop (readiness fails), else 0.", (),
+                  self._draining_sample),
         ]
 
     # -- life ----------------------------------------------------------------------------------
@@ -237,6 +248,7 @@ class Proxy:
         app.router.add_post("/v1/chat/completions", self.chat_completions)
         app.router.add_get("/v1/models", self.models)
         app.router.add_get("/health", self.health)
+        app.router.add_get("/ready", self.ready)
         app.router.add_get("/metrics", self.metrics_page)
         app.on_startup.append(self._on_startup)
         app.on_cleanup.append(self._on_cleanup)
@@ -264,6 +276,13 @@ class Proxy:
         await asyncio.gather(*tasks, return_exceptions=True)
         if self.session is not None:
             await self.session.close()
+
+    def start_draining(self) -> None:
+        """Fail readiness from now on, and close client connections after each answer; requests are
+        still served (the listener is closed later, by whoever runs the app)."""
+        if not self.draining:
+            self.draining = True
+            log.info("draining: /ready answers 503; %d request(s) in flight", self.in_flight)
 
     def set_endpoints(self, role: Role, endpoints: Iterable[Endpoint], source: str = "discovery") -> None:
         """A source's current view of a role (discovery, or P2pNccl registration); the pool is the
@@ -313,12 +332,14 @@ class Proxy:
             instance.probing = False
         if healthy != instance.healthy:
             log.info("%s %s is %s", instance.role, instance.url, "healthy" if healthy else "unhealthy")
+            if healthy:  # back from a restart or a failure: its engine ids may have changed
+                instance.forget_identity()
         instance.healthy = healthy
         instance.breaker.probe(healthy, time.monotonic())
 
     def _failed(self, instance: Instance, reason: str) -> None:
         log.warning("%s leg to %s failed: %s", instance.role, instance.url, reason)
-        instance.mooncake_engine_id = None  # a restarted engine has a new id: ask its bootstrap server again
+        instance.forget_identity()  # a restarted engine has new ids: ask its bootstrap server again
         if instance.breaker.failure(time.monotonic()):
             self.metrics.breaker_trips.inc(instance.role)
             log.warning("circuit breaker of %s %s opened", instance.role, instance.url)
@@ -381,6 +402,10 @@ class Proxy:
             outcome = context.outcome
             if context.first_byte_at is not None:
                 self.metrics.ttft.observe(context.first_byte_at - started, connector, endpoint)
+                if parsed.stream:
+                    self.metrics.stream_ttft.observe(context.first_byte_at - started, connector, endpoint)
+            if self.draining and not response.prepared:
+                response.force_close()
             return response
         except asyncio.CancelledError:
             outcome = "cancelled"
@@ -426,7 +451,7 @@ class Proxy:
             except DecodeFailed as failure:
                 self._failed(decode, str(failure))
                 if prefill is not None:
-                    prefill.mooncake_engine_id = None
+                    prefill.forget_identity()
                 tried_decode.add(decode.url)
                 decode_failures += 1
                 if decode_failures > self.config.decode_retries:
@@ -468,14 +493,7 @@ class Proxy:
         body = context.parsed.body
         request_id = context.upstream_id
         if connector == Connector.MOONCAKE:
-            engine_id = await self._mooncake_engine_id(prefill)
-            transfer_id = protocol.mooncake_transfer_id(request_id)
-            bootstrap = "http://" + protocol.host_port(prefill.host, self.config.mooncake_bootstrap_port)
-            return await self._concurrent(
-                context, prefill, decode, request_id,
-                protocol.prefill_body(body, protocol.mooncake_prefill_params(transfer_id)),
-                protocol.decode_body(body, protocol.mooncake_decode_params(transfer_id, bootstrap, engine_id)),
-                prefill_headers={"X-data-parallel-rank": "0"})
+            return await self._mooncake(context, prefill, decode, request_id)
         if connector == Connector.NIXL_PUSH and prefill.push_identity is not None:
             identity = prefill.push_identity
             return await self._concurrent(
@@ -653,6 +671,8 @@ class Proxy:
             headers["Content-Type"] = upstream.headers.get("Content-Type", "text/event-stream; charset=utf-8")
             headers["Cache-Control"] = "no-cache"
             response = web.StreamResponse(status=200, headers=headers)
+            if self.draining:
+                response.force_close()
             try:
                 await response.prepare(context.request)
                 await response.write(opened.head)
@@ -684,21 +704,47 @@ class Proxy:
     def _zmq_address(self, instance: Instance) -> str:
         return instance.zmq_address or protocol.host_port(instance.host, self.config.p2p_nccl_kv_port)
 
-    async def _mooncake_engine_id(self, prefill: Instance) -> str:
-        """Prefill's engine id from its bootstrap server (`GET /query`), cached per instance."""
-        if prefill.mooncake_engine_id is not None:
-            return prefill.mooncake_engine_id
-        url = "http://" + protocol.host_port(prefill.host, self.config.mooncake_bootstrap_port) + "/query"
+    def _mooncake_bootstrap(self, prefill: Instance) -> str:
+        """The base URL of a prefill pod's Mooncake bootstrap server (what decode dials)."""
+        return "http://" + protocol.host_port(prefill.host, self.config.mooncake_bootstrap_port)
+
+    async def _mooncake_engines(self, prefill: Instance) -> dict[int, str]:
+        """Prefill's engine id per data-parallel rank from its bootstrap server (`GET /query`),
+        cached per instance until a failure or a restart."""
+        if prefill.mooncake_engines:
+            return prefill.mooncake_engines
+        url = self._mooncake_bootstrap(prefill) + "/query"
         try:
             async with self._session.get(url, timeout=self._timeouts["probe"]) as response:
                 answer = await response.json(content_type=None) if response.status == 200 else None
         except (TimeoutError, aiohttp.ClientError, OSError, ValueError) as error:
             raise PrefillFailed(f"bootstrap server {url}: {error!r}") from None
-        engine_id = protocol.mooncake_engine_id(answer)
-        if engine_id is None:
+        engines = protocol.mooncake_engine_ids(answer)
+        if not engines:
             raise PrefillFailed(f"bootstrap server {url} reports no engine")
-        prefill.mooncake_engine_id = engine_id
-        return engine_id
+        if len(engines) > 1:
+            log.info("prefill %s: Mooncake data-parallel ranks %s", prefill.url, sorted(engines))
+        prefill.mooncake_engines = engines
+        return engines
+
+    async def _mooncake(self, context: Context, prefill: Instance, decode: Instance,
+                        request_id: str) -> web.StreamResponse:
+        """Both Mooncake legs at once: prefill pinned to one of its data-parallel ranks, decode told
+        that rank's engine id and the pod's bootstrap server."""
+        engines = await self._mooncake_engines(prefill)
+        rank = prefill.pick_rank(engines)
+        transfer_id = protocol.mooncake_transfer_id(request_id)
+        body = context.parsed.body
+        decode_params = protocol.mooncake_decode_params(transfer_id, self._mooncake_bootstrap(prefill), engines[rank])
+        prefill.acquire_rank(rank)
+        try:
+            return await self._concurrent(
+                context, prefill, decode, request_id,
+                protocol.prefill_body(body, protocol.mooncake_prefill_params(transfer_id)),
+                protocol.decode_body(body, decode_params),
+                prefill_headers={protocol.DP_RANK_HEADER: str(rank)})
+        finally:
+            prefill.release_rank(rank)
 
     # -- other endpoints -----------------------------------------------------------------------
 
@@ -723,21 +769,32 @@ class Proxy:
         return _error_response(503, "No decode instance is available.", request_id)
 
     async def health(self, request: web.Request) -> web.Response:
-        """GET /health: 200 while the proxy serves (the pools' state is in the body; an empty pool
-        must not make Kubernetes restart the proxy)."""
+        """GET /health (liveness): 200 while the proxy serves, draining included (the pools' state is
+        in the body; an empty pool must not make Kubernetes restart the proxy)."""
         return web.json_response({"status": "ok", "connector": self.config.connector.value,
+                                  "draining": self.draining,
                                   **{role: pool.counts() for role, pool in self.pools.items()}})
+
+    async def ready(self, request: web.Request) -> web.Response:
+        """GET /ready (readiness): 200, or 503 once draining, so the pod leaves the Service's
+        endpoints while it still serves what reaches it."""
+        if self.draining:
+            return web.json_response({"status": "draining"}, status=503)
+        return web.json_response({"status": "ready"})
 
     async def metrics_page(self, request: web.Request) -> web.Response:
         """GET /metrics in the Prometheus text format."""
         m = self.metrics
-        text = exposition([m.requests, m.rejected, m.ttft, m.duration, m.legs, m.retries, m.fallbacks,
+        text = exposition([m.requests, m.rejected, m.ttft, m.stream_ttft, m.duration, m.legs, m.retries, m.fallbacks,
                            m.breaker_trips, *self._gauges])
         return web.Response(text=text, content_type="text/plain", charset="utf-8",
                             headers={"X-Content-Type-Options": "nosniff"})
 
     def _in_flight_sample(self) -> Iterable[GaugeSample]:
         yield (), float(self.in_flight)
+
+    def _draining_sample(self) -> Iterable[GaugeSample]:
+        yield (), 1.0 if self.draining else 0.0
 
     def _each(self) -> Iterable[Instance]:
         for pool in self.pools.values():

@@ -4,7 +4,8 @@ Mooncake bootstrap server (`GET /query`). It models no timing at all (`xpyd engi
 the engine of the proxy benchmark, where only the proxy's own cost should show, and of the proxy's
 failure-injection tests, which switch its faults on and off (`fail_status`, `hang`, `health_status`,
 `break_after_chunks`, `omit_kv_params`, `token_delay`) and read what it received (`seen`) and how
-requests ended (`cancelled`).
+requests ended (`cancelled`). With `data_parallel_size` > 1 its bootstrap server reports one engine
+id per rank (`<name>-engine_dp<rank>`, the `_dp` suffix vLLM gives each rank's engine id).
 
     python -m xpyd.proxy.stubengine --host 127.0.0.1 --port 8100 [--port 8101 ...]
 """
@@ -65,6 +66,7 @@ class StubEngine:
     break_after_chunks: int | None = None
     omit_kv_params: bool = False
     token_delay: float = 0.0
+    data_parallel_size: int = 1
     seen: list[Seen] = field(default_factory=list)
     started: int = 0
     completed: int = 0
@@ -81,8 +83,12 @@ class StubEngine:
 
     @property
     def engine_id(self) -> str:
-        """The NIXL/Mooncake engine id the stub reports."""
-        return f"{self.name}-engine"
+        """The NIXL/Mooncake engine id the stub reports (of data-parallel rank 0)."""
+        return self.rank_engine_id(0)
+
+    def rank_engine_id(self, rank: int) -> str:
+        """The engine id of data-parallel `rank`."""
+        return f"{self.name}-engine" if self.data_parallel_size == 1 else f"{self.name}-engine_dp{rank}"
 
     def app(self) -> web.Application:
         """The aiohttp application."""
@@ -122,7 +128,9 @@ class StubEngine:
              "parent": None, "max_model_len": 131072}]})
 
     async def _query(self, request: web.Request) -> web.Response:
-        return web.json_response({"0": {"engine_id": self.engine_id}})
+        return web.json_response({str(rank): {"engine_id": self.rank_engine_id(rank),
+                                              "worker_addr": {"0": {"0": f"{self.host}:{17000 + rank}"}}}
+                                  for rank in range(self.data_parallel_size)})
 
     async def _generate(self, request: web.Request) -> web.StreamResponse:
         try:

@@ -7,6 +7,7 @@ depend on the connector, role and vLLM version are computed in `engine` and `kvc
 from __future__ import annotations
 
 import json
+import math
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, Final
@@ -15,13 +16,22 @@ import jinja2
 import yaml
 
 from xpyd import __version__
-from xpyd.api.models import DisaggregatedServingSpec
+from xpyd.api.models import Connector, DisaggregatedServingSpec
 from xpyd.render import engine, naming
 from xpyd.render.kvconfig import Role
 
 JSON = dict[str, Any]
 
 DEFAULT_OPERATOR_IMAGE: Final = f"ghcr.io/xpyd-operator/xpyd-operator:{__version__}"
+#: After SIGTERM the proxy fails readiness and serves on this long, while the pod leaves the Service
+#: (readiness probe every 2 s, 2 failures, then endpoint propagation to kube-proxy and ingresses).
+PROXY_DRAIN_SECONDS: Final = 10
+#: Then the requests in flight (long streams included) get this long before they are cut.
+PROXY_FINISH_SECONDS: Final = 45
+#: Between the end of that and SIGKILL: the proxy's own exit.
+PROXY_EXIT_MARGIN_SECONDS: Final = 5
+#: The most either period counts for (the proxy refuses longer ones: `xpyd proxy --help`).
+PROXY_MAX_STOP_SECONDS: Final = 3600.0
 
 _ENV = jinja2.Environment(
     loader=jinja2.PackageLoader("xpyd", "templates"),
@@ -99,18 +109,52 @@ def _engine_objects(name: str, namespace: str, spec: DisaggregatedServingSpec, r
 
 
 def proxy_args(name: str, namespace: str, spec: DisaggregatedServingSpec) -> list[str]:
-    """`xpyd proxy` arguments: where the pools are and how to talk to them."""
+    """`xpyd proxy` arguments: where the pools are, how to talk to them and how to stop. The
+    user's extra arguments come last (the proxy's parser keeps the last value of a flag)."""
+    kv = spec.kv_transfer
+    connector: list[str] = []
+    if kv.connector == Connector.MOONCAKE:
+        # Decode dials prefill's bootstrap server at this port; the proxy asks it for the engine ids.
+        connector.append(f"--mooncake-bootstrap-port={kv.mooncake_settings.bootstrap_port}")
     return [
         f"--port={spec.proxy.port}",
-        f"--connector={spec.kv_transfer.connector.value}",
+        f"--connector={kv.connector.value}",
         f"--namespace={namespace}",
         f"--prefill-selector={naming.selector_string(name, 'prefill')}",
         f"--decode-selector={naming.selector_string(name, 'decode')}",
         f"--engine-port={spec.engine.port}",
         f"--routing-policy={spec.proxy.routing_policy.value}",
         f"--served-model-name={spec.model.served_name}",
+        *connector,
+        f"--drain-seconds={PROXY_DRAIN_SECONDS}",
+        f"--finish-timeout={PROXY_FINISH_SECONDS}",
         *spec.proxy.extra_args,
     ]
+
+
+def _last_flag_value(args: list[str], flag: str) -> str | None:
+    """The value argparse would keep for `flag` (`--flag=V` or `--flag V`; the last one wins)."""
+    value = None
+    for index, arg in enumerate(args):
+        if arg.startswith(flag + "="):
+            value = arg.split("=", 1)[1]
+        elif arg == flag and index + 1 < len(args):
+            value = args[index + 1]
+    return value
+
+
+def proxy_termination_grace_seconds(args: list[str]) -> int:
+    """terminationGracePeriodSeconds of the proxy pod: its drain period plus the time it gives
+    requests in flight plus a margin, from the values its arguments set (the user's included)."""
+    total = float(PROXY_EXIT_MARGIN_SECONDS)
+    for flag, default in (("--drain-seconds", PROXY_DRAIN_SECONDS), ("--finish-timeout", PROXY_FINISH_SECONDS)):
+        value = _last_flag_value(args, flag)
+        try:
+            seconds = float(value) if value is not None else float(default)
+        except ValueError:  # the proxy refuses it at start-up; the default keeps the pod spec valid
+            seconds = float(default)
+        total += min(seconds, PROXY_MAX_STOP_SECONDS) if math.isfinite(seconds) and seconds > 0 else 0.0
+    return math.ceil(total)
 
 
 def _proxy_objects(name: str, namespace: str, spec: DisaggregatedServingSpec,
@@ -129,6 +173,7 @@ def _proxy_objects(name: str, namespace: str, spec: DisaggregatedServingSpec,
     resources = spec.proxy.resources
     requests = {k: v for k, v in (("cpu", resources.cpu), ("memory", resources.memory)) if v}
     limits = {"memory": resources.memory} if resources.memory else {}
+    args = proxy_args(name, namespace, spec)
     return (
         _render("proxy-rbac.yaml.j2", **common)
         + _render(
@@ -136,7 +181,8 @@ def _proxy_objects(name: str, namespace: str, spec: DisaggregatedServingSpec,
             **common,
             proxy=spec.proxy,
             image=spec.proxy.image or options.operator_image,
-            args=proxy_args(name, namespace, spec),
+            args=args,
+            termination_grace_seconds=proxy_termination_grace_seconds(args),
             env=proxy_env,
             resources={"requests": requests, "limits": limits},
         )

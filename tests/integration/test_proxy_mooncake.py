@@ -1,0 +1,94 @@
+"""MooncakeConnector with data-parallel prefill engines, over real HTTP on loopback (stub engines in
+this process: `xpyd engine-sim` emulates only the NIXL pull hand-off). A prefill pod serves one
+bootstrap server for all its DP ranks; the proxy pins each prefill leg to a rank with
+`X-data-parallel-rank` and gives decode that rank's engine id, as vLLM's
+`examples/disaggregated/mooncake_connector/mooncake_connector_proxy.py` does."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from tests.integration.test_proxy_protocol import COMPLETION, HOST, eventually, rig
+from xpyd.api.models import Connector
+from xpyd.proxy import protocol
+from xpyd.proxy.stubengine import StubEngine
+
+pytestmark = pytest.mark.integration
+
+
+async def _prefill(dp: int) -> StubEngine:
+    engine = StubEngine(name="p0", data_parallel_size=dp)
+    await engine.start(HOST)
+    return engine
+
+
+def _pairs(prefill: StubEngine, decode: StubEngine) -> list[tuple[str, str, str]]:
+    """(X-Request-Id, prefill's DP rank header, decode's remote_engine_id) per request."""
+    ranks = {leg.headers["X-Request-Id"]: leg.headers[protocol.DP_RANK_HEADER] for leg in prefill.seen}
+    return sorted((leg.headers["X-Request-Id"], ranks[leg.headers["X-Request-Id"]],
+                   leg.body["kv_transfer_params"]["remote_engine_id"]) for leg in decode.seen)
+
+
+async def test_each_prefill_leg_is_pinned_to_a_rank_and_decode_gets_that_ranks_engine() -> None:
+    prefill = await _prefill(dp=4)
+    async with rig(engines=([prefill], [StubEngine(name="d0")]), connector=Connector.MOONCAKE,
+                   mooncake_bootstrap_port=prefill.port) as r:
+        for n in range(8):
+            assert (await r.post("/v1/completions", COMPLETION, {"X-Request-Id": f"r{n}"}))[0] == 200
+        pairs = _pairs(prefill, r.decode[0])
+        assert len(pairs) == 8
+        assert all(engine == f"p0-engine_dp{rank}" for _, rank, engine in pairs)
+        # An idle instance spreads its legs over every rank.
+        assert sorted(rank for _, rank, _ in pairs) == ["0", "0", "1", "1", "2", "2", "3", "3"]
+        for leg in r.decode[0].seen:
+            params = leg.body["kv_transfer_params"]
+            assert params["remote_bootstrap_addr"] == f"http://{HOST}:{prefill.port}"
+            assert params["transfer_id"] == f"xfer-{leg.headers['X-Request-Id']}"
+            assert protocol.DP_RANK_HEADER not in leg.headers   # decode's own load balancer picks its rank
+        assert r.proxy.pools["prefill"].instances[prefill.url].rank_outstanding == {}
+
+
+async def test_concurrent_legs_go_to_the_least_busy_rank() -> None:
+    prefill = await _prefill(dp=2)
+    async with rig(engines=([prefill], [StubEngine(name="d0")]), connector=Connector.MOONCAKE,
+                   mooncake_bootstrap_port=prefill.port) as r:
+        prefill.hang = True
+        held = [asyncio.ensure_future(r.post("/v1/completions", COMPLETION, {"X-Request-Id": f"h{n}"}))
+                for n in range(4)]
+        await eventually(lambda: prefill.started == 4, what="four prefill legs in flight")
+        ranks = sorted(leg.headers[protocol.DP_RANK_HEADER] for leg in prefill.seen)
+        assert ranks == ["0", "0", "1", "1"]
+        for task in held:
+            task.cancel()
+        await asyncio.gather(*held, return_exceptions=True)
+
+
+async def test_a_restarted_prefill_engine_is_asked_for_its_ranks_again() -> None:
+    prefill = await _prefill(dp=1)
+    async with rig(engines=([prefill], [StubEngine(name="d0")]), connector=Connector.MOONCAKE,
+                   mooncake_bootstrap_port=prefill.port) as r:
+        assert (await r.post("/v1/completions", COMPLETION, {"X-Request-Id": "before"}))[0] == 200
+        instance = r.proxy.pools["prefill"].instances[prefill.url]
+        assert instance.mooncake_engines == {0: "p0-engine"}
+        # The engine restarts (loading: 503 on /health) and comes back with two ranks and new ids.
+        prefill.health_status = 503
+        await eventually(lambda: instance.healthy is False, what="the restart seen")
+        prefill.name, prefill.data_parallel_size = "p0-restarted", 2
+        prefill.health_status = 200
+        await eventually(lambda: instance.eligible(), what="the engine back")
+        for n in range(2):
+            assert (await r.post("/v1/completions", COMPLETION, {"X-Request-Id": f"after{n}"}))[0] == 200
+        engines = {engine for request_id, _, engine in _pairs(prefill, r.decode[0]) if request_id.startswith("after")}
+        assert engines == {"p0-restarted-engine_dp0", "p0-restarted-engine_dp1"}
+
+
+async def test_a_bootstrap_server_reporting_no_engine_is_a_prefill_failure() -> None:
+    broken = StubEngine(name="p0", data_parallel_size=0)           # /query answers {}
+    await broken.start(HOST)
+    async with rig(engines=([broken], [StubEngine(name="d0")]), connector=Connector.MOONCAKE,
+                   mooncake_bootstrap_port=broken.port) as r:
+        status, answer, _ = await r.post("/v1/completions", COMPLETION)
+        assert status == 503 and "Prefill failed" in answer["error"]["message"]
+        assert broken.seen == [] and r.decode[0].seen == []
