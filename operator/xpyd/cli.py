@@ -122,6 +122,7 @@ def build_parser() -> argparse.ArgumentParser:
     cluster.add_argument("--json", action="store_true", help="status: machine-readable output")
     cluster.set_defaults(func=_cmd_cluster)
 
+    from xpyd.bench.main import add_parser as add_bench_parser
     from xpyd.proxy.main import add_parser as add_proxy_parser
     from xpyd.sim.emulator import add_parser as add_engine_sim_parser
     from xpyd.sim.plan import add_parser as add_plan_parser
@@ -131,6 +132,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_sim_parser(commands)
     add_engine_sim_parser(commands)
     add_proxy_parser(commands)
+    add_bench_parser(commands)
     return parser
 
 

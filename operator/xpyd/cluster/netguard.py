@@ -8,9 +8,14 @@ first and refuses loudly otherwise.
 from __future__ import annotations
 
 import ipaddress
+import os
 from urllib.parse import urlsplit
 
 LOOPBACK = ipaddress.ip_network("127.0.0.0/8")
+
+#: Set by the local cluster's pod runtime in every pod process: code that dials URLs taken from user
+#: input (the autoscaler's Prometheus URL) checks them with `guard_url` first.
+LOOPBACK_ONLY_ENV = "XPYD_LOOPBACK_ONLY"
 
 
 class NonLoopbackAddress(RuntimeError):
@@ -37,3 +42,9 @@ def require_loopback_url(url: str) -> str:
     host = urlsplit(url).hostname or ""
     require_loopback(host, f"URL {url}")
     return url
+
+
+def guard_url(url: str) -> str:
+    """`require_loopback_url` inside the local cluster (LOOPBACK_ONLY_ENV set), else `url` unchanged:
+    on a real cluster the same code dials whatever the user configured."""
+    return require_loopback_url(url) if os.environ.get(LOOPBACK_ONLY_ENV) else url

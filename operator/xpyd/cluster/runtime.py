@@ -33,7 +33,7 @@ from pathlib import Path
 from typing import Any
 
 from xpyd.cluster.controlplane import HOST, ClusterState, write_kubeconfig
-from xpyd.cluster.netguard import require_loopback
+from xpyd.cluster.netguard import LOOPBACK_ONLY_ENV, require_loopback
 from xpyd.kube import Kube, KubeError
 
 JSON = dict[str, Any]
@@ -213,6 +213,7 @@ class PodRuntime:
                   "metadata.namespace": meta["namespace"], "spec.nodeName": pod["spec"]["nodeName"],
                   "spec.serviceAccountName": pod["spec"].get("serviceAccountName", "default")}
         env = {"PATH": os.environ.get("PATH", "/usr/bin:/bin"), "HOME": str(directory), "XPYD_POD_IP": ip,
+               LOOPBACK_ONLY_ENV: "1",
                "KUBERNETES_SERVICE_HOST": HOST, "KUBERNETES_SERVICE_PORT": str(self.state.apiserver_port)}
         if pod["spec"].get("automountServiceAccountToken", True):
             env["KUBECONFIG"] = str(self._pod_kubeconfig(pod, directory))
