@@ -12,15 +12,21 @@ nothing is mutated; the same code runs in the operator and in `xpyd sim --policy
 The rules, in order (each named in the decision's CamelCase reason and message):
 
 1. Metrics check: missing, stale or contradictory metrics hold every role at its current size
-   (`MetricsUnavailable`, `scaling_active=False`); bounds still apply, nothing else scales.
+   (`MetricsUnavailable`, `scaling_active=False`); bounds still apply, nothing else scales. Before the
+   first finished request the pool holds as `NoTraffic` (requests arriving for two windows without
+   any ISL/OSL reported is `MetricsUnavailable`); a later window without finished requests sizes from
+   the ISL/OSL seen before. Engines idle while the proxy counts requests holds as `MetricsSettling`
+   for up to two windows (unaligned scrapes of newly found engines), then as `MetricsUnavailable`.
 2. Forecast: Holt's linear trend on λ, ISL and OSL, read at `now + startup + interval + window/2`
    (the window's mean lags by half a window); sizing uses max(now, forecast), so a falling
    forecast never sizes below what the current load needs.
 3. Capacity correction per role: `k = observed / modelled capacity`, EWMA-smoothed and clamped to
-   [0.5, 1.5]; updated only from windows with enough requests, a steady pool (nothing starting or
-   draining) and, for prefill, enough load for latency to say something about capacity. Prefill:
-   the `k` whose modelled mean prefill-engine TTFT (Erlang-C wait + prefill) equals the observed
-   one; decode: modelled ITL at the observed batch / observed ITL.
+   [0.5, 1.5]; updated only from windows with enough requests and a steady pool (nothing starting or
+   draining). Prefill: the prompt-token rate delivered per ready replica over the modelled saturated
+   rate, learnt while the engines stayed saturated (requests waiting at both ends of the window, the
+   median request queueing) and otherwise only when it proves more capacity than `k` assumes (a
+   delivered rate is a lower bound on capacity); decode: modelled ITL at the observed batch /
+   observed ITL.
 4. Demand: prefill replicas from λ·ISL with queueing headroom (`sizing.PoolModel.size_prefill`:
    M/G/c, Allen-Cunneen tail over the prompt-length mix, TTFT target at the SLO percentile,
    including transfer and one decode step); decode replicas from the ITL/KV frontier at
@@ -46,7 +52,6 @@ from __future__ import annotations
 
 import itertools
 import math
-from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING
 
@@ -60,7 +65,6 @@ from xpyd.autoscaler.sizing import (
     PromptMix,
 )
 from xpyd.sim.perf import PerfModel
-from xpyd.sim.plan import erlang_c
 from xpyd.sim.policy import Observation, Quantiles, RoleObservation
 
 if TYPE_CHECKING:
@@ -84,11 +88,13 @@ INSUFFICIENT_GPUS = "InsufficientGPUs"
 GPU_BUDGET = "GPUBudgetBinding"
 BOUNDS = "ReplicaBounds"
 WITHIN_TARGETS = "WithinTargets"
+NO_TRAFFIC = "NoTraffic"
+METRICS_SETTLING = "MetricsSettling"
 
 # Which reason speaks for the whole decision when several apply (first wins).
 _PRIORITY = (METRICS_UNAVAILABLE, INSUFFICIENT_GPUS, GPU_BUDGET, PREFILL_QUEUEING, DECODE_ADMISSION,
              TPOT_OVER_TARGET, PREFILL_DEMAND, DECODE_DEMAND, BOUNDS, SCALE_DOWN, SCALE_DOWN_UNSAFE,
-             SCALE_DOWN_GRACE, SCALE_DOWN_DEFERRED, WITHIN_TARGETS)
+             SCALE_DOWN_GRACE, SCALE_DOWN_DEFERRED, WITHIN_TARGETS, NO_TRAFFIC, METRICS_SETTLING)
 
 
 # --- configuration ---------------------------------------------------------------------------------
@@ -200,6 +206,7 @@ class AutoscalerState:
     isl: SeriesState = field(default_factory=SeriesState)
     osl: SeriesState = field(default_factory=SeriesState)
     isl_quantiles: Quantiles = field(default_factory=Quantiles)
+    suspect_since_s: float = math.nan     # since when the metrics contradict themselves (or lack ISL/OSL)
     prefill: RoleState = field(default_factory=RoleState)
     decode: RoleState = field(default_factory=RoleState)
 
@@ -276,9 +283,6 @@ def metrics_problem(observation: Observation, state: AutoscalerState) -> str | N
     rate = observation.request_rate
     if not math.isfinite(rate) or rate < 0:
         return "request rate missing"
-    if rate > 0 and not (observation.isl_mean > 0 and observation.osl_mean > 0):
-        return f"{rate:.2f} req/s arriving but ISL/OSL missing (no vllm:request_prompt/generation_tokens)"
-    arrived = rate * observation.window_s
     for name, role in ((PREFILL, observation.prefill), (DECODE, observation.decode)):
         counts = (role.replicas, role.ready, role.starting, role.pending, role.draining,
                   role.num_requests_running, role.num_requests_waiting)
@@ -288,6 +292,15 @@ def metrics_problem(observation: Observation, state: AutoscalerState) -> str | N
             return f"{name}: {role.ready} ready of {role.replicas} replicas"
         if not 0.0 <= role.kv_cache_usage_perc <= 1.0 or not 0.0 <= role.kv_cache_usage_perc_max <= 1.0:
             return f"{name} KV-cache usage outside 0-1"
+    return None
+
+
+def metrics_suspicion(observation: Observation) -> str | None:
+    """A contradiction that scrape timing explains for a window or two (the proxy's counters seen before
+    a newly scraped engine's: rate() needs two samples), and a real problem (engines scraped under
+    other labels, a broken exporter) when it persists. None when the observation is consistent."""
+    arrived = observation.request_rate * observation.window_s
+    for name, role in ((PREFILL, observation.prefill), (DECODE, observation.decode)):
         if (role.ready > 0 and arrived >= 10 and role.requests_per_s <= 0 and role.num_requests_running <= 0
                 and role.num_requests_waiting <= 0):
             return f"{name} engines report no work while the proxy saw {arrived:.0f} requests in the window"
@@ -297,49 +310,29 @@ def metrics_problem(observation: Observation, state: AutoscalerState) -> str | N
 # --- corrections -------------------------------------------------------------------------------------
 
 
-def _prefill_engine_mean_ttft(model: PoolModel, replicas: int, rate: float, mix: PromptMix, k: float) -> float:
-    """Modelled mean TTFT at a prefill engine (queue + prefill): Allen-Cunneen mean wait + mean p(L)."""
-    service = [model.service_seconds(x, k) for x in mix.isl_tokens]
-    mean_service = sum(service) / len(service)
-    offered = rate * mean_service
-    if offered >= replicas:
-        return math.inf
-    cs2 = sum((s - mean_service) ** 2 for s in service) / len(service) / mean_service**2
-    wait = erlang_c(replicas, offered) / (replicas / mean_service - rate) * (1.0 + cs2) / 2.0
-    alone = sum(model.perf.prefill_seconds(max(1, round(x))) for x in mix.isl_tokens) / len(mix.isl_tokens) / k
-    return wait + alone
+def _observed_prefill_correction(observation: Observation, config: AutoscalerConfig,
+                                 state: RoleState) -> float | None:
+    """Prefill capacity seen in this window, as a multiple of the modelled saturated rate, or None.
 
-
-def _bisect_decreasing(predict: Callable[[float], float], observed: float, low: float, high: float) -> float:
-    """The k in [low, high] where the decreasing `predict(k)` equals `observed`; the nearer end when
-    `observed` is out of the range `predict` covers."""
-    if predict(low) <= observed:
-        return low
-    if predict(high) >= observed:
-        return high
-    for _ in range(40):
-        middle = (low + high) / 2
-        low, high = (middle, high) if predict(middle) > observed else (low, middle)
-    return (low + high) / 2
-
-
-def _observed_prefill_correction(observation: Observation, config: AutoscalerConfig, mix: PromptMix,
-                                 k: float) -> float | None:
+    A replica's prompt-token rate is what it was asked for unless it had a queue; so the delivered
+    rate per ready replica measures capacity only while the engines stayed saturated: requests
+    waiting at both ends of the window and the median request queueing beyond the queue-time
+    histogram's first bucket. Otherwise it is only a lower bound, used when it proves more capacity
+    than the current correction assumes. (Fitting a queueing model to latencies instead confuses
+    small-batch step overhead at moderate load with lost capacity: it reads k well under 1 where the
+    saturated rate is exact, and then over-provisions at high load.)"""
     role = observation.prefill
-    rate = role.requests_per_s
-    observed = role.time_to_first_token_seconds.mean
-    if (role.ready < 1 or role.starting or role.draining or rate * observation.window_s < config.min_requests
-            or not observed > 0):
+    rate = role.prompt_tokens_per_s
+    thin = role.requests_per_s * observation.window_s < config.min_requests
+    if role.ready < 1 or role.starting or role.draining or thin or not rate > 0:
         return None
-    model = config.model
-    offered = rate * sum(model.service_seconds(x, k) for x in mix.isl_tokens) / len(mix.isl_tokens)
-    if offered / role.ready < 0.3:   # latency barely depends on capacity here: too thin to learn from
-        return None
-
-    def predict(candidate: float) -> float:
-        return _prefill_engine_mean_ttft(model, role.ready, rate, mix, candidate)
-
-    return _bisect_decreasing(predict, observed, config.correction_min, config.correction_max)
+    delivered = rate / (role.ready * config.model.saturated_tokens_per_s())
+    saturated = (role.num_requests_waiting >= role.ready and math.isfinite(state.waiting)
+                 and state.waiting >= role.ready
+                 and quantile_at(role.request_queue_time_seconds, 50.0) > config.queue_time_floor_s)
+    if saturated or delivered > state.correction:
+        return delivered
+    return None
 
 
 def _observed_decode_correction(observation: Observation, config: AutoscalerConfig, context: float) -> float | None:
@@ -395,28 +388,41 @@ def _plan(config: AutoscalerConfig, rate_now: float, rate: float, isl: float, os
     return _Plan(rate_now, rate, isl, osl, mix, prefill, decode, burst_tokens, burst)
 
 
-def _hold(observation: Observation, config: AutoscalerConfig, state: AutoscalerState, problem: str) -> Decision:
+def hold(observation: Observation, config: AutoscalerConfig, state: AutoscalerState, problem: str,
+         reason: str = METRICS_UNAVAILABLE) -> Decision:
+    """Every role at its current size (bounds still apply at once), because of `problem`. With the
+    default reason the metrics cannot be trusted (`scaling_active=False`); with NO_TRAFFIC they can,
+    there is just nothing to size yet. The operator calls it when Prometheus cannot be read at all."""
     roles = []
     for name, role in ((PREFILL, observation.prefill), (DECODE, observation.decode)):
         current = role.replicas + role.pending
         bounds = config.bounds(name)
         wanted = min(max(current, bounds.min_replicas), bounds.max_replicas)
-        reason, message = METRICS_UNAVAILABLE, f"{name[0].upper()} held at {current}: {problem}"
+        role_reason, message = reason, f"{name[0].upper()} held at {current}: {problem}"
         if wanted != current:
-            reason = BOUNDS
+            role_reason = BOUNDS
             message = f"{name[0].upper()} {current}->{wanted} (min {bounds.min_replicas}, max {bounds.max_replicas})"
-        roles.append(RoleDecision(current, wanted, current, reason, message))
+        roles.append(RoleDecision(current, wanted, current, role_reason, message))
     prefill, decode = roles
-    return Decision(prefill, decode, METRICS_UNAVAILABLE, f"holding replicas: {problem}",
-                    pd_ratio(max(prefill.replicas, 1), max(decode.replicas, 1)), state, scaling_active=False)
+    return Decision(prefill, decode, reason, f"holding replicas: {problem}",
+                    pd_ratio(max(prefill.replicas, 1), max(decode.replicas, 1)), state,
+                    scaling_active=reason != METRICS_UNAVAILABLE)
 
 
 def decide(observation: Observation, config: AutoscalerConfig, state: AutoscalerState) -> Decision:
     """The replicas each role should have now, why, and the state for the next call (pure)."""
     problem = metrics_problem(observation, state)
     if problem is not None:
-        return _hold(observation, config, state, problem)
+        return hold(observation, config, state, problem)
     now = observation.time_s
+    suspicion = metrics_suspicion(observation)
+    if suspicion is not None:
+        since = state.suspect_since_s if math.isfinite(state.suspect_since_s) else now
+        waited = replace(state, time_s=now, suspect_since_s=since)
+        if now - since >= 2 * observation.window_s:
+            return hold(observation, config, waited, f"{suspicion} (for {now - since:.0f}s)")
+        return hold(observation, config, waited, f"{suspicion}: waiting a window for the scrapes to agree",
+                    METRICS_SETTLING)
     forecaster = config.forecaster
 
     # Forecast the load over the start-up delay.
@@ -434,16 +440,24 @@ def decide(observation: Observation, config: AutoscalerConfig, state: Autoscaler
 
     rate = max(rate_now, forecaster.predict(rate_series, horizon) if rate_series.samples else 0.0)
     isl, osl = ahead(isl_series, observation.isl_mean), ahead(osl_series, observation.osl_mean)
-    if not (isl > 0 and osl > 0):   # no traffic has ever been seen: nothing to size, hold
-        new_state = replace(state, time_s=now, rate=rate_series)
-        return _hold(observation, config, new_state, "no request has been seen yet (ISL/OSL unknown)")
+    if not (isl > 0 and osl > 0):   # no finished request has ever been seen: nothing to size, hold
+        since = state.suspect_since_s if math.isfinite(state.suspect_since_s) else now
+        new_state = replace(state, time_s=now, rate=rate_series, suspect_since_s=since if rate_now > 0 else math.nan)
+        if rate_now > 0 and now - since >= 2 * observation.window_s:
+            return hold(observation, config, new_state, f"{rate_now:.2f} req/s arriving for {now - since:.0f}s but "
+                        "no ISL/OSL reported (no vllm:request_prompt_tokens / request_generation_tokens series)")
+        return hold(observation, config, new_state, "no request has been seen yet (ISL/OSL unknown)", NO_TRAFFIC)
+    if not (observation.isl_mean > 0 and observation.osl_mean > 0):
+        # A window in which no request finished (idle, or only long answers in flight) has no ISL/OSL
+        # of its own: what was seen before stands in, for this decision's judgements only.
+        observation = replace(observation, isl_mean=observation.isl_mean if observation.isl_mean > 0 else isl,
+                              osl_mean=observation.osl_mean if observation.osl_mean > 0 else osl)
     mix = PromptMix.from_quantiles(isl, isl_quantiles, config.default_isl_cs2)
     mix_now = PromptMix.from_quantiles(observation.isl_mean, isl_quantiles, config.default_isl_cs2) \
         if observation.isl_mean > 0 else mix
 
     # Capacity corrections from this window.
-    prefill_state = _smoothed(state.prefill, _observed_prefill_correction(
-        observation, config, mix_now, state.prefill.correction), config)
+    prefill_state = _smoothed(state.prefill, _observed_prefill_correction(observation, config, state.prefill), config)
     context_now = (observation.isl_mean + observation.osl_mean / 2.0) if observation.isl_mean > 0 else isl + osl / 2
     decode_state = _smoothed(state.decode, _observed_decode_correction(observation, config, context_now), config)
     k_prefill, k_decode = prefill_state.correction, decode_state.correction
