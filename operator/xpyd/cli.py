@@ -43,7 +43,8 @@ def _cmd_operator(args: argparse.Namespace) -> int:
     from xpyd.controller.main import run
 
     return run(namespaces=args.namespace, all_namespaces=args.all_namespaces, liveness=args.liveness,
-               operator_image=args.operator_image, resync_seconds=args.resync_seconds, verbose=args.verbose)
+               operator_image=args.operator_image, resync_seconds=args.resync_seconds, verbose=args.verbose,
+               metrics=args.metrics or None)
 
 
 def _cmd_cluster(args: argparse.Namespace) -> int:
@@ -106,6 +107,8 @@ def build_parser() -> argparse.ArgumentParser:
     scope.add_argument("-A", "--all-namespaces", action="store_true", help="watch every namespace")
     operator.add_argument("--liveness", default="http://0.0.0.0:8080/healthz",
                           help="liveness endpoint URL (empty to disable)")
+    operator.add_argument("--metrics", default="http://0.0.0.0:8081/metrics",
+                          help="URL the operator's Prometheus metrics are served on (empty to disable)")
     operator.add_argument("--operator-image", default=None, help="image the proxy Deployments run "
                           "(default: this operator's release image)")
     operator.add_argument("--resync-seconds", type=float, default=60.0,

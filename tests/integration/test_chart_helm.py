@@ -174,7 +174,8 @@ def test_operator_args_follow_values() -> None:
         "--set", "resyncSeconds=15", "--set", "watchNamespaces={a,b}"))
     assert container["image"] == "registry.local/xpyd:dev"
     assert container["args"] == ["-n", "a", "-n", "b", "--liveness=http://0.0.0.0:8080/healthz",
-                                 "--operator-image=registry.local/xpyd:dev", "--resync-seconds=15", "-v"]
+                                 "--metrics=http://0.0.0.0:8081/metrics", "--operator-image=registry.local/xpyd:dev",
+                                 "--resync-seconds=15", "-v"]
 
 
 def test_pod_placement_values() -> None:
@@ -234,7 +235,7 @@ def test_rbac_can_be_left_out() -> None:
 def test_monitoring_objects_only_with_the_prometheus_operator_api(api: bool) -> None:
     objects = template(*MONITORING_ON, *(MONITORING_API if api else ()))
     monitoring = sorted(o["kind"] for o in objects if o["apiVersion"] == "monitoring.coreos.com/v1")
-    assert monitoring == (["PodMonitor", "PrometheusRule"] if api else [])
+    assert monitoring == (["PodMonitor", "PodMonitor", "PrometheusRule"] if api else [])
 
 
 def test_monitoring_is_off_by_default() -> None:
@@ -242,14 +243,19 @@ def test_monitoring_is_off_by_default() -> None:
     assert not [o for o in objects if o["kind"] in ("PodMonitor", "PrometheusRule", "ConfigMap")]
 
 
+def pod_monitor(objects: list[dict[str, Any]], suffix: str) -> dict[str, Any]:
+    (monitor,) = [o for o in objects if o["kind"] == "PodMonitor" and o["metadata"]["name"].endswith(suffix)]
+    return monitor
+
+
 def test_pod_monitor() -> None:
-    monitor = one(template(*MONITORING_ON, *MONITORING_API), "PodMonitor")
+    monitor = pod_monitor(template(*MONITORING_ON, *MONITORING_API), "-engines")
     assert monitor["metadata"]["namespace"] == NAMESPACE
     spec = monitor["spec"]
     assert spec["namespaceSelector"] == {"any": True}
     assert spec["selector"]["matchLabels"]["app.kubernetes.io/part-of"] == "xpyd"
     assert spec["selector"]["matchExpressions"] == [
-        {"key": "xpyd.io/role", "operator": "In", "values": ["prefill", "decode"]}]
+        {"key": "xpyd.io/role", "operator": "In", "values": ["prefill", "decode", "proxy"]}]
     (endpoint,) = spec["podMetricsEndpoints"]
     assert endpoint["port"] == "http"
     assert endpoint["path"] == "/metrics"
@@ -258,9 +264,22 @@ def test_pod_monitor() -> None:
                        "xpyd_io_serving": ["__meta_kubernetes_pod_label_xpyd_io_serving"]}
 
 
+def test_operator_pod_monitor_scrapes_the_autoscaler_metrics() -> None:
+    objects = template(*MONITORING_ON, *MONITORING_API)
+    monitor = pod_monitor(objects, "-operator")
+    deployment = one(objects, "Deployment")
+    selected = monitor["spec"]["selector"]["matchLabels"].items()
+    assert selected <= deployment["spec"]["template"]["metadata"]["labels"].items()
+    (endpoint,) = monitor["spec"]["podMetricsEndpoints"]
+    (container,) = deployment["spec"]["template"]["spec"]["containers"]
+    ports = {p["name"]: p["containerPort"] for p in container["ports"]}
+    assert endpoint["port"] == "metrics" and ports["metrics"] == 8081
+    assert "--metrics=http://0.0.0.0:8081/metrics" in container["args"]
+
+
 def test_pod_monitor_follows_the_watched_namespaces() -> None:
-    monitor = one(template(*MONITORING_ON, *MONITORING_API, "--set", "watchNamespaces={a,b}",
-                           "--set", "monitoring.podMonitor.labels.release=prom"), "PodMonitor")
+    monitor = pod_monitor(template(*MONITORING_ON, *MONITORING_API, "--set", "watchNamespaces={a,b}",
+                                   "--set", "monitoring.podMonitor.labels.release=prom"), "-engines")
     assert monitor["spec"]["namespaceSelector"] == {"matchNames": ["a", "b"]}
     assert monitor["metadata"]["labels"]["release"] == "prom"
 

@@ -40,6 +40,7 @@ OPERATOR_RULES: dict[Rule, set[str]] = {
     ("", "serviceaccounts"): {"get", "create", "patch"},
     ("", "pods"): {"get", "list", "watch"},
     ("", "events"): {"create"},
+    ("", "configmaps"): {"get"},
     ("policy", "poddisruptionbudgets"): {"get", "create", "patch"},
     ("rbac.authorization.k8s.io", "roles"): {"get", "create", "patch"},
     ("rbac.authorization.k8s.io", "rolebindings"): {"get", "create", "patch"},
@@ -48,7 +49,8 @@ OPERATOR_RULES: dict[Rule, set[str]] = {
 #: Verbs the operator must never hold.
 FORBIDDEN_VERBS = {"*", "delete", "deletecollection", "escalate", "bind", "impersonate"}
 
-OPERATOR_ARGS = ["-A", "--liveness=http://0.0.0.0:8080/healthz", f"--operator-image={IMAGE}", "--resync-seconds=60"]
+OPERATOR_ARGS = ["-A", "--liveness=http://0.0.0.0:8080/healthz", "--metrics=http://0.0.0.0:8081/metrics",
+                 f"--operator-image={IMAGE}", "--resync-seconds=60"]
 
 
 def rule_table(rules: list[dict[str, Any]]) -> dict[Rule, set[str]]:

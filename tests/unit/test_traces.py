@@ -119,3 +119,19 @@ def test_shared_traces_load_and_fixtures_match_them() -> None:
     assert len(mooncake) == 3993
     assert mooncake[:50] == read_trace(MOONCAKE)
     assert len(read_trace(SHARED / "azure_code_2023.csv")) == 8819
+
+
+@pytest.mark.skipif(not SHARED.exists(), reason="shared data not present")
+@pytest.mark.parametrize(("fixture", "source", "start", "length"), [
+    ("azure_code_2023_600s_720s.csv", "azure_code_2023.csv", 600.0, 720.0),
+    ("azure_conv_2023_600s_240s.csv", "azure_conv_2023.csv", 600.0, 240.0),
+])
+def test_trace_slices_match_the_shared_traces(fixture: str, source: str, start: float, length: float) -> None:
+    """The e2e's slices: the requests of the source arriving in [start, start + length), in order."""
+    sliced = read_trace(FIXTURES / fixture)
+    raw_lines = (FIXTURES / fixture).read_bytes().splitlines()[1:]
+    source_lines = set((SHARED / source).read_bytes().splitlines()[1:])
+    assert raw_lines and all(line in source_lines for line in raw_lines)  # byte for byte
+    whole = read_trace(SHARED / source)
+    window = [r for r in whole if start <= r.arrival_s < start + length]
+    assert [(r.isl, r.osl) for r in sliced] == [(r.isl, r.osl) for r in window]

@@ -601,6 +601,45 @@ class PrometheusSpec(APIModel):
         max_length=2048,
         description="Prometheus base URL (e.g. http://prometheus.monitoring:9090); required unless mode is Off.",
     )
+    window_seconds: int = Field(
+        default=60,
+        ge=15,
+        le=3600,
+        description="Range of the rate() and histogram_quantile() windows the autoscaler reads; at least four "
+        "scrape intervals.",
+    )
+
+
+class ProfileSpec(APIModel):
+    """The engines' measured performance the autoscaler sizes replicas with (corrected online from what
+    the pool delivers). At most one of name and configMap; neither: a roofline estimate from the model's
+    shape and the GPU product (only for models and GPUs `xpyd plan` knows)."""
+
+    name: str = Field(
+        default="",
+        max_length=253,
+        pattern=r"^([a-z0-9][a-z0-9_.-]*)?$",
+        description="A profile shipped with the operator, e.g. h200_llama31_8b_fp8_tp1.",
+    )
+    config_map: str = Field(
+        default="",
+        max_length=253,
+        description="A ConfigMap in the object's namespace whose keys prefill.csv and decode.csv hold a measured "
+        "profile (the format of `xpyd sim --profile`).",
+    )
+    max_kv_tokens: int | None = Field(
+        default=None, ge=1, le=1 << 30,
+        description="KV-cache capacity (tokens) of one engine while the profile was measured; default: the "
+        "bundled profile's.",
+    )
+
+    rules = (
+        Rule(
+            cel="size(self.name) == 0 || size(self.configMap) == 0",
+            message="autoscaling.profile takes at most one of name and configMap",
+            check=lambda p: not (p.name and p.config_map),
+        ),
+    )
 
 
 class SLOSpec(APIModel):
@@ -675,6 +714,8 @@ class AutoscalingSpec(APIModel):
         description="Expected time from a new replica to serving (model load); scale-ups look this far ahead.",
     )
     behavior: ScalingBehavior = Field(default_factory=ScalingBehavior, description="Pace of scaling.")
+    profile: ProfileSpec = Field(default_factory=ProfileSpec, description="Engine performance the sizing starts "
+                                 "from.")
 
     rules = (
         Rule(
@@ -843,6 +884,7 @@ class AutoscalerStatus(StatusModel):
     last_decision: Decision | None = Field(default=None, description="The latest decision.")
     observed: ObservedLoad | None = Field(default=None, description="The latest observation.")
     recommended_ratio: str | None = Field(default=None, description="Recommended P:D, e.g. 1:3.")
+    profile: str | None = Field(default=None, description="The performance model the sizing uses.")
 
 
 class ProxyStatus(StatusModel):

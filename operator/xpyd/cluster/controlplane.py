@@ -287,7 +287,7 @@ class ControlPlane:
         targets = directory / "targets.json"
         if not targets.exists():
             targets.write_text("[]")
-        state.prometheus_port = free_port()
+        state.prometheus_port = state.prometheus_port or free_port()  # a restart keeps its address
         address = f"{HOST}:{state.prometheus_port}"
         config = directory / "prometheus.yml"
         config.write_text(yaml.safe_dump({
@@ -327,6 +327,28 @@ class ControlPlane:
                 raise ClusterError(f"kwok exited; read {self.logs / 'kwok.log'}")
             time.sleep(0.3)
         raise ClusterError(f"fake nodes not Ready after 60s; read {self.logs / 'kwok.log'}")
+
+    def stop_prometheus(self) -> None:
+        """Stop Prometheus alone (failure drills: the autoscaler must hold without metrics)."""
+        state = self._loaded()
+        pid = state.pids.pop("prometheus", None)
+        if pid is not None:
+            _terminate(pid)
+        state.save()
+
+    def start_prometheus(self) -> None:
+        """Start Prometheus again at the same address, with the data it had."""
+        state = self._loaded()
+        if self.binaries.prometheus is None:
+            raise ClusterError("no Prometheus binary (run e2e/build/prometheus.sh)")
+        if "prometheus" not in state.pids or not _alive(state.pids["prometheus"]):
+            self._start_prometheus(state, self.binaries.prometheus)
+
+    def _loaded(self) -> ClusterState:
+        state = ClusterState.load(self.state_dir)
+        if state is None:
+            raise ClusterError(f"no cluster in {self.state_dir}")
+        return state
 
     def down(self, progress: Any = print, keep_logs: bool = False) -> None:
         """Stop every process of the cluster and remove its state."""

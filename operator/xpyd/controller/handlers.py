@@ -6,6 +6,8 @@
 - a periodic sweep reconciles every object to catch any other drift. (A kopf timer would do
   the same per object, but kopf guards timers with a finalizer, and a finalizer makes deleting a
   DisaggregatedServing hang whenever the operator is not running.)
+- the autoscaler loop (same reasoning: not a kopf timer) makes a decision for every object whose
+  autoscaling mode is not Off once per interval, under the same per-object lock as the reconcile.
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ from typing import Any
 import kopf
 
 from xpyd.api import models
+from xpyd.controller.autoscale import Autoscaler
 from xpyd.controller.reconcile import InvalidSpec, reconcile
 from xpyd.kube import Kube, KubeError
 from xpyd.render.naming import FIELD_MANAGER, SERVING_LABEL
@@ -39,9 +42,14 @@ class OperatorState:
     namespaces: list[str]
     #: Backoff of kopf's retries after an API error.
     retry_seconds: float = 10.0
+    #: The autoscaler (None: no autoscaling in this operator, e.g. in tests of the reconcile alone).
+    autoscaler: Autoscaler | None = None
+    #: How often the autoscaler loop looks for objects whose decision is due.
+    autoscale_tick_seconds: float = 5.0
     _locks: dict[tuple[str, str], threading.Lock] = field(default_factory=dict)
     _locks_guard: threading.Lock = field(default_factory=threading.Lock)
     sweeper: asyncio.Task[None] | None = None
+    scaler: asyncio.Task[None] | None = None
 
     def lock(self, namespace: str, name: str) -> threading.Lock:
         """One reconcile at a time per object, whichever handler triggered it."""
@@ -59,6 +67,18 @@ class OperatorState:
         if outcome.writes:
             log.info("reconciled %s/%s: created %s, updated %s, status %s", namespace, name,
                      outcome.created or "-", outcome.updated or "-", "written" if outcome.status_written else "-")
+
+    def autoscale(self, namespace: str, name: str) -> None:
+        """One autoscaler decision for the object, then (Auto mode, replicas changed) its reconcile."""
+        assert self.autoscaler is not None
+        with self.lock(namespace, name):
+            body = self.kube.get(models.API_VERSION, models.KIND, namespace, name)
+            if body is None or body["metadata"].get("deletionTimestamp"):
+                self.autoscaler.forget(namespace, name)
+                return
+            actuate = self.autoscaler.step(body)
+        if actuate:
+            self.reconcile(namespace, name)
 
 
 def configure_settings(settings: kopf.OperatorSettings) -> None:
@@ -85,14 +105,17 @@ def register(registry: kopf.OperatorRegistry) -> None:
         configure_settings(settings)
         state: OperatorState = memo.state
         state.sweeper = asyncio.create_task(_sweep_forever(state))
+        if state.autoscaler is not None:
+            state.scaler = asyncio.create_task(_autoscale_forever(state))
 
     @kopf.on.cleanup(registry=registry)
     async def _cleanup(memo: kopf.Memo, **_: Any) -> None:
         state: OperatorState = memo.state
-        if state.sweeper is not None:
-            state.sweeper.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await state.sweeper
+        for task in (state.sweeper, state.scaler):
+            if task is not None:
+                task.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await task
 
     @kopf.on.resume(models.GROUP, models.VERSION, models.PLURAL, registry=registry)
     @kopf.on.create(models.GROUP, models.VERSION, models.PLURAL, registry=registry)
@@ -143,3 +166,35 @@ async def _sweep_forever(state: OperatorState) -> None:
     while True:
         await asyncio.sleep(state.resync_seconds)
         await asyncio.to_thread(_sweep, state)
+
+
+def _autoscale_due(state: OperatorState) -> None:
+    """Decide for every autoscaled object whose decision is due (one list per scope and tick)."""
+    assert state.autoscaler is not None
+    scopes: list[str | None] = list(state.namespaces) or [None]
+    present: set[tuple[str, str]] = set()
+    for scope in scopes:
+        try:
+            servings = state.kube.list_servings(scope)
+        except KubeError as error:
+            log.warning("autoscaler could not list DisaggregatedServings: %s", error)
+            return
+        for body in servings:
+            meta = body["metadata"]
+            present.add((meta["namespace"], meta["name"]))
+            if not state.autoscaler.due(body, state.autoscaler.clock()):
+                continue
+            try:
+                state.autoscale(meta["namespace"], meta["name"])
+            except (KubeError, InvalidSpec) as error:
+                log.warning("autoscaler decision for %s/%s failed, will retry: %s", meta["namespace"],
+                            meta["name"], error)
+            except Exception:  # a bug in one object's decision must not stop the others' (or the loop)
+                log.exception("autoscaler decision for %s/%s failed", meta["namespace"], meta["name"])
+    state.autoscaler.forget_absent(present, scopes)
+
+
+async def _autoscale_forever(state: OperatorState) -> None:
+    while True:
+        await asyncio.to_thread(_autoscale_due, state)
+        await asyncio.sleep(state.autoscale_tick_seconds)

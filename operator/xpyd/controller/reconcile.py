@@ -57,7 +57,8 @@ def desired_replicas(serving: DisaggregatedServing) -> dict[Component, int]:
         if spec.autoscaling.mode == AutoscalingMode.AUTO:
             bounds = getattr(spec.autoscaling, role)
             decided = getattr(serving.status, role)
-            if decided is not None and decided.desired_replicas:
+            autoscaler = serving.status.autoscaler
+            if decided is not None and autoscaler is not None and autoscaler.last_decision is not None:
                 replicas = decided.desired_replicas
             replicas = max(bounds.min_replicas, min(bounds.max_replicas, replicas))
         result[role] = replicas

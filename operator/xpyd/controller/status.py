@@ -142,9 +142,10 @@ def compute_status(spec: DisaggregatedServingSpec, observed: Observed, old_statu
     if spec.autoscaling.mode == AutoscalingMode.OFF:
         scaling = ConditionValue(ConditionType.SCALING_ACTIVE, False, "AutoscalingOff",
                                  "spec replicas rule (autoscaling.mode is Off)")
-    else:
-        scaling = ConditionValue(ConditionType.SCALING_ACTIVE, None, "AutoscalerNotRunning",
-                                 f"autoscaling.mode is {spec.autoscaling.mode.value}; no decision has been made yet")
+    else:  # the autoscaler owns the condition once it has decided anything
+        scaling = _autoscaler_condition(old_status) or ConditionValue(
+            ConditionType.SCALING_ACTIVE, None, "AutoscalerNotRunning",
+            f"autoscaling.mode is {spec.autoscaling.mode.value}; no decision has been made yet")
 
     conditions = merge_conditions(old_status.get("conditions", []), [ready, progressing, degraded, scaling],
                                   generation, now)
@@ -157,6 +158,17 @@ def compute_status(spec: DisaggregatedServingSpec, observed: Observed, old_statu
         "endpoint": endpoint,
         "kvTransport": transport,
     }
+
+
+def _autoscaler_condition(old_status: JSON) -> ConditionValue | None:
+    """The ScalingActive condition the autoscaler wrote, if any (not the reconcile's own)."""
+    for condition in old_status.get("conditions", []):
+        if condition.get("type") == ConditionType.SCALING_ACTIVE.value and condition.get("reason") not in (
+                "AutoscalingOff", "AutoscalerNotRunning"):
+            value = {"True": True, "False": False}.get(condition.get("status", ""))
+            return ConditionValue(ConditionType.SCALING_ACTIVE, value, condition["reason"],
+                                  condition.get("message", ""))
+    return None
 
 
 def invalid_status(old_status: JSON, generation: int | None, message: str, now: str) -> JSON:

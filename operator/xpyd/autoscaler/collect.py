@@ -1,0 +1,315 @@
+"""The autoscaler's inputs: an `Observation` from Prometheus (the pool's own series) and the
+Kubernetes API (its pods).
+
+Pure core, thin I/O:
+- `queries(scope)` is every PromQL query one decision needs (table-tested);
+- `observation(results, pods, now, scope)` turns their answers and the pool's pods into the
+  `Observation` that `decide()` reads, or says why the metrics cannot be trusted (`MetricsError`);
+- `Prometheus` runs the queries over HTTP (`/api/v1/query`), synchronously: the operator calls it
+  in a worker thread, off the event loop.
+
+Series are selected by the labels every scrape of the pool carries: `namespace`, `xpyd_io_serving`
+and `xpyd_io_role` (the chart's PodMonitor relabels the pod labels `xpyd.io/serving` and
+`xpyd.io/role` into them; the local cluster's file_sd targets carry the same). Role-level
+aggregates are one query `by (xpyd_io_role)` for both engine pools. Client-side TTFT and the
+arrival rate come from the proxy's own series; without a scraped proxy, arrivals fall back to the
+prefill engines' request count and TTFT is unknown (decide() then steers by the engines' queues).
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import math
+import urllib.error
+import urllib.parse
+import urllib.request
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any, Final
+
+from xpyd.cluster.netguard import NonLoopbackAddress, guard_url
+from xpyd.render.naming import ROLE_LABEL, SERVING_LABEL
+from xpyd.sim.policy import Observation, Quantiles, RoleObservation
+
+JSON = dict[str, Any]
+
+ENGINE_ROLES: Final = ("prefill", "decode")
+
+#: Seconds without a fresh scrape of a role's engines after which their gauges are stale; also how
+#: long a pod may be ready before Prometheus must have found it (discovery plus a scrape interval).
+STALE_AFTER_S: Final = 90.0
+
+#: Quantile levels every histogram is read at (`Quantiles.p50/p90/p99`).
+LEVELS: Final = (("p50", 0.5), ("p90", 0.9), ("p99", 0.99))
+
+#: Engine histograms read per role: Observation field -> vLLM series (without `vllm:` and `_bucket`).
+ROLE_HISTOGRAMS: Final = {
+    "time_to_first_token_seconds": "time_to_first_token_seconds",
+    "inter_token_latency_seconds": "inter_token_latency_seconds",
+    "request_queue_time_seconds": "request_queue_time_seconds",
+}
+
+#: Whole-pool histograms: Observation field -> (role, series).
+POOL_HISTOGRAMS: Final = {
+    "isl": ("prefill", "vllm:request_prompt_tokens"),
+    "osl": ("decode", "vllm:request_generation_tokens"),
+    "tpot": ("decode", "vllm:request_time_per_output_token_seconds"),
+}
+
+PROXY_TTFT: Final = "xpyd_proxy_time_to_first_token_seconds"  # streamed requests only
+PROXY_REQUESTS: Final = "xpyd_proxy_requests_total"
+
+
+class MetricsError(Exception):
+    """Prometheus cannot be read, or what it returns cannot be trusted; the message says which."""
+
+
+@dataclass(frozen=True)
+class Scope:
+    """The series of one DisaggregatedServing, over a rate window."""
+
+    namespace: str
+    serving: str
+    window_s: int = 60
+
+    def selector(self, roles: str = "prefill|decode") -> str:
+        """A label matcher of the pool's series of `roles` (a regex)."""
+        return (f'namespace="{_quote(self.namespace)}",xpyd_io_serving="{_quote(self.serving)}",'
+                f'xpyd_io_role=~"{roles}"')
+
+    @property
+    def range(self) -> str:
+        return f"[{self.window_s}s]"
+
+
+def _quote(value: str) -> str:
+    return value.replace("\\", "\\\\").replace('"', '\\"')
+
+
+def _histogram_queries(key: str, series: str, selector: str, window: str, by: str) -> dict[str, str]:
+    group = f"sum by ({by}) " if by else "sum "
+    group_le = f"sum by ({by + ', ' if by else ''}le) "
+    result = {f"{key}.{name}": f"histogram_quantile({level}, {group_le}(rate({series}_bucket{{{selector}}}{window})))"
+              for name, level in LEVELS}
+    result[f"{key}.mean"] = (f"{group}(rate({series}_sum{{{selector}}}{window})) / "
+                             f"{group}(rate({series}_count{{{selector}}}{window}))")
+    return result
+
+
+def queries(scope: Scope) -> dict[str, str]:
+    """Every query of one observation, by name. Names with a role dimension answer one sample per
+    role (`by (xpyd_io_role)`); the others answer a single sample (or none)."""
+    engines, proxy, window = scope.selector(), scope.selector("proxy"), scope.range
+    by = "xpyd_io_role"
+    result = {
+        "up": f"count by ({by}) (up{{{engines}}} == 1)",
+        "age": f"max by ({by}) (time() - timestamp(vllm:num_requests_running{{{engines}}}))",
+        "running": f"sum by ({by}) (vllm:num_requests_running{{{engines}}})",
+        "waiting": f"sum by ({by}) (vllm:num_requests_waiting{{{engines}}})",
+        "kv_mean": f"avg by ({by}) (vllm:kv_cache_usage_perc{{{engines}}})",
+        "kv_max": f"max by ({by}) (vllm:kv_cache_usage_perc{{{engines}}})",
+        "prompt_tps": f"sum by ({by}) (rate(vllm:prompt_tokens_total{{{engines}}}{window}))",
+        "generation_tps": f"sum by ({by}) (rate(vllm:generation_tokens_total{{{engines}}}{window}))",
+        "success_rps": f"sum by ({by}) (rate(vllm:request_success_total{{{engines}}}{window}))",
+        "proxy_up": f"count(up{{{proxy}}} == 1)",
+        "proxy_rps": f"sum(rate({PROXY_REQUESTS}{{{proxy}}}{window}))",
+        "prefill_rps": (f"sum(rate(vllm:request_prompt_tokens_count{{{scope.selector('prefill')}}}"
+                        f"{window}))"),
+    }
+    for key, series in ROLE_HISTOGRAMS.items():
+        result.update(_histogram_queries(key, f"vllm:{series}", engines, window, by))
+    for key, (role, series) in POOL_HISTOGRAMS.items():
+        result.update(_histogram_queries(key, series, scope.selector(role), window, ""))
+    result.update(_histogram_queries("ttft", PROXY_TTFT, proxy, window, ""))
+    return result
+
+
+# --- answers -> observation ----------------------------------------------------------------------
+
+#: One query's answer: value by role ("" for the single-sample queries).
+Samples = dict[str, float]
+
+
+def parse_vector(answer: JSON) -> Samples:
+    """The samples of a `/api/v1/query` answer, by their `xpyd_io_role` label ("" without one).
+    NaN values (e.g. a quantile of a histogram without increments) are kept: they mean "no data"."""
+    if answer.get("status") != "success":
+        raise MetricsError(f"Prometheus answered {answer.get('errorType', 'an error')}: "
+                           f"{answer.get('error', 'no detail')}")
+    data = answer.get("data") or {}
+    if data.get("resultType") == "scalar":
+        return {"": float(data["result"][1])}
+    samples: Samples = {}
+    for sample in data.get("result") or []:
+        role = (sample.get("metric") or {}).get("xpyd_io_role", "")
+        samples[role] = float(sample["value"][1])
+    return samples
+
+
+def _value(results: Mapping[str, Samples], name: str, role: str = "", default: float = math.nan) -> float:
+    return results.get(name, {}).get(role, default)
+
+
+def _quantiles(results: Mapping[str, Samples], key: str, role: str = "") -> Quantiles:
+    def get(part: str) -> float:
+        value = _value(results, f"{key}.{part}", role)
+        return value if math.isfinite(value) else math.nan
+    return Quantiles(get("p50"), get("p90"), get("p99"), get("mean"))
+
+
+@dataclass(frozen=True)
+class PodCounts:
+    """One role's pods by state, as `RoleObservation` counts them, and how long the longest-ready
+    pod has been ready (seconds; 0 when none is, or when the pods do not say)."""
+
+    ready: int = 0
+    starting: int = 0
+    pending: int = 0
+    draining: int = 0
+    ready_for_s: float = 0.0
+
+    @property
+    def replicas(self) -> int:
+        return self.ready + self.starting
+
+
+def _age_s(timestamp: str | None, now: float) -> float:
+    if not timestamp:
+        return 0.0
+    try:
+        then = datetime.datetime.strptime(timestamp, "%Y-%m-%dT%H:%M:%SZ").replace(tzinfo=datetime.UTC)
+    except ValueError:
+        return 0.0
+    return max(0.0, now - then.timestamp())
+
+
+def count_pods(pods: Sequence[JSON], role: str, now: float = 0.0) -> PodCounts:
+    """Ready (serving), starting (placed, loading), Pending (not placed: no GPU) and draining
+    (terminating) pods of one role. A pod that is both unschedulable and deleted counts nowhere."""
+    ready = starting = pending = draining = 0
+    ready_for = 0.0
+    for pod in pods:
+        meta = pod.get("metadata", {})
+        if meta.get("labels", {}).get(ROLE_LABEL) != role:
+            continue
+        status = pod.get("status", {})
+        if status.get("phase") in ("Succeeded", "Failed"):
+            continue
+        conditions = {c.get("type"): c for c in status.get("conditions", [])}
+        is_ready = conditions.get("Ready", {}).get("status") == "True"
+        scheduled = conditions.get("PodScheduled", {}).get("status") == "True" or bool(pod.get("spec", {})
+                                                                                       .get("nodeName"))
+        if meta.get("deletionTimestamp"):
+            draining += int(is_ready)
+        elif is_ready:
+            ready += 1
+            ready_for = max(ready_for, _age_s(conditions["Ready"].get("lastTransitionTime"), now))
+        elif scheduled:
+            starting += 1
+        else:
+            pending += 1
+    return PodCounts(ready, starting, pending, draining, ready_for)
+
+
+def observation(results: Mapping[str, Samples], pods: Sequence[JSON], now: float, scope: Scope) -> Observation:
+    """The Observation of one decision from the query answers and the pool's pods.
+
+    Raises MetricsError when the metrics are missing or stale: engines of a role ready for longer
+    than STALE_AFTER_S that Prometheus does not scrape, or whose last scrape is older than that.
+    (Pods that just became ready are not in Prometheus yet: discovery and the first scrape take a
+    scrape interval or two.)
+    """
+    counts = {role: count_pods(pods, role, now) for role in ENGINE_ROLES}
+    for role in ENGINE_ROLES:
+        if counts[role].ready == 0:
+            continue
+        scraped = _value(results, "up", role, 0.0)
+        if scraped <= 0 and counts[role].ready_for_s <= STALE_AFTER_S:
+            continue  # not discovered yet: the role's series read as zero for now
+        if scraped <= 0:
+            raise MetricsError(f"{counts[role].ready} {role} pod(s) ready but Prometheus scrapes none of them "
+                               f"(no up == 1 series with namespace={scope.namespace}, "
+                               f"xpyd_io_serving={scope.serving}, xpyd_io_role={role})")
+        age = _value(results, "age", role)
+        if not math.isfinite(age):
+            raise MetricsError(f"no vllm:num_requests_running series from the {role} engines")
+        if age > STALE_AFTER_S:
+            raise MetricsError(f"the {role} engines' metrics are stale (last sample {age:.0f}s old)")
+
+    def role_observation(role: str) -> RoleObservation:
+        pods_of = counts[role]
+        return RoleObservation(
+            replicas=pods_of.replicas, ready=pods_of.ready, starting=pods_of.starting, pending=pods_of.pending,
+            draining=pods_of.draining,
+            num_requests_running=_value(results, "running", role, 0.0),
+            num_requests_waiting=_value(results, "waiting", role, 0.0),
+            kv_cache_usage_perc=_value(results, "kv_mean", role, 0.0),
+            kv_cache_usage_perc_max=_value(results, "kv_max", role, 0.0),
+            time_to_first_token_seconds=_quantiles(results, "time_to_first_token_seconds", role),
+            inter_token_latency_seconds=_quantiles(results, "inter_token_latency_seconds", role),
+            request_queue_time_seconds=_quantiles(results, "request_queue_time_seconds", role),
+            prompt_tokens_per_s=_value(results, "prompt_tps", role, 0.0),
+            generation_tokens_per_s=_value(results, "generation_tps", role, 0.0),
+            requests_per_s=_value(results, "success_rps", role, 0.0),
+        )
+
+    proxied = _value(results, "proxy_up", "", 0.0) > 0
+    rate = _value(results, "proxy_rps" if proxied else "prefill_rps", "", 0.0)
+    isl, osl = _quantiles(results, "isl"), _quantiles(results, "osl")
+    return Observation(
+        time_s=now, window_s=float(scope.window_s), request_rate=rate if math.isfinite(rate) else 0.0,
+        isl_mean=isl.mean, osl_mean=osl.mean, isl_quantiles=isl,
+        ttft_seconds=_quantiles(results, "ttft") if proxied else Quantiles(),
+        tpot_seconds=_quantiles(results, "tpot"),
+        prefill=role_observation("prefill"), decode=role_observation("decode"))
+
+
+def pods_only(pods: Sequence[JSON], now: float, window_s: float) -> Observation:
+    """An Observation with the pool's pod counts and no metrics (for holding replicas)."""
+    def role_observation(role: str) -> RoleObservation:
+        c = count_pods(pods, role, now)
+        return RoleObservation(replicas=c.replicas, ready=c.ready, starting=c.starting, pending=c.pending,
+                               draining=c.draining)
+    return Observation(time_s=now, window_s=window_s, prefill=role_observation("prefill"),
+                       decode=role_observation("decode"))
+
+
+# --- I/O -------------------------------------------------------------------------------------------
+
+
+class Prometheus:
+    """A minimal Prometheus HTTP API client: instant queries, each with a timeout."""
+
+    def __init__(self, url: str, timeout_s: float = 10.0) -> None:
+        self.url = url.rstrip("/")
+        self.timeout_s = timeout_s
+
+    def query(self, promql: str, at: float) -> Samples:
+        try:
+            guard_url(self.url)
+        except NonLoopbackAddress as error:
+            raise MetricsError(str(error)) from None
+        body = urllib.parse.urlencode({"query": promql, "time": f"{at:.3f}"}).encode()
+        request = urllib.request.Request(f"{self.url}/api/v1/query", data=body, method="POST",
+                                         headers={"Content-Type": "application/x-www-form-urlencoded"})
+        try:
+            with urllib.request.urlopen(request, timeout=self.timeout_s) as response:
+                answer = json.load(response)
+        except urllib.error.HTTPError as error:  # 400/422/503 carry a JSON error body
+            try:
+                answer = json.load(error)
+            except (ValueError, OSError):
+                raise MetricsError(f"Prometheus at {self.url} answered HTTP {error.code}") from None
+        except (OSError, ValueError) as error:
+            raise MetricsError(f"Prometheus at {self.url} cannot be read: {error}") from None
+        return parse_vector(answer)
+
+    def collect(self, scope: Scope, at: float) -> dict[str, Samples]:
+        """Every query of `scope` evaluated at `at` (Unix seconds)."""
+        return {name: self.query(promql, at) for name, promql in queries(scope).items()}
+
+
+def pool_selector(serving: str) -> str:
+    """The label selector of a DisaggregatedServing's pods."""
+    return f"{SERVING_LABEL}={serving}"

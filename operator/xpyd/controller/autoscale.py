@@ -1,0 +1,322 @@
+"""The autoscaler's shell in the operator: collect, `decide()`, record, and (in Auto mode) actuate.
+
+Once per `autoscaling.intervalSeconds` (at once after the spec changed) for every
+DisaggregatedServing whose mode is not Off, under the object's reconcile lock:
+
+1. build the decision's config from the spec and the engines' profile (`autoscaler.profile`);
+2. read the pool's pods (Kubernetes) and its series (Prometheus) into an `Observation`; when
+   Prometheus cannot be read or its series are missing or stale, hold every role at its current
+   size and say why (`ScalingActive=False`, reason `MetricsUnavailable`): never scale on missing data;
+3. `decide()` (the same pure function the simulator runs) with the state it returned last time;
+4. record: `status.autoscaler` (the decision, its reason and message, the observed load), the
+   `ScalingActive` condition, an Event when the decision changes replicas (or, in Recommend mode,
+   when the recommendation changes) and the operator metrics;
+5. Auto mode only: `status.{prefill,decode}.desiredReplicas`, which the reconcile (run right after,
+   the single writer of the Deployments) applies to the children's replicas.
+
+The decision state (forecasts, capacity corrections, stabilisation windows) lives in memory. After
+an operator restart it starts empty, which only delays scale-down: a down-step needs a whole
+stabilisation window of recommendations.
+"""
+
+from __future__ import annotations
+
+import datetime
+import logging
+import math
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from xpyd.api.load import SpecError, parse_serving
+from xpyd.api.models import AutoscalingMode, ConditionType, DisaggregatedServing
+from xpyd.autoscaler import collect
+from xpyd.autoscaler.decide import (
+    METRICS_UNAVAILABLE,
+    AutoscalerConfig,
+    AutoscalerState,
+    Decision,
+    decide,
+    hold,
+)
+from xpyd.autoscaler.profile import ProfileError, perf_model
+from xpyd.autoscaler.sizing import DEFAULT_MAX_NUM_BATCHED_TOKENS, DEFAULT_MAX_NUM_SEQS
+from xpyd.controller.status import ConditionValue, merge_conditions, status_changed
+from xpyd.kube import Kube
+from xpyd.proxy.metrics import Counter, Gauge, GaugeSample, exposition
+from xpyd.sim.perf import PerfModel
+from xpyd.sim.policy import Observation
+
+JSON = dict[str, Any]
+log = logging.getLogger(__name__)
+
+#: ScalingActive reasons besides decide()'s MetricsUnavailable.
+SCALING = "ScalingActive"
+RECOMMEND_ONLY = "RecommendOnly"
+PROFILE_UNAVAILABLE = "ProfileUnavailable"
+
+
+def _rfc3339(seconds: float) -> str:
+    return datetime.datetime.fromtimestamp(seconds, datetime.UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
+
+
+def _engine_arg(args: list[str], flag: str, default: int) -> int:
+    """The last value of `--flag N` or `--flag=N` in vllm serve args, else `default`."""
+    value = default
+    for i, arg in enumerate(args):
+        text = arg.split("=", 1)[1] if arg.startswith(flag + "=") else (
+            args[i + 1] if arg == flag and i + 1 < len(args) else None)
+        if text is not None and text.isdigit():
+            value = int(text)
+    return value
+
+
+def config_for(serving: DisaggregatedServing, perf: PerfModel) -> AutoscalerConfig:
+    """The decision config of a DisaggregatedServing: its autoscaling spec, the engines' profile and
+    the batching limits its engine arguments set (decode's, which bind the ITL frontier)."""
+    spec = serving.spec
+    args = [*spec.engine.extra_args, *spec.decode.extra_args]
+    return AutoscalerConfig.from_spec(
+        spec.autoscaling, perf, prefill_gpus=spec.prefill.gpus, decode_gpus=spec.decode.gpus,
+        max_num_batched_tokens=_engine_arg(args, "--max-num-batched-tokens", DEFAULT_MAX_NUM_BATCHED_TOKENS),
+        max_num_seqs=_engine_arg(args, "--max-num-seqs", DEFAULT_MAX_NUM_SEQS),
+        window_s=float(spec.autoscaling.prometheus.window_seconds))
+
+
+def observed_load(observation: Observation, percentile: float) -> JSON:
+    """`status.autoscaler.observed`: the load and latencies the decision saw (None when unknown)."""
+    def number(value: float, digits: int = 3) -> float | None:
+        return round(value, digits) if math.isfinite(value) else None
+
+    def at_percentile(q: Any) -> float:
+        return float({50: q.p50, 90: q.p90, 99: q.p99}.get(round(percentile), q.p90))
+
+    return {
+        "requestRate": number(observation.request_rate),
+        "isl": number(observation.isl_mean, 1),
+        "osl": number(observation.osl_mean, 1),
+        "ttftMs": number(at_percentile(observation.ttft_seconds) * 1e3, 1),
+        "tpotMs": number(at_percentile(observation.tpot_seconds) * 1e3, 2),
+        "prefillQueue": number(observation.prefill.num_requests_waiting, 1),
+        "decodeQueue": number(observation.decode.num_requests_waiting, 1),
+        "kvCacheUsage": number(observation.decode.kv_cache_usage_perc),
+    }
+
+
+def scaling_condition(mode: AutoscalingMode, decision: Decision | None, problem: str | None) -> ConditionValue:
+    """ScalingActive: True while Auto mode acts on valid metrics; False with the reason otherwise."""
+    if problem is not None:
+        return ConditionValue(ConditionType.SCALING_ACTIVE, False, PROFILE_UNAVAILABLE, problem)
+    assert decision is not None
+    if not decision.scaling_active:
+        return ConditionValue(ConditionType.SCALING_ACTIVE, False, METRICS_UNAVAILABLE, decision.message)
+    if mode == AutoscalingMode.RECOMMEND:
+        return ConditionValue(ConditionType.SCALING_ACTIVE, False, RECOMMEND_ONLY,
+                              f"recommends prefill {decision.prefill.replicas}, decode {decision.decode.replicas} "
+                              "(mode Recommend never scales)")
+    return ConditionValue(ConditionType.SCALING_ACTIVE, True, "ValidMetrics",
+                          f"scaling on the pool's metrics; last decision {decision.reason}")
+
+
+def with_condition(old_status: JSON, condition: ConditionValue, generation: int | None, now: str) -> list[JSON]:
+    """The status conditions with `condition` set (the others untouched)."""
+    conditions = [c for c in old_status.get("conditions", []) if c.get("type") != condition.type.value]
+    merged = merge_conditions(old_status.get("conditions", []), [condition], generation, now)
+    return [*conditions, *merged]
+
+
+@dataclass
+class _Memory:
+    """What the autoscaler keeps per object between decisions."""
+
+    uid: str
+    state: AutoscalerState = field(default_factory=AutoscalerState)
+    last_run_s: float = -math.inf
+    generation: int | None = None
+    profile_key: tuple[Any, ...] = ()
+    perf: PerfModel | None = None
+    desired: dict[str, int] = field(default_factory=dict)
+
+
+@dataclass
+class AutoscalerMetrics:
+    """`xpyd_autoscaler_*` series of the operator's /metrics."""
+
+    decisions: Counter = field(default_factory=lambda: Counter(
+        "xpyd_autoscaler_decisions_total", "Autoscaler decisions by DisaggregatedServing and reason.",
+        ("namespace", "name", "reason")))
+    errors: Counter = field(default_factory=lambda: Counter(
+        "xpyd_autoscaler_metrics_unavailable_total", "Decisions held because metrics were missing or stale.",
+        ("namespace", "name")))
+
+
+class Autoscaler:
+    """Runs decisions for every autoscaled object the operator serves (one instance per operator)."""
+
+    def __init__(self, kube: Kube, prometheus: Callable[[str], collect.Prometheus] = collect.Prometheus,
+                 clock: Callable[[], float] = time.time) -> None:
+        self.kube = kube
+        self.prometheus = prometheus
+        self.clock = clock
+        self.metrics = AutoscalerMetrics()
+        self._memory: dict[tuple[str, str], _Memory] = {}
+        self._guard = threading.Lock()
+
+    # --- metrics ---------------------------------------------------------------------------------
+
+    def _desired_samples(self) -> list[GaugeSample]:
+        with self._guard:
+            return [((ns, name, role), float(n)) for (ns, name), memory in self._memory.items()
+                    for role, n in memory.desired.items()]
+
+    def exposition(self) -> str:
+        desired = Gauge("xpyd_autoscaler_desired_replicas", "Replicas the autoscaler's last decision wants, "
+                        "by DisaggregatedServing and role.", ("namespace", "name", "role"), self._desired_samples)
+        return exposition([desired, self.metrics.decisions, self.metrics.errors])
+
+    # --- scheduling -------------------------------------------------------------------------------
+
+    def due(self, body: JSON, now: float) -> bool:
+        """Whether `body` needs a decision now: autoscaled, and its interval passed or its spec changed."""
+        spec = body.get("spec", {}).get("autoscaling", {})
+        if spec.get("mode", "Off") == "Off":
+            self.forget(body["metadata"]["namespace"], body["metadata"]["name"])
+            return False
+        meta = body["metadata"]
+        with self._guard:
+            memory = self._memory.get((meta["namespace"], meta["name"]))
+        if memory is None or memory.uid != meta.get("uid") or memory.generation != meta.get("generation"):
+            return True
+        return now - memory.last_run_s >= float(spec.get("intervalSeconds", 30)) - 0.5
+
+    def forget(self, namespace: str, name: str) -> None:
+        with self._guard:
+            self._memory.pop((namespace, name), None)
+
+    def forget_absent(self, present: set[tuple[str, str]], scopes: list[str | None]) -> None:
+        """Drop the memory of objects that no longer exist in the listed scopes."""
+        with self._guard:
+            for key in list(self._memory):
+                if key not in present and (None in scopes or key[0] in scopes):
+                    del self._memory[key]
+
+    # --- one decision -----------------------------------------------------------------------------
+
+    def step(self, body: JSON) -> bool:
+        """One decision for `body` (read fresh by the caller, under its lock). Returns whether the
+        children's replicas must be reconciled (Auto mode and the desired replicas changed)."""
+        meta = body["metadata"]
+        namespace, name = meta["namespace"], meta["name"]
+        try:
+            serving = parse_serving(body)
+        except SpecError:
+            return False  # reported by the reconcile
+        autoscaling = serving.spec.autoscaling
+        if autoscaling.mode == AutoscalingMode.OFF:
+            self.forget(namespace, name)
+            return False
+        with self._guard:
+            memory = self._memory.get((namespace, name))
+            if memory is None or memory.uid != meta.get("uid"):
+                memory = self._memory[(namespace, name)] = _Memory(uid=meta.get("uid", ""))
+        now = self.clock()
+        memory.last_run_s, memory.generation = now, meta.get("generation")
+        old_status: JSON = body.get("status") or {}
+        stamp = _rfc3339(now)
+
+        try:
+            perf = self._perf(serving, namespace, memory)
+        except ProfileError as error:
+            condition = scaling_condition(autoscaling.mode, None, str(error))
+            self._write(body, {"conditions": with_condition(old_status, condition, meta.get("generation"), stamp)})
+            self.metrics.decisions.inc(namespace, name, PROFILE_UNAVAILABLE)
+            if old_status_reason(old_status) != PROFILE_UNAVAILABLE:
+                self.kube.event(body, "Warning", PROFILE_UNAVAILABLE, str(error))
+            return False
+        config = config_for(serving, perf)
+        pods = self.kube.list_objects("v1", "Pod", namespace, collect.pool_selector(name))
+        scope = collect.Scope(namespace, name, autoscaling.prometheus.window_seconds)
+        try:
+            results = self.prometheus(autoscaling.prometheus.url).collect(scope, now)
+            observation = collect.observation(results, pods, now, scope)
+            decision = decide(observation, config, memory.state)
+        except collect.MetricsError as error:
+            observation = collect.pods_only(pods, now, float(scope.window_s))
+            decision = hold(observation, config, memory.state, str(error))
+        memory.state = decision.state
+        self.metrics.decisions.inc(namespace, name, decision.reason)
+        if not decision.scaling_active:
+            self.metrics.errors.inc(namespace, name)
+        auto = autoscaling.mode == AutoscalingMode.AUTO
+        with self._guard:
+            memory.desired = {"prefill": decision.prefill.replicas, "decode": decision.decode.replicas}
+
+        previous = (old_status.get("autoscaler") or {}).get("lastDecision") or {}
+        recorded = {"time": stamp, "prefill": decision.prefill.replicas, "decode": decision.decode.replicas,
+                    "reason": decision.reason, "message": decision.message[:4096]}
+        autoscaler_status = {"lastDecision": recorded, "observed": observed_load(observation, config.percentile),
+                             "recommendedRatio": decision.recommended_ratio, "profile": perf.description}
+        if previous and all(previous.get(k) == recorded[k] for k in ("prefill", "decode", "reason", "message")):
+            autoscaler_status["lastDecision"] = previous  # nothing new was decided: keep its time
+        patch: JSON = {"autoscaler": autoscaler_status,
+                       "conditions": with_condition(old_status, scaling_condition(autoscaling.mode, decision, None),
+                                                    meta.get("generation"), stamp)}
+        if auto:
+            patch["prefill"] = {"desiredReplicas": decision.prefill.replicas}
+            patch["decode"] = {"desiredReplicas": decision.decode.replicas}
+        self._write(body, patch)
+        self._announce(body, decision, previous, auto)
+        if decision.changed or decision.reason != previous.get("reason"):
+            log.info("autoscaler %s/%s: %s: %s", namespace, name, decision.reason, decision.message)
+        live = {role: (old_status.get(role) or {}).get("desiredReplicas") for role in ("prefill", "decode")}
+        return auto and live != memory.desired
+
+    def _perf(self, serving: DisaggregatedServing, namespace: str, memory: _Memory) -> PerfModel:
+        """The profile's model, rebuilt only when the profile (or its ConfigMap) changed."""
+        profile = serving.spec.autoscaling.profile
+        config_map = None
+        if profile.config_map:
+            config_map = self.kube.get("v1", "ConfigMap", namespace, profile.config_map)
+        key = (profile.model_dump_json(), serving.spec.model.name, serving.spec.decode.gpu.product,
+               serving.spec.decode.tensor_parallel_size,
+               (config_map or {}).get("metadata", {}).get("resourceVersion"))
+        if memory.perf is None or memory.profile_key != key:
+            memory.perf, memory.profile_key = perf_model(serving.spec, config_map), key
+        return memory.perf
+
+    def _write(self, body: JSON, patch: JSON) -> None:
+        old: JSON = body.get("status") or {}
+        merged = {key: ({**(old.get(key) or {}), **value} if key in ("prefill", "decode") else value)
+                  for key, value in patch.items()}
+        if status_changed(old, merged):
+            self.kube.patch_status(body["metadata"]["namespace"], body["metadata"]["name"], patch)
+
+    def _announce(self, body: JSON, decision: Decision, previous: JSON, auto: bool) -> None:
+        """An Event when replicas change (Auto), when the recommendation changes (Recommend), and when
+        the autoscaler starts or stops holding for lack of metrics."""
+        held_before = previous.get("reason") == METRICS_UNAVAILABLE
+        if not decision.scaling_active:
+            if not held_before:
+                self.kube.event(body, "Warning", METRICS_UNAVAILABLE, decision.message)
+            return
+        sizes = (decision.prefill.replicas, decision.decode.replicas)
+        before = (previous.get("prefill"), previous.get("decode"))
+        if auto and decision.changed:
+            what = ", ".join(f"{role} {d.current}->{d.replicas}" for role, d in
+                             (("prefill", decision.prefill), ("decode", decision.decode)) if d.replicas != d.current)
+            self.kube.event(body, "Normal", decision.reason, f"{what}: {decision.message}")
+        elif not auto and sizes != before:
+            self.kube.event(body, "Normal", decision.reason,
+                            f"recommends prefill {sizes[0]}, decode {sizes[1]}: {decision.message}")
+        elif held_before:
+            self.kube.event(body, "Normal", "MetricsAvailable", f"metrics are back: {decision.message}")
+
+
+def old_status_reason(status: JSON) -> str | None:
+    """The reason of the ScalingActive condition in `status`."""
+    for condition in status.get("conditions", []):
+        if condition.get("type") == ConditionType.SCALING_ACTIVE.value:
+            return str(condition.get("reason"))
+    return None

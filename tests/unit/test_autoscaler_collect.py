@@ -1,0 +1,221 @@
+"""The autoscaler's collector: PromQL per signal, answers -> Observation, pods by state, the
+Prometheus client's error handling."""
+
+from __future__ import annotations
+
+import http.server
+import json
+import math
+import threading
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+
+from xpyd.autoscaler import collect
+from xpyd.autoscaler.collect import MetricsError, PodCounts, Prometheus, Scope, count_pods, observation, parse_vector
+from xpyd.cluster.controlplane import free_port
+
+pytestmark = pytest.mark.unit
+
+SCOPE = Scope("team-a", "llama", 60)
+SELECT = 'namespace="team-a",xpyd_io_serving="llama"'
+
+
+def pod(role: str, *, ready: bool = False, scheduled: bool = True, deleting: bool = False,
+        phase: str = "Running", ready_since: str = "2026-12-01T00:00:00Z") -> dict[str, Any]:
+    conditions = [{"type": "PodScheduled", "status": "True" if scheduled else "False",
+                   **({} if scheduled else {"reason": "Unschedulable"})},
+                  {"type": "Ready", "status": "True" if ready else "False", "lastTransitionTime": ready_since}]
+    meta: dict[str, Any] = {"name": f"{role}-x", "labels": {"xpyd.io/role": role, "xpyd.io/serving": "llama"}}
+    if deleting:
+        meta["deletionTimestamp"] = "2026-12-01T00:00:00Z"
+    return {"metadata": meta, "spec": {}, "status": {"phase": phase, "conditions": conditions}}
+
+
+# --- queries ------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(("name", "expected"), [
+    ("up", f'count by (xpyd_io_role) (up{{{SELECT},xpyd_io_role=~"prefill|decode"}} == 1)'),
+    ("waiting", f'sum by (xpyd_io_role) (vllm:num_requests_waiting{{{SELECT},xpyd_io_role=~"prefill|decode"}})'),
+    ("kv_max", f'max by (xpyd_io_role) (vllm:kv_cache_usage_perc{{{SELECT},xpyd_io_role=~"prefill|decode"}})'),
+    ("prompt_tps", f'sum by (xpyd_io_role) (rate(vllm:prompt_tokens_total{{{SELECT},'
+                   'xpyd_io_role=~"prefill|decode"}[60s]))'),
+    ("proxy_rps", f'sum(rate(xpyd_proxy_requests_total{{{SELECT},xpyd_io_role=~"proxy"}}[60s]))'),
+    ("isl.p90", f'histogram_quantile(0.9, sum by (le) (rate(vllm:request_prompt_tokens_bucket{{{SELECT},'
+                'xpyd_io_role=~"prefill"}[60s])))'),
+    ("isl.mean", f'sum (rate(vllm:request_prompt_tokens_sum{{{SELECT},xpyd_io_role=~"prefill"}}[60s])) / '
+                 f'sum (rate(vllm:request_prompt_tokens_count{{{SELECT},xpyd_io_role=~"prefill"}}[60s]))'),
+    ("tpot.p99", 'histogram_quantile(0.99, sum by (le) (rate(vllm:request_time_per_output_token_seconds_bucket'
+                 f'{{{SELECT},xpyd_io_role=~"decode"}}[60s])))'),
+    ("inter_token_latency_seconds.p50", 'histogram_quantile(0.5, sum by (xpyd_io_role, le) (rate('
+                                        f'vllm:inter_token_latency_seconds_bucket{{{SELECT},'
+                                        'xpyd_io_role=~"prefill|decode"}[60s])))'),
+    ("ttft.p90", 'histogram_quantile(0.9, sum by (le) (rate(xpyd_proxy_time_to_first_token_seconds_bucket'
+                 f'{{{SELECT},xpyd_io_role=~"proxy"}}[60s])))'),
+])
+def test_queries_select_the_pool_by_namespace_serving_and_role(name: str, expected: str) -> None:
+    assert collect.queries(SCOPE)[name] == expected
+
+
+def test_label_values_are_quoted() -> None:
+    query = collect.queries(Scope('we"ird\\ns', "x"))["running"]
+    assert 'namespace="we\\"ird\\\\ns"' in query
+
+
+# --- answers ------------------------------------------------------------------------------------------
+
+
+def vector(*samples: tuple[str, str]) -> dict[str, Any]:
+    return {"status": "success", "data": {"resultType": "vector", "result": [
+        {"metric": {"xpyd_io_role": role} if role else {}, "value": [1.0, value]} for role, value in samples]}}
+
+
+def test_parse_vector_by_role_keeps_nan() -> None:
+    samples = parse_vector(vector(("prefill", "3"), ("decode", "NaN")))
+    assert samples["prefill"] == 3.0 and math.isnan(samples["decode"])
+    assert parse_vector(vector(("", "0.25"))) == {"": 0.25}
+    assert parse_vector({"status": "success", "data": {"resultType": "vector", "result": []}}) == {}
+
+
+def test_parse_vector_error_says_why() -> None:
+    with pytest.raises(MetricsError, match="bad_data: parse error"):
+        parse_vector({"status": "error", "errorType": "bad_data", "error": "parse error"})
+
+
+@pytest.mark.parametrize(("pods", "expected"), [
+    ([], PodCounts()),
+    ([pod("prefill", ready=True), pod("prefill", ready=True)], PodCounts(ready=2)),
+    ([pod("prefill"), pod("prefill", scheduled=False)], PodCounts(starting=1, pending=1)),
+    ([pod("prefill", ready=True, deleting=True), pod("prefill", deleting=True)], PodCounts(draining=1)),
+    ([pod("decode", ready=True), pod("prefill", phase="Failed")], PodCounts()),
+])
+def test_count_pods(pods: list[dict[str, Any]], expected: PodCounts) -> None:
+    counted = count_pods(pods, "prefill")
+    assert (counted.ready, counted.starting, counted.pending, counted.draining) == (
+        expected.ready, expected.starting, expected.pending, expected.draining)
+
+
+def test_count_pods_knows_how_long_pods_have_been_ready() -> None:
+    midnight = 1796083200.0  # 2026-12-01T00:00:00Z
+    pods = [pod("prefill", ready=True), pod("prefill", ready=True, ready_since="2026-12-01T00:00:50Z")]
+    assert count_pods(pods, "prefill", midnight + 60).ready_for_s == 60.0
+    assert count_pods(pods, "prefill", midnight - 10).ready_for_s == 0.0
+
+
+def healthy_results(**overrides: dict[str, float]) -> dict[str, dict[str, float]]:
+    results: dict[str, dict[str, float]] = {
+        "up": {"prefill": 2, "decode": 1}, "age": {"prefill": 4, "decode": 3},
+        "running": {"prefill": 3, "decode": 40}, "waiting": {"prefill": 5, "decode": 0},
+        "kv_mean": {"prefill": 0.1, "decode": 0.5}, "kv_max": {"prefill": 0.2, "decode": 0.5},
+        "prompt_tps": {"prefill": 9000.0}, "generation_tps": {"decode": 2500.0},
+        "success_rps": {"prefill": 7.0, "decode": 7.0},
+        "proxy_up": {"": 1}, "proxy_rps": {"": 7.5}, "prefill_rps": {"": 7.0},
+        "isl.mean": {"": 1200.0}, "isl.p50": {"": 900.0}, "isl.p90": {"": 3000.0}, "isl.p99": {"": 7000.0},
+        "osl.mean": {"": 350.0}, "tpot.p90": {"": 0.012}, "ttft.p90": {"": 0.31}, "ttft.mean": {"": 0.2},
+        "request_queue_time_seconds.p90": {"prefill": 0.4, "decode": math.nan},
+    }
+    results.update(overrides)
+    return results
+
+
+PODS = [pod("prefill", ready=True), pod("prefill", ready=True), pod("prefill"), pod("decode", ready=True),
+        pod("decode", scheduled=False), pod("decode", ready=True, deleting=True)]
+
+
+def test_observation_from_answers_and_pods() -> None:
+    obs = observation(healthy_results(), PODS, 1000.0, SCOPE)
+    assert (obs.time_s, obs.window_s, obs.request_rate) == (1000.0, 60.0, 7.5)
+    assert (obs.isl_mean, obs.osl_mean, obs.isl_quantiles.p90) == (1200.0, 350.0, 3000.0)
+    assert (obs.ttft_seconds.p90, obs.tpot_seconds.p90) == (0.31, 0.012)
+    p, d = obs.prefill, obs.decode
+    assert (p.replicas, p.ready, p.starting, p.pending, p.draining) == (3, 2, 1, 0, 0)
+    assert (d.replicas, d.ready, d.starting, d.pending, d.draining) == (1, 1, 0, 1, 1)
+    assert (p.num_requests_waiting, d.num_requests_running, d.kv_cache_usage_perc) == (5, 40, 0.5)
+    assert (p.prompt_tokens_per_s, d.generation_tokens_per_s, p.requests_per_s) == (9000.0, 2500.0, 7.0)
+    assert p.request_queue_time_seconds.p90 == 0.4 and math.isnan(d.request_queue_time_seconds.p90)
+
+
+def test_without_a_scraped_proxy_arrivals_come_from_prefill_and_ttft_is_unknown() -> None:
+    obs = observation(healthy_results(proxy_up={}), PODS, 1000.0, SCOPE)
+    assert obs.request_rate == 7.0
+    assert math.isnan(obs.ttft_seconds.p90)
+
+
+def test_pods_ready_for_less_than_a_discovery_period_may_be_unscraped() -> None:
+    midnight = 1796083200.0
+    fresh = [pod("prefill", ready=True), pod("decode", ready=True, ready_since="2026-12-01T00:00:50Z")]
+    obs = observation(healthy_results(up={"prefill": 1}), fresh, midnight + 60, SCOPE)
+    assert obs.decode.ready == 1
+    with pytest.raises(MetricsError, match="scrapes none of them"):
+        observation(healthy_results(up={"prefill": 1}), fresh, midnight + 200, SCOPE)
+
+
+@pytest.mark.parametrize(("overrides", "message"), [
+    ({"up": {"prefill": 2}}, r"1 decode pod\(s\) ready but Prometheus scrapes none of them"),
+    ({"age": {"prefill": 4}}, "no vllm:num_requests_running series from the decode engines"),
+    ({"age": {"prefill": 400, "decode": 3}}, "the prefill engines' metrics are stale"),
+])
+def test_missing_or_stale_series_are_an_error(overrides: dict[str, dict[str, float]], message: str) -> None:
+    with pytest.raises(MetricsError, match=message):
+        observation(healthy_results(**overrides), PODS, 1796083200.0 + 1000, SCOPE)  # pods ready 1000 s
+
+
+def test_a_pool_without_ready_pods_needs_no_series() -> None:
+    obs = observation({}, [pod("prefill"), pod("decode", scheduled=False)], 5.0, SCOPE)
+    assert (obs.prefill.starting, obs.decode.pending, obs.request_rate) == (1, 1, 0.0)
+
+
+# --- the HTTP client ------------------------------------------------------------------------------------
+
+
+@pytest.fixture
+def fake_prometheus() -> Iterator[tuple[str, list[dict[str, list[str]]]]]:
+    """A loopback HTTP server answering /api/v1/query like Prometheus: queries containing "bad" get
+    a 400 with Prometheus' error body; the others one sample."""
+    seen: list[dict[str, list[str]]] = []
+
+    class Handler(http.server.BaseHTTPRequestHandler):
+        def do_POST(self) -> None:
+            import urllib.parse
+            form = urllib.parse.parse_qs(self.rfile.read(int(self.headers["Content-Length"])).decode())
+            seen.append(form)
+            if "bad" in form["query"][0]:
+                body, code = {"status": "error", "errorType": "bad_data", "error": "unexpected identifier"}, 400
+            else:
+                body, code = vector(("prefill", "2")), 200
+            data = json.dumps(body).encode()
+            self.send_response(code)
+            self.send_header("Content-Type", "application/json")
+            self.send_header("Content-Length", str(len(data)))
+            self.end_headers()
+            self.wfile.write(data)
+
+        def log_message(self, *_: Any) -> None:
+            pass
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", free_port()), Handler)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    try:
+        yield f"http://127.0.0.1:{server.server_address[1]}/", seen
+    finally:
+        server.shutdown()
+        server.server_close()
+
+
+def test_client_sends_the_query_at_the_decision_time(fake_prometheus: tuple[str, list[dict[str, list[str]]]]) -> None:
+    url, seen = fake_prometheus
+    assert Prometheus(url).query("up", 1234.5) == {"prefill": 2.0}
+    assert seen[-1] == {"query": ["up"], "time": ["1234.500"]}
+    results = Prometheus(url).collect(SCOPE, 10.0)
+    assert set(results) == set(collect.queries(SCOPE))
+
+
+def test_client_errors_are_metrics_errors(fake_prometheus: tuple[str, list[dict[str, list[str]]]]) -> None:
+    url, _ = fake_prometheus
+    with pytest.raises(MetricsError, match="bad_data: unexpected identifier"):
+        Prometheus(url).query("bad(", 1.0)
+    with pytest.raises(MetricsError, match="cannot be read"):
+        Prometheus(f"http://127.0.0.1:{free_port()}", timeout_s=2).query("up", 1.0)

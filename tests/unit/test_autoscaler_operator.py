@@ -1,0 +1,275 @@
+"""The autoscaler's shell in the operator: what one decision writes (status, condition, Events,
+metrics) per mode, holding on missing metrics, the profile sources, and how the reconcile reads
+the decision."""
+
+from __future__ import annotations
+
+import copy
+import math
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+from xpyd.api.load import parse_serving
+from xpyd.autoscaler.collect import MetricsError, Samples, Scope
+from xpyd.autoscaler.profile import ProfileError, perf_model
+from xpyd.controller.autoscale import Autoscaler, config_for
+from xpyd.controller.reconcile import desired_replicas
+from xpyd.controller.status import Observed, compute_status
+
+pytestmark = pytest.mark.unit
+
+REPO = Path(__file__).resolve().parents[2]
+PROFILE_DIR = REPO / "operator" / "xpyd" / "sim" / "profiles"
+
+JSON = dict[str, Any]
+
+
+class FakeKube:
+    """The Kube calls the autoscaler makes, in memory, with a log of writes."""
+
+    def __init__(self, pods: list[JSON], config_maps: dict[str, JSON] | None = None) -> None:
+        self.pods = pods
+        self.config_maps = config_maps or {}
+        self.status_patches: list[JSON] = []
+        self.events: list[tuple[str, str, str]] = []
+
+    def list_objects(self, api_version: str, kind: str, namespace: str | None, selector: str = "") -> list[JSON]:
+        assert (kind, selector) == ("Pod", "xpyd.io/serving=llama")
+        return self.pods
+
+    def get(self, api_version: str, kind: str, namespace: str | None, name: str) -> JSON | None:
+        assert kind == "ConfigMap"
+        return self.config_maps.get(name)
+
+    def patch_status(self, namespace: str, name: str, status: JSON) -> None:
+        self.status_patches.append(copy.deepcopy(status))
+
+    def event(self, owner: JSON, event_type: str, reason: str, message: str) -> None:
+        self.events.append((event_type, reason, message))
+
+
+class FakePrometheus:
+    """Answers `collect` with fixed results, or raises like an unreachable server."""
+
+    def __init__(self, results: dict[str, Samples] | None) -> None:
+        self.results = results
+        self.scopes: list[Scope] = []
+
+    def collect(self, scope: Scope, at: float) -> dict[str, Samples]:
+        self.scopes.append(scope)
+        if self.results is None:
+            raise MetricsError("Prometheus at http://prom:9090 cannot be read: connection refused")
+        return self.results
+
+
+def pod(role: str, n: int) -> JSON:
+    return {"metadata": {"name": f"llama-{role}-{n}", "labels": {"xpyd.io/role": role, "xpyd.io/serving": "llama"}},
+            "spec": {"nodeName": "gpu-0"},
+            "status": {"phase": "Running", "conditions": [{"type": "PodScheduled", "status": "True"},
+                                                          {"type": "Ready", "status": "True"}]}}
+
+
+PODS = [pod("prefill", 0), pod("decode", 0), pod("decode", 1)]
+
+
+def busy_results() -> dict[str, Samples]:
+    """A pool whose single prefill engine is far behind: 30 req/s of 2,000-token prompts."""
+    return {
+        "up": {"prefill": 1, "decode": 2}, "age": {"prefill": 3, "decode": 3},
+        "running": {"prefill": 8, "decode": 60}, "waiting": {"prefill": 120, "decode": 0},
+        "kv_mean": {"prefill": 0.3, "decode": 0.4}, "kv_max": {"prefill": 0.3, "decode": 0.5},
+        "prompt_tps": {"prefill": 30000.0}, "generation_tps": {"decode": 3000.0},
+        "success_rps": {"prefill": 15.0, "decode": 15.0},
+        "proxy_up": {"": 1}, "proxy_rps": {"": 30.0},
+        "isl.mean": {"": 2000.0}, "isl.p50": {"": 1800.0}, "isl.p90": {"": 3000.0}, "isl.p99": {"": 4000.0},
+        "osl.mean": {"": 100.0}, "osl.p50": {"": 100.0},
+        "ttft.p50": {"": 3.0}, "ttft.p90": {"": 6.0}, "ttft.p99": {"": 8.0}, "ttft.mean": {"": 3.5},
+        "tpot.p50": {"": 0.008}, "tpot.p90": {"": 0.01}, "tpot.p99": {"": 0.012}, "tpot.mean": {"": 0.008},
+        "request_queue_time_seconds.p90": {"prefill": 5.0, "decode": 0.001},
+        "request_queue_time_seconds.p99": {"prefill": 7.0, "decode": 0.001},
+        "request_queue_time_seconds.mean": {"prefill": 3.0, "decode": 0.001},
+        "inter_token_latency_seconds.p90": {"decode": 0.01}, "inter_token_latency_seconds.mean": {"decode": 0.008},
+    }
+
+
+def body(mode: str = "Auto", **autoscaling: Any) -> JSON:
+    obj = yaml.safe_load((REPO / "manifests/samples/autoscaling-auto.yaml").read_text())
+    obj["metadata"].update(name="llama", namespace="team-a", uid="u-1", generation=3)
+    obj["spec"]["autoscaling"].update(mode=mode, **autoscaling)
+    obj["status"] = {"prefill": {"desiredReplicas": 1}, "decode": {"desiredReplicas": 2}, "conditions": [
+        {"type": "ScalingActive", "status": "Unknown", "reason": "AutoscalerNotRunning", "message": "",
+         "lastTransitionTime": "2026-12-01T00:00:00Z"}]}
+    return obj
+
+
+def autoscaler(kube: FakeKube, prometheus: FakePrometheus, now: list[float]) -> Autoscaler:
+    return Autoscaler(kube, prometheus=lambda url: prometheus, clock=lambda: now[0])  # type: ignore[arg-type]
+
+
+def condition(patch: JSON) -> JSON:
+    (scaling,) = [c for c in patch["conditions"] if c["type"] == "ScalingActive"]
+    return scaling
+
+
+def test_auto_mode_scales_the_guilty_role_and_records_why() -> None:
+    kube, prom, now = FakeKube(PODS), FakePrometheus(busy_results()), [1000.0]
+    scaler = autoscaler(kube, prom, now)
+    assert scaler.step(body(profile={"name": "h200_llama31_8b_fp8_tp1"})) is True  # the reconcile must act
+    (patch,) = kube.status_patches
+    decision = patch["autoscaler"]["lastDecision"]
+    assert patch["prefill"]["desiredReplicas"] == decision["prefill"] > 1
+    assert patch["decode"]["desiredReplicas"] == decision["decode"]
+    assert decision["reason"] in ("PrefillQueueing", "PrefillDemand") and decision["message"]
+    assert condition(patch)["status"] == "True" and condition(patch)["reason"] == "ValidMetrics"
+    assert patch["autoscaler"]["observed"]["requestRate"] == 30.0
+    assert patch["autoscaler"]["observed"]["ttftMs"] == 6000.0     # at the SLO percentile (90)
+    assert patch["autoscaler"]["profile"] == "profile h200_llama31_8b_fp8_tp1"
+    ((kind, reason, message),) = kube.events
+    assert (kind, reason) == ("Normal", decision["reason"]) and message.startswith("prefill 1->")
+    assert prom.scopes == [Scope("team-a", "llama", 60)]
+    text = scaler.exposition()
+    assert f'xpyd_autoscaler_desired_replicas{{namespace="team-a",name="llama",role="prefill"}} ' \
+           f'{decision["prefill"]}' in text
+    assert f'xpyd_autoscaler_decisions_total{{namespace="team-a",name="llama",reason="{decision["reason"]}"}} 1' \
+        in text
+
+
+def test_missing_metrics_hold_replicas_and_say_so_once() -> None:
+    kube, prom, now = FakeKube(PODS), FakePrometheus(None), [1000.0]
+    scaler = autoscaler(kube, prom, now)
+    obj = body()
+    assert scaler.step(obj) is False
+    (patch,) = kube.status_patches
+    assert (patch["prefill"]["desiredReplicas"], patch["decode"]["desiredReplicas"]) == (1, 2)
+    assert condition(patch)["status"] == "False" and condition(patch)["reason"] == "MetricsUnavailable"
+    assert "connection refused" in condition(patch)["message"]
+    assert kube.events == [("Warning", "MetricsUnavailable", patch["autoscaler"]["lastDecision"]["message"])]
+    # The next interval, still down: nothing new to write or announce.
+    obj["status"] = {**obj["status"], **{k: v for k, v in patch.items() if k not in ("prefill", "decode")}}
+    now[0] += 30
+    scaler.step(obj)
+    assert len(kube.events) == 1 and len(kube.status_patches) == 1
+    assert 'xpyd_autoscaler_metrics_unavailable_total{namespace="team-a",name="llama"} 2' in scaler.exposition()
+    # Metrics come back: an Event says so.
+    prom.results = busy_results()
+    now[0] += 30
+    scaler.step(obj)
+    assert kube.events[-1][1] in ("PrefillQueueing", "PrefillDemand", "MetricsAvailable")
+
+
+def test_recommend_mode_reports_and_never_scales() -> None:
+    kube, prom, now = FakeKube(PODS), FakePrometheus(busy_results()), [1000.0]
+    scaler = autoscaler(kube, prom, now)
+    assert scaler.step(body("Recommend")) is False
+    (patch,) = kube.status_patches
+    assert "prefill" not in patch and "decode" not in patch
+    assert patch["autoscaler"]["lastDecision"]["prefill"] > 1
+    assert condition(patch)["status"] == "False" and condition(patch)["reason"] == "RecommendOnly"
+    ((kind, _, message),) = kube.events
+    assert kind == "Normal" and message.startswith("recommends prefill")
+
+
+def test_off_mode_does_nothing_and_forgets() -> None:
+    kube, prom, now = FakeKube(PODS), FakePrometheus(busy_results()), [1000.0]
+    scaler = autoscaler(kube, prom, now)
+    scaler.step(body())
+    assert scaler.step(body("Off")) is False
+    assert not scaler.due(body("Off"), now[0])
+    assert "desired_replicas{" not in scaler.exposition()
+    assert len(kube.status_patches) == 1 and prom.scopes == [Scope("team-a", "llama", 60)]
+
+
+def test_due_after_the_interval_or_a_spec_change() -> None:
+    kube, prom, now = FakeKube(PODS), FakePrometheus(busy_results()), [1000.0]
+    scaler = autoscaler(kube, prom, now)
+    obj = body(intervalSeconds=30)
+    assert scaler.due(obj, now[0])
+    scaler.step(obj)
+    assert not scaler.due(obj, now[0] + 10)
+    assert scaler.due(obj, now[0] + 30)
+    changed = copy.deepcopy(obj)
+    changed["metadata"]["generation"] = 4    # e.g. the user raised maxReplicas: decide at once
+    assert scaler.due(changed, now[0] + 1)
+
+
+def test_unknown_profile_is_reported() -> None:
+    kube, prom, now = FakeKube(PODS), FakePrometheus(busy_results()), [1000.0]
+    obj = body()
+    obj["spec"]["model"]["name"] = "acme/secret-model"
+    autoscaler(kube, prom, now).step(obj)
+    (patch,) = kube.status_patches
+    assert condition(patch)["reason"] == "ProfileUnavailable"
+    assert "unknown model 'acme/secret-model'" in condition(patch)["message"]
+    assert kube.events[0][:2] == ("Warning", "ProfileUnavailable")
+    assert prom.scopes == []
+
+
+def test_profile_sources() -> None:
+    serving = parse_serving(body())
+    assert perf_model(serving.spec).description.startswith("roofline Llama-3.1-8B")
+    named = parse_serving(body(profile={"name": "h200_llama31_8b_fp8_tp1"}))
+    assert perf_model(named.spec).description == "profile h200_llama31_8b_fp8_tp1"
+    with pytest.raises(ProfileError, match="not a bundled profile"):
+        perf_model(parse_serving(body(profile={"name": "b300"})).spec)
+    from_map = parse_serving(body(profile={"configMap": "measured"}))
+    data = {"prefill.csv": (PROFILE_DIR / "h200_llama31_8b_fp8_tp1_prefill.csv").read_text(),
+            "decode.csv": (PROFILE_DIR / "h200_llama31_8b_fp8_tp1_decode.csv").read_text()}
+    model = perf_model(from_map.spec, {"data": data})
+    assert model.description == "profile measured"
+    assert math.isclose(model.prefill_seconds(4096), perf_model(named.spec).prefill_seconds(4096))
+    with pytest.raises(ProfileError, match=r"ConfigMap measured .* not found"):
+        perf_model(from_map.spec, None)
+    with pytest.raises(ProfileError, match="ConfigMap measured lacks key"):
+        perf_model(from_map.spec, {"data": {"prefill.csv": data["prefill.csv"]}})
+    with pytest.raises(ProfileError, match=r"ConfigMap measured: .*decode\.csv"):
+        perf_model(from_map.spec, {"data": {**data, "decode.csv": "nonsense\n1\n"}})
+
+
+def test_config_map_profile_through_the_shell() -> None:
+    data = {"prefill.csv": (PROFILE_DIR / "h200_llama31_8b_fp8_tp1_prefill.csv").read_text(),
+            "decode.csv": (PROFILE_DIR / "h200_llama31_8b_fp8_tp1_decode.csv").read_text()}
+    kube = FakeKube(PODS, {"measured": {"metadata": {"resourceVersion": "7"}, "data": data}})
+    autoscaler(kube, FakePrometheus(busy_results()), [1000.0]).step(body(profile={"configMap": "measured"}))
+    assert kube.status_patches[0]["autoscaler"]["profile"] == "profile measured"
+
+
+def test_engine_limits_come_from_the_engine_args() -> None:
+    obj = body()
+    obj["spec"]["engine"] = {"extraArgs": ["--max-num-seqs=128"]}
+    obj["spec"]["decode"]["extraArgs"] = ["--max-num-batched-tokens", "4096"]
+    serving = parse_serving(obj)
+    config = config_for(serving, perf_model(serving.spec))
+    assert (config.model.max_num_seqs, config.model.max_num_batched_tokens) == (128, 4096)
+
+
+def test_reconcile_follows_the_decision_and_keeps_the_condition() -> None:
+    obj = body()
+    obj["status"]["prefill"]["desiredReplicas"] = 0
+    serving = parse_serving(obj)
+    assert desired_replicas(serving)["prefill"] == 1   # no decision yet: the spec, clamped to min 1
+    obj["spec"]["autoscaling"]["prefill"]["minReplicas"] = 0
+    obj["status"]["autoscaler"] = {"lastDecision": {"time": "2026-12-01T00:00:00Z", "prefill": 0, "decode": 2,
+                                                    "reason": "DemandFell"}}
+    obj["status"]["conditions"] = [{"type": "ScalingActive", "status": "True", "reason": "ValidMetrics",
+                                    "message": "m", "lastTransitionTime": "2026-12-01T00:00:00Z"}]
+    serving = parse_serving(obj)
+    assert desired_replicas(serving)["prefill"] == 0   # a decided zero is kept
+    status = compute_status(serving.spec, Observed(deployments={}, desired=desired_replicas(serving)),
+                            obj["status"], 3, "http://x", "RDMA", "2026-12-01T00:01:00Z")
+    (scaling,) = [c for c in status["conditions"] if c["type"] == "ScalingActive"]
+    assert (scaling["status"], scaling["reason"], scaling["lastTransitionTime"]) == (
+        "True", "ValidMetrics", "2026-12-01T00:00:00Z")
+
+
+def test_an_idle_pool_is_not_a_metrics_problem() -> None:
+    kube, now = FakeKube(PODS), [1000.0]
+    idle = {"up": {"prefill": 1, "decode": 2}, "age": {"prefill": 3, "decode": 3}, "proxy_up": {"": 1},
+            "proxy_rps": {"": 0.0}}
+    assert autoscaler(kube, FakePrometheus(idle), now).step(body()) is False
+    (patch,) = kube.status_patches
+    assert patch["autoscaler"]["lastDecision"]["reason"] == "NoTraffic"
+    assert condition(patch)["status"] == "True"
+    assert kube.events == []
