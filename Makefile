@@ -5,7 +5,7 @@ PYTHON ?= python3
 VENV ?= .venv
 BIN := $(VENV)/bin
 
-.PHONY: demo test tools lint typecheck unit integration e2e crd install-manifests golden clean
+.PHONY: demo test tools lint typecheck unit integration e2e crd docs install-manifests golden clean
 
 $(BIN)/xpyd: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -44,6 +44,10 @@ crd: $(BIN)/xpyd
 	$(BIN)/xpyd crd > crds/xpyd.io_disaggregatedservings.yaml
 	cp crds/xpyd.io_disaggregatedservings.yaml charts/xpyd-operator/crds/
 	cp crds/xpyd.io_disaggregatedservings.yaml manifests/install/
+
+# The API reference, generated from the models like the CRD.
+docs: $(BIN)/xpyd
+	$(BIN)/python -m xpyd.api.reference > docs/api.md
 
 HELM = $(shell sed -n 's/^HELM=//p' $${XPYD_CACHE:-$$HOME/.cache/xpyd}/bin/current.env 2>/dev/null)
 
