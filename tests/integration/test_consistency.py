@@ -37,9 +37,9 @@ import pytest
 
 from tests.integration.test_engine_sim import PERF, client_session, engine_process, prefill_leg, token_prompt
 from xpyd.sim.policy import Desired, StaticPolicy
-from xpyd.sim.report import percentile
 from xpyd.sim.simulator import SimConfig, simulate
 from xpyd.sim.traces import TraceRequest, load_trace
+from xpyd.stats import percentile
 
 pytestmark = pytest.mark.integration
 

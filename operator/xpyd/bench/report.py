@@ -20,7 +20,7 @@ from dataclasses import asdict, dataclass
 from typing import Any
 
 # The percentile and millisecond-summary conventions of `xpyd sim`'s report, so both reports compare.
-from xpyd.sim.report import _summary_ms
+from xpyd.stats import summary_ms
 
 EXIT_ATTAINMENT = 3
 """Exit code when attainment is below `--min-attainment` (2 is taken by bad arguments)."""
@@ -114,11 +114,11 @@ def summarize(records: Sequence[RequestRecord], slo: Slo, wall_s: float) -> dict
         "goodput_rps": round(good / wall_s, 6) if wall_s > 0 else None,
         "gpu_hours": None,
         "goodput_per_gpu_hour": None,
-        "ttft_ms": _summary_ms([r.ttft_s for r in succeeded if r.ttft_s is not None]),
-        "tpot_ms": _summary_ms(tpots),
+        "ttft_ms": summary_ms([r.ttft_s for r in succeeded if r.ttft_s is not None]),
+        "tpot_ms": summary_ms(tpots),
         "scaling_actions": None,
-        "itl_ms": _summary_ms([gap for r in succeeded for gap in r.itl_s]),
-        "e2e_ms": _summary_ms([r.e2e_s for r in succeeded if r.e2e_s is not None]),
+        "itl_ms": summary_ms([gap for r in succeeded for gap in r.itl_s]),
+        "e2e_ms": summary_ms([r.e2e_s for r in succeeded if r.e2e_s is not None]),
         "good_requests": good,
         "succeeded": len(succeeded),
         "failed": total - len(succeeded),

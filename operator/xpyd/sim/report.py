@@ -14,34 +14,13 @@ Definitions (DESIGN.md's keys):
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 from xpyd.sim.simulator import SimResult
+from xpyd.stats import finite, percentile, summary_ms
 
 _NICE_BINS_S = (1, 2, 5, 10, 15, 30, 60, 120, 300, 600, 900, 1800, 3600)
-
-
-def percentile(sorted_values: Sequence[float], q: float) -> float:
-    """The q-quantile (0-1) of ascending values, linear between order statistics (NaN if empty)."""
-    if not sorted_values:
-        return math.nan
-    position = q * (len(sorted_values) - 1)
-    low = math.floor(position)
-    high = min(low + 1, len(sorted_values) - 1)
-    return sorted_values[low] + (sorted_values[high] - sorted_values[low]) * (position - low)
-
-
-def _summary_ms(values_s: Sequence[float]) -> dict[str, float | None]:
-    values = sorted(v * 1000.0 for v in values_s if not math.isnan(v))
-    stats = {"p50": percentile(values, 0.5), "p90": percentile(values, 0.9), "p99": percentile(values, 0.99),
-             "mean": sum(values) / len(values) if values else math.nan, "max": values[-1] if values else math.nan}
-    return {key: _finite(value, 3) for key, value in stats.items()}
-
-
-def _finite(value: float, digits: int) -> float | None:
-    return round(value, digits) if math.isfinite(value) else None
 
 
 def timeline_bin_s(duration_s: float, bins: int = 90) -> int:
@@ -69,7 +48,7 @@ def timeline(result: SimResult) -> dict[str, Any]:
                            "arrivals_rps": [n / width for n in arrivals], "good_rps": [n / width for n in good]}
     for name, series in (("ttft_ms", ttft), ("tpot_ms", tpot)):
         for q, label in ((0.5, "p50"), (0.9, "p90"), (0.99, "p99")):
-            out[f"{name}_{label}"] = [_finite(percentile(sorted(values), q), 3) for values in series]
+            out[f"{name}_{label}"] = [finite(percentile(sorted(values), q), 3) for values in series]
     return out
 
 
@@ -90,10 +69,10 @@ def build_report(result: SimResult, trace_name: str = "", speedup: float = 1.0) 
         "goodput_rps": round(good / duration_s, 6) if duration_s > 0 else None,
         "gpu_hours": round(gpu_hours, 6),
         "goodput_per_gpu_hour": round(good / gpu_hours, 3) if gpu_hours > 0 else None,
-        "ttft_ms": _summary_ms(result.ttft_s),
-        "tpot_ms": _summary_ms(tpot),
+        "ttft_ms": summary_ms(result.ttft_s),
+        "tpot_ms": summary_ms(tpot),
         "scaling_actions": result.scaling_actions,
-        "e2e_ms": _summary_ms(result.e2e_s),
+        "e2e_ms": summary_ms(result.e2e_s),
         "good_requests": good,
         "attainment_ttft": round(sum(meets_ttft) / requests, 6),
         "attainment_tpot": round(sum(meets_tpot) / requests, 6),
