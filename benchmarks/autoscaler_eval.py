@@ -228,14 +228,14 @@ so attainment is also given over the feasible requests and the target applies to
 hour of trace lasts about six simulated minutes: a 120 s start-up delay is a third of the run and
 the down-stabilisation window (300 s) most of it.
 
-Policies: `static-peak`/`static-mean` (fixed, sized by the steady-state model for the busiest 60 s
-window and for the mean), `queue-threshold` (KEDA/HPA: prefill queue > 5 per pod adds one, decode KV
-usage > 0.8 adds one, one step per 3 min up / 5 min down), `dynamo-sla` (NVIDIA Dynamo's throughput
-planner, 180 s interval, ARIMA-like predictor, correction factors), `xpyd` (`decide()`), `oracle`
-(per 60 s window the fewest P with 95% of feasible requests meeting TTFT and the fewest D with 95%
-meeting TPOT, by simulation from a warm state, no start-up delay: the GPU-hours lower bound; the
-"x oracle" column divides by its simulated run's GPU-hours). Autoscaling policies start from the
-oracle's first-window sizes.
+Policies: `static-peak`/`static-mean` (fixed, sized by the autoscaler's model for the busiest 60 s
+window, its bursts included, and for the mean load), `queue-threshold` (KEDA/HPA: prefill queue > 5
+per pod adds one, decode KV usage > 0.8 adds one, one step per 3 min up / 5 min down), `dynamo-sla`
+(NVIDIA Dynamo's throughput planner, 180 s interval, ARIMA-like predictor, correction factors),
+`xpyd` (`decide()`), `oracle` (per 60 s window the fewest P with 95% of feasible requests meeting
+TTFT and the fewest D with 95% meeting TPOT, by simulation from a warm state, no start-up delay: the
+GPU-hours lower bound; the "x oracle" column divides by its simulated run's GPU-hours). Autoscaling
+policies start from the oracle's first-window sizes.
 
 Targets for `xpyd`: attainment (of feasible requests) >= 95%, GPU-hours <= 1.25x the oracle's, more
 goodput per GPU-hour than every other policy.

@@ -356,16 +356,72 @@ def test_decode_correction_is_learnt_from_itl() -> None:
     assert decide(thin, CONFIG, settled(2, 3)).state.decode.correction_updates == 0
 
 
-def test_bursts_are_learnt_from_the_queue_time_tail_and_size_prefill() -> None:
-    bursty = dataclasses.replace(
-        observation(rate=20.0, prefill=2, decode=3), ttft_seconds=Quantiles(0.2, 1.5, 3.0, 0.6),
-        prefill=role(2, request_queue_time_seconds=Quantiles(0.1, 1.0, 2.5, 0.4)))
-    decision = decide(bursty, CONFIG, settled(2, 3))
-    assert decision.state.prefill.burst_tokens == pytest.approx(
-        quantile_at(Quantiles(0.1, 1.0, 2.5), 95.0) * 2 * MODEL.saturated_tokens_per_s())
-    assert decision.prefill.recommended > 2 and decision.prefill.replicas > 2
-    calm = decide(observation(prefill=2, decode=3), CONFIG, settled(2, 3))
-    assert calm.state.prefill.burst_tokens == 0.0
+BURSTY_WAITS = Quantiles(0.1, 1.0, 2.5, 0.4)
+
+
+def bursty(rate: float = 20.0, prefill: int = 2, time_s: float = 600.0, **role_fields: Any) -> Observation:
+    """A window whose TTFT breached because its prompts queued in a burst (load well under capacity)."""
+    return dataclasses.replace(
+        observation(rate=rate, prefill=prefill, decode=3, time_s=time_s), ttft_seconds=Quantiles(0.2, 1.5, 3.0, 0.6),
+        prefill=role(prefill, request_queue_time_seconds=BURSTY_WAITS, **role_fields))
+
+
+def test_bursts_are_learnt_from_the_queue_time_tail_with_the_requests_they_covered() -> None:
+    decision = decide(bursty(), CONFIG, settled(2, 3))
+    (burst,) = decision.state.prefill.bursts
+    pool = 2 * MODEL.saturated_tokens_per_s()
+    assert (burst.work_p50, burst.work_p90, burst.work_p99) == pytest.approx((0.1 * pool, 1.0 * pool, 2.5 * pool))
+    assert burst.requests == pytest.approx(20.0 * 30.0) and burst.replicas == 2 and burst.time_s == 600.0
+    assert decision.state.prefill.requests_seen == pytest.approx(20.0 * 30.0)
+
+
+@pytest.mark.parametrize(("window", "why"), [
+    (observation(prefill=2, decode=3), "no TTFT breach"),
+    (bursty(starting=1, ready=1), "pool not steady"),
+    (bursty(rate=200.0), "overloaded, not bursty"),
+    (dataclasses.replace(bursty(), prefill=role(2, request_queue_time_seconds=Quantiles(0.1, 0.2, 0.29))),
+     "tail under the histogram's first bucket"),
+])
+def test_windows_that_are_not_bursts_teach_none(window: Observation, why: str) -> None:
+    assert decide(window, CONFIG, settled(2, 3)).state.prefill.bursts == (), why
+
+
+def test_a_wait_more_replicas_did_not_cut_is_not_learnt() -> None:
+    first = decide(bursty(prefill=2), CONFIG, settled(2, 3)).state
+    again = decide(bursty(prefill=4, time_s=630.0), CONFIG, replace_recommendations(first, 4))
+    assert len(again.state.prefill.bursts) == 1
+
+
+def replace_recommendations(state: AutoscalerState, prefill: int) -> AutoscalerState:
+    return dataclasses.replace(state, prefill=dataclasses.replace(
+        state.prefill, recommendations=tuple((t, prefill) for t, _ in state.prefill.recommendations)))
+
+
+def test_a_burst_sizes_prefill_by_the_share_of_requests_it_would_make_miss() -> None:
+    # A burst seen in one window among a long calm history (10 min at the same rate) would make few
+    # of the requests miss: the steady size stands. The same burst in every remembered window would
+    # make many miss: prefill grows until the burst's misses fit the error budget.
+    calm = settled(2, 3, requests_seen=20.0 * CONFIG.burst_memory_s, seen_since_s=0.0)
+    once = decide(bursty(), CONFIG, calm)
+    steady = decide(observation(prefill=2, decode=3), CONFIG, calm).prefill.recommended
+    assert once.prefill.recommended == steady and len(once.state.prefill.bursts) == 1
+    state = settled(2, 3)
+    for step in range(10):
+        decision = decide(bursty(time_s=600.0 + 30.0 * step), CONFIG, replace_recommendations(state, 2))
+        state = decision.state
+    assert decision.prefill.recommended > 2 and decision.prefill.reason == PREFILL_DEMAND
+    assert "remembered burst" in decision.prefill.message
+
+
+def test_a_burst_counts_against_the_memory_not_only_the_minute_seen() -> None:
+    # Right after start-up (no history) a burst is judged against the requests the memory's span
+    # brings at the current rate (a prior: no bursts before any evidence), so a one-off burst that
+    # made a third of one window wait long does not size prefill as if every window were like it.
+    decision = decide(bursty(), CONFIG, AutoscalerState())
+    weighted = ((1.0, decision.state.prefill.bursts[0]),)
+    mix = PromptMix.from_quantiles(1000.0, Quantiles(900.0, 2000.0, 4000.0))
+    own_window = MODEL.burst_replicas(weighted, 20.0 * 60.0, mix, 0.02, rate=20.0)
+    assert 2 < decision.prefill.recommended < own_window
 
 
 def test_from_spec_reads_the_crd() -> None:

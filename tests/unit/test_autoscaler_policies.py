@@ -11,8 +11,8 @@ from xpyd.autoscaler.dynamo import ArimaLikePredictor, DynamoSlaPolicy
 from xpyd.autoscaler.forecast import HoltForecaster, LastValueForecaster, SeriesState
 from xpyd.autoscaler.oracle import OraclePolicy, OracleWindow, oracle_gpu_hours, oracle_windows
 from xpyd.autoscaler.policies import POLICIES as AUTOSCALER_POLICIES
-from xpyd.autoscaler.policies import QueueThresholdPolicy, XpydPolicy, static_sizes
-from xpyd.autoscaler.sizing import PoolModel, PromptMix
+from xpyd.autoscaler.policies import QueueThresholdPolicy, XpydPolicy, queued_work, size_for, static_sizes
+from xpyd.autoscaler.sizing import Burst, PoolModel, PromptMix
 from xpyd.sim.perf import PerfModel
 from xpyd.sim.policy import POLICIES, Desired, Observation, PolicyContext, Quantiles, RoleObservation, Slo, build_policy
 from xpyd.sim.report import build_report
@@ -61,6 +61,31 @@ def test_prompt_mix_keeps_the_mean() -> None:
     mix = PromptMix.from_quantiles(1500.0, Quantiles(1000.0, 3000.0))
     assert mix.mean == pytest.approx(1500.0) and max(mix.isl_tokens) > 3000.0
     assert PromptMix.from_samples([1, 2, 3]).isl_tokens == (1.0, 2.0, 3.0)
+
+
+@pytest.mark.parametrize(("tokens", "share"), [
+    (0.0, 1.0), (50.0, 0.75), (100.0, 0.5), (300.0, 0.1), (1200.0, 0.01), (1300.0, 0.0), (5000.0, 0.0)])
+def test_burst_share_waiting_follows_its_quantiles(tokens: float, share: float) -> None:
+    # p50 100, p90 300, p99 1200 tokens ahead; past p99 at the p90-p99 slope (900 per 9 points) to 1300.
+    assert Burst(0.0, 100.0, 2, 100.0, 300.0, 1200.0).share_waiting_over(tokens) == pytest.approx(share)
+
+
+def test_burst_replicas_keep_the_bursts_misses_within_the_error_budget() -> None:
+    mix = PromptMix.from_quantiles(1000.0, Quantiles(900.0, 2000.0))
+    rate = MODEL.saturated_tokens_per_s() * MODEL.queue_budget_s(mix, 0.02)     # tokens one replica drains in budget
+    burst = Burst(0.0, 100.0, 4, 2 * rate, 6 * rate, 9 * rate)
+    # Judged against its own 100 requests the burst needs its p95 drained: 7.5 replicas' worth -> 8.
+    assert MODEL.burst_replicas(((1.0, burst),), 100.0, mix, 0.02) == 8
+    # One such burst among 200 requests: 10 (10% of it) may miss -> its p90, 6 replicas; among 1000
+    # half of it may -> its p50, 2 replicas; among 10,000 it needs nothing.
+    assert MODEL.burst_replicas(((1.0, burst),), 200.0, mix, 0.02) == 6
+    assert MODEL.burst_replicas(((1.0, burst),), 1000.0, mix, 0.02) == 2
+    assert MODEL.burst_replicas(((1.0, burst),), 10_000.0, mix, 0.02) == 1
+    # Weighted down by age it counts less (half: 20% may miss, its p80, 5 replicas).
+    assert MODEL.burst_replicas(((0.5, burst),), 200.0, mix, 0.02) == 5
+    # Steady queueing shares the error budget: a busy pool needs more on top of the same burst.
+    assert MODEL.burst_replicas(((1.0, burst),), 200.0, mix, 0.02, rate=300.0) > 6
+    assert MODEL.burst_miss_share(((1.0, burst),), 200.0, 6, mix, 0.02) == pytest.approx(0.1 * 100 / 200)
 
 
 # --- forecasts ---------------------------------------------------------------------------------------
@@ -161,13 +186,38 @@ def test_registry_merges_the_autoscaler_policies() -> None:
     assert {"xpyd", "static-peak", "static-mean", "queue-threshold", "dynamo-sla", "oracle"} <= set(POLICIES)
     context = PolicyContext(Desired(1, 1), SLO, PERF, 30.0, 120.0, steady_trace(20.0, 120.0))
     assert isinstance(build_policy("xpyd", context), XpydPolicy)
-    peak = static_sizes(MODEL, steady_trace(5.0, 60.0) + [TraceRequest(60 + i / 80, 1000, 100) for i in range(4800)],
-                        peak=True)
-    mean = static_sizes(MODEL, steady_trace(5.0, 60.0) + [TraceRequest(60 + i / 80, 1000, 100) for i in range(4800)],
-                        peak=False)
+    ramp = steady_trace(5.0, 60.0) + [TraceRequest(60 + i / 80, 1000, 100) for i in range(4800)]
+    peak, mean = static_sizes(MODEL, ramp, peak=True), static_sizes(MODEL, ramp, peak=False)
     assert peak.prefill >= mean.prefill and peak.decode >= mean.decode
     with pytest.raises(ValueError, match="trace"):
         build_policy("static-peak", PolicyContext(Desired(1, 1), SLO, PERF, 30.0, 120.0))
+
+
+def batched_trace() -> list[TraceRequest]:
+    """15 req/s on average, arriving as one batch of 150 every 10 s (240 s)."""
+    return [TraceRequest(10.0 * (i // 150) + 0.001 * (i % 150), 2000, 50) for i in range(150 * 24)]
+
+
+def test_static_peak_sizes_the_busiest_window_for_its_bursts_as_well() -> None:
+    trace = batched_trace()
+    poisson_view = size_for(MODEL, trace[:1500], 60.0, bursts=False)
+    bursts = size_for(MODEL, trace[:1500], 60.0)
+    # The rate (25 req/s x 2000 tokens) fits two replicas; 300k tokens arriving at once do not.
+    assert poisson_view.prefill == 2 and bursts.prefill > 4
+    assert static_sizes(MODEL, trace, peak=True).prefill == bursts.prefill
+    assert static_sizes(MODEL, trace, peak=False).prefill == size_for(MODEL, trace, trace[-1].arrival_s,
+                                                                      bursts=False).prefill
+    # Spread evenly the same load queues nothing: the burst term adds no replica.
+    even = steady_trace(25.0, 60.0, isl=2000, osl=50)
+    assert size_for(MODEL, even, 60.0) == size_for(MODEL, even, 60.0, bursts=False)
+
+
+def test_queued_work_is_the_work_ahead_on_arrival() -> None:
+    batch = [TraceRequest(0.0, 1000, 10) for _ in range(10)]
+    work = queued_work(MODEL, batch, 2)
+    assert (work.work_p50, work.work_p90, work.work_p99) == (5000.0, 9000.0, 9000.0)
+    spaced = [TraceRequest(float(i), 1000, 10) for i in range(10)]
+    assert queued_work(MODEL, spaced, 1).work_p99 == 0.0
 
 
 @pytest.mark.parametrize("name", ["xpyd", "static-peak", "static-mean", "queue-threshold", "dynamo-sla"])

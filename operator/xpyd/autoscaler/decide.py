@@ -30,7 +30,15 @@ The rules, in order (each named in the decision's CamelCase reason and message):
 4. Demand: prefill replicas from λ·ISL with queueing headroom (`sizing.PoolModel.size_prefill`:
    M/G/c, Allen-Cunneen tail over the prompt-length mix, TTFT target at the SLO percentile,
    including transfer and one decode step); decode replicas from the ITL/KV frontier at
-   `ISL + OSL/2` (`size_decode`). Their quotient is the recommended P:D ratio.
+   `ISL + OSL/2` (`size_decode`). Their quotient is the recommended P:D ratio. Bursts the steady
+   model cannot see (batched arrivals) are remembered per window from the prefill queue-time tail
+   while TTFT breaches under moderate load (`Burst`: the work ahead of the window's requests, and how
+   many requests it covered), weighted by age (e-folding `burst_memory_s`), and judged against the
+   requests seen over the same memory (before the first decision: the current rate, as a prior of
+   no bursts): prefill gets at least the fewest replicas at which, were they to recur, their misses
+   and the steady model's fit the SLO's error budget together (`PoolModel.burst_replicas`). A
+   one-off burst that replicas ordered now could not have served sizes little; one recurring in
+   every window sizes for its tail.
 5. Attribution: a TTFT breach with a prefill backlog (queued work that takes more than half the
    TTFT target to drain, or a growing one) is prefill's (`PrefillQueueing`); a TTFT breach with a
    short prefill queue while decode admission is blocked (KV nearly full, at `max_num_seqs`, or
@@ -59,6 +67,7 @@ from xpyd.autoscaler.forecast import Forecaster, HoltForecaster, SeriesState
 from xpyd.autoscaler.sizing import (
     DEFAULT_MAX_NUM_BATCHED_TOKENS,
     DEFAULT_MAX_NUM_SEQS,
+    Burst,
     DecodeSizing,
     PoolModel,
     PrefillSizing,
@@ -140,7 +149,8 @@ class AutoscalerConfig:
     min_requests: int = 30            # requests a window needs before it moves a correction
     default_isl_cs2: float = 1.0      # prompt-length variability when the observation has no quantiles
     queue_drain_share: float = 0.5    # prefill backlog: queued work draining in more than this share of TTFT
-    burst_memory_s: float = 300.0     # how long the largest prompt burst seen keeps sizing prefill (e-folding)
+    burst_memory_s: float = 300.0     # bursts seen count for this long (e-folding), against this span's requests
+    burst_records: int = 16           # the most bursts remembered (the oldest go first)
     burst_max_utilisation: float = 0.8  # windows busier than this on average teach no burst
     queue_time_floor_s: float = 0.3   # vllm:request_queue_time_seconds' first bucket: below it no wait is visible
 
@@ -192,9 +202,9 @@ class RoleState:
     last_scale_up_s: float = -math.inf
     waiting: float = math.nan                             # the queue gauge at the last decision
     starting_since_s: float = math.nan                    # since when replicas have been starting
-    burst_tokens: float = 0.0                             # prefill: work that arrived together (decaying max)
-    burst_wait_s: float = 0.0                             # the queue-time tail it was learnt from
-    burst_ready: int = 0                                  # and the pool size then
+    bursts: tuple[Burst, ...] = ()                        # prefill: work that queued together, per window
+    requests_seen: float = 0.0                            # prefill: requests seen, decayed like the bursts
+    seen_since_s: float = math.nan                        # since when requests have been counted
 
 
 @dataclass(frozen=True)
@@ -371,8 +381,10 @@ class _Plan:
     mix: PromptMix
     prefill: PrefillSizing
     decode: DecodeSizing
-    burst_tokens: float
-    burst_replicas: int               # prefill replicas that drain the remembered burst within the queue budget
+    bursts: tuple[tuple[float, Burst], ...]   # remembered bursts with their weights (age decay)
+    expected_requests: float          # the requests the burst memory's span brings at the current rate
+    burst_replicas: int               # prefill replicas keeping the bursts' misses within the error budget
+    k_prefill: float = 1.0
 
     @property
     def prefill_replicas(self) -> int:
@@ -380,12 +392,14 @@ class _Plan:
 
 
 def _plan(config: AutoscalerConfig, rate_now: float, rate: float, isl: float, osl: float, mix: PromptMix,
-          k_prefill: float, k_decode: float, burst_tokens: float) -> _Plan:
+          k_prefill: float, k_decode: float, bursts: tuple[tuple[float, Burst], ...],
+          expected_requests: float) -> _Plan:
     model = config.model
     decode = model.size_decode(rate, isl, osl, k_decode)
     prefill = model.size_prefill(rate, mix, decode.itl_s, k_prefill, max_replicas=max(config.prefill.max_replicas, 1))
-    burst = model.burst_replicas(burst_tokens, mix, decode.itl_s, k_prefill)
-    return _Plan(rate_now, rate, isl, osl, mix, prefill, decode, burst_tokens, burst)
+    burst = model.burst_replicas(bursts, expected_requests, mix, decode.itl_s, k_prefill,
+                                 max_replicas=max(config.prefill.max_replicas, 1), rate=rate)
+    return _Plan(rate_now, rate, isl, osl, mix, prefill, decode, bursts, expected_requests, burst, k_prefill)
 
 
 def hold(observation: Observation, config: AutoscalerConfig, state: AutoscalerState, problem: str,
@@ -462,11 +476,10 @@ def decide(observation: Observation, config: AutoscalerConfig, state: Autoscaler
     decode_state = _smoothed(state.decode, _observed_decode_correction(observation, config, context_now), config)
     k_prefill, k_decode = prefill_state.correction, decode_state.correction
     breach = _ttft_breach(observation, config, mix_now, k_prefill, k_decode)
-    learnt = _burst(observation, config, state, k_prefill, breach)
-    prefill_state = replace(prefill_state, burst_tokens=learnt.burst_tokens, burst_wait_s=learnt.burst_wait_s,
-                            burst_ready=learnt.burst_ready)
+    prefill_state, weighted, expected = _burst_memory(observation, config, state, prefill_state, rate_series,
+                                                      _burst(observation, config, state, k_prefill, breach))
 
-    plan = _plan(config, rate_now, rate, isl, osl, mix, k_prefill, k_decode, prefill_state.burst_tokens)
+    plan = _plan(config, rate_now, rate, isl, osl, mix, k_prefill, k_decode, weighted, expected)
     recommended = {PREFILL: plan.prefill_replicas, DECODE: plan.decode.replicas}
     reasons = {PREFILL: PREFILL_DEMAND, DECODE: DECODE_DEMAND}
     messages = {PREFILL: _prefill_message(plan, observation.prefill.replicas, config),
@@ -515,39 +528,73 @@ def decide(observation: Observation, config: AutoscalerConfig, state: Autoscaler
                     degraded_reason=INSUFFICIENT_GPUS if blocked else None, budget_binding=budget_binding)
 
 
+def _span(observation: Observation, state: AutoscalerState) -> float:
+    """The time this decision's window adds to what earlier decisions saw (windows overlap)."""
+    if not math.isfinite(state.time_s):
+        return observation.window_s
+    return min(observation.time_s - state.time_s, observation.window_s)
+
+
+def _burst_memory(observation: Observation, config: AutoscalerConfig, state: AutoscalerState,
+                  prefill_state: RoleState, rate_series: SeriesState,
+                  bursts: tuple[Burst, ...]) -> tuple[RoleState, tuple[tuple[float, Burst], ...], float]:
+    """The prefill state with the bursts and the requests seen, the bursts weighted by age (e-folding
+    `burst_memory_s`) and the requests they are judged against: the requests seen, weighted alike,
+    and, for the part of the memory before the first decision, the current rate (a prior: no bursts
+    before any evidence). Bursts are thus counted per request seen, neither forgotten when the load
+    falls nor taken for the whole future when only a minute has been seen."""
+    now = observation.time_s
+    memory = config.burst_memory_s
+    if memory <= 0:
+        return replace(prefill_state, bursts=()), (), 0.0
+    decay = math.exp(-(now - state.time_s) / memory) if math.isfinite(state.time_s) else 1.0
+    seen = state.prefill.requests_seen * decay + observation.request_rate * _span(observation, state)
+    since = state.prefill.seen_since_s
+    if not math.isfinite(since) and observation.request_rate > 0:
+        since = now
+    level = rate_series.level if math.isfinite(rate_series.level) else observation.request_rate
+    prior = max(level, 0.0) * memory * (math.exp(-(now - since) / memory) if math.isfinite(since) else 1.0)
+    weighted = tuple((math.exp(-(now - b.time_s) / memory), b) for b in bursts)
+    return replace(prefill_state, bursts=bursts, requests_seen=seen, seen_since_s=since), weighted, seen + prior
+
+
 def _burst(observation: Observation, config: AutoscalerConfig, state: AutoscalerState, k: float,
-           ttft_breach: bool) -> RoleState:
-    """The prompt work that arrives together, remembered as a decaying maximum: the observed prefill
-    queue-time tail at the SLO percentile times the pool's saturated rate (a burst spread over `ready`
-    replicas waits about its work / their capacity). Learnt only while TTFT breaches its target and
-    the window's average load is well under capacity (so the wait came from bursts, not overload);
-    queue times under the histogram's first bucket show no wait. Returns the prefill state with the
-    estimate (and the wait and pool size it was learnt at)."""
-    previous = state.prefill.burst_tokens
-    if math.isfinite(state.time_s) and config.burst_memory_s > 0:
-        previous *= math.exp(-(observation.time_s - state.time_s) / config.burst_memory_s)
-    learnt = replace(state.prefill, burst_tokens=previous)
+           ttft_breach: bool) -> tuple[Burst, ...]:
+    """The bursts remembered after this window: the earlier ones still within the memory, and this
+    window's if its requests queued in a burst. A burst is the window's prefill queue-time quantiles
+    turned into work ahead (times the pool's saturated rate: a burst spread over `ready` replicas
+    waits about its work / their capacity) with the requests the window adds since the last decision
+    (windows overlap). Learnt only while TTFT breaches its target and the window's average load is
+    well under capacity (so the wait came from bursts, not overload, which the demand and feedback
+    terms size), from a steady pool, and when the tail at the SLO percentile is over the queue-time
+    histogram's first bucket (under it no wait is visible)."""
+    now = observation.time_s
+    memory = config.burst_memory_s
+    kept = tuple(b for b in state.prefill.bursts if memory > 0 and now - b.time_s < 5.0 * memory)
     prefill = observation.prefill
     steady = prefill.starting == 0 and prefill.draining == 0 and not math.isfinite(state.prefill.starting_since_s)
-    if prefill.ready < 1 or not ttft_breach or not steady:
-        return learnt
+    if memory <= 0 or prefill.ready < 1 or not ttft_breach or not steady:
+        return kept
     per_replica = config.model.saturated_tokens_per_s(k)
     capacity = prefill.ready * per_replica
     offered = observation.request_rate * observation.isl_mean
     backlog_s = prefill.num_requests_waiting * observation.isl_mean / capacity
     if offered > config.burst_max_utilisation * capacity or backlog_s > config.model.ttft_target_s:
-        return learnt     # sustained overload, not bursts: the demand and feedback terms size that
-    wait = quantile_at(prefill.request_queue_time_seconds, config.percentile)
+        return kept       # sustained overload, not bursts: the demand and feedback terms size that
+    waits = prefill.request_queue_time_seconds
+    wait = quantile_at(waits, config.percentile)
     if not wait > config.queue_time_floor_s:
-        return learnt
-    burst = wait * capacity
-    if prefill.ready > state.prefill.burst_ready > 0 and wait >= 0.7 * state.prefill.burst_wait_s:
-        # More replicas did not cut the wait: it is not work spread over the pool (e.g. prompts too
-        # long to share out), so more replicas would not help either. Keep, do not grow.
-        return learnt
-    if burst <= previous:
-        return learnt
-    return replace(learnt, burst_tokens=burst, burst_wait_s=wait, burst_ready=prefill.ready)
+        return kept
+    last = kept[-1] if kept else None
+    if last is not None and prefill.ready > last.replicas:
+        before = quantile_at(Quantiles(last.work_p50, last.work_p90, last.work_p99), config.percentile)
+        if wait >= 0.7 * before / (last.replicas * per_replica):
+            # More replicas did not cut the wait: it is not work spread over the pool (e.g. prompts too
+            # long to share out), so more replicas would not help either. Learn nothing from it.
+            return kept
+    burst = Burst(now, observation.request_rate * _span(observation, state), prefill.ready,
+                  waits.p50 * capacity, waits.p90 * capacity, waits.p99 * capacity)
+    return (*kept, burst)[-max(config.burst_records, 1):]
 
 
 def _ttft_limit(config: AutoscalerConfig, mix: PromptMix, decode_itl_s: float, k_prefill: float) -> float:
@@ -585,10 +632,17 @@ def _prefill_message(plan: _Plan, replicas: int, config: AutoscalerConfig) -> st
     sizing = plan.prefill
     forecast = f" (forecast; now {plan.rate_now:.1f})" if plan.rate > plan.rate_now * 1.01 else ""
     if plan.burst_replicas > sizing.replicas:
-        return (f"bursts of {_kilo(plan.burst_tokens)} prompt tokens (queue-time p{config.percentile:g} x pool rate) "
-                f"drain within the queue budget with P {plan.burst_replicas} x "
-                f"{_kilo(sizing.tokens_per_s_per_replica)} tok/s (steady load alone needs {sizing.replicas} at rho "
-                f"{sizing.utilisation:.2f}); P has {replicas}")
+        fewer = config.model.burst_miss_share(plan.bursts, plan.expected_requests, plan.burst_replicas - 1, plan.mix,
+                                              plan.decode.itl_s, plan.k_prefill)
+        largest = max(quantile_at(Quantiles(b.work_p50, b.work_p90, b.work_p99), config.percentile)
+                      for _, b in plan.bursts)
+        return (f"{len(plan.bursts)} remembered burst(s) (up to {_kilo(largest)} prompt tokens ahead of the "
+                f"p{config.percentile:g} request) would keep {fewer:.1%} of the ~{plan.expected_requests:.0f} "
+                f"requests they are judged against (those of the {config.burst_memory_s:.0f}s memory) waiting past the "
+                f"queue budget "
+                f"with P {plan.burst_replicas - 1}: P {plan.burst_replicas} x {_kilo(sizing.tokens_per_s_per_replica)} "
+                f"tok/s keeps it within {1 - config.model.quantile:.0%} (steady load alone needs {sizing.replicas} "
+                f"at rho {sizing.utilisation:.2f}); P has {replicas}")
     return (f"lambda {plan.rate:.1f} req/s{forecast} x ISL {plan.isl:.0f} = {_kilo(sizing.demand_tokens_per_s)} tok/s "
             f"needs P {sizing.replicas} x {_kilo(sizing.tokens_per_s_per_replica)} tok/s at rho "
             f"{sizing.utilisation:.2f} for TTFT p{config.percentile:g} <= {_ms(config.model.ttft_target_s)} "

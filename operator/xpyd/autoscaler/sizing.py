@@ -21,6 +21,7 @@ divided by it, decode ITL at a batch is divided by it.
 
 from __future__ import annotations
 
+import itertools
 import math
 import statistics
 from collections.abc import Sequence
@@ -75,6 +76,35 @@ class PromptMix:
         if n <= samples:
             return cls(tuple(float(v) for v in ordered))
         return cls(tuple(float(ordered[min(n - 1, int((i + 0.5) * n / samples))]) for i in range(samples)))
+
+
+@dataclass(frozen=True)
+class Burst:
+    """Prompt work that queued together: the work ahead of a window's requests when they arrived
+    (tokens at its p50/p90/p99: the queue-time quantiles times the pool's saturated rate then), the
+    requests the window covered and the pool size it was seen at."""
+
+    time_s: float
+    requests: float
+    replicas: int
+    work_p50: float
+    work_p90: float
+    work_p99: float
+
+    def share_waiting_over(self, tokens: float) -> float:
+        """Share of the burst's requests with more than `tokens` of work ahead: the quantiles joined
+        linearly from (p0, 0) and extended past p99 at the p90-p99 slope."""
+        values = list(itertools.accumulate((0.0, self.work_p50, self.work_p90, self.work_p99), max))
+        values.append(values[-1] + (values[-1] - values[-2]) / 9.0)
+        percentiles = (0.0, 50.0, 90.0, 99.0, 100.0)
+        for (p_low, low), (p_high, high) in itertools.pairwise(zip(percentiles, values, strict=True)):
+            if tokens < high:
+                return 1.0 - (p_low + (p_high - p_low) * (tokens - low) / (high - low)) / 100.0
+        return 0.0
+
+
+WeightedBurst = tuple[float, Burst]
+"""A burst with the weight its requests count with (e.g. its age's decay)."""
 
 
 @dataclass(frozen=True)
@@ -145,13 +175,38 @@ class PoolModel:
             return 0.0
         return self.ttft_target_s - fixed[len(fixed) // 2]
 
-    def burst_replicas(self, burst_tokens: float, mix: PromptMix, decode_itl_s: float, k: float = 1.0) -> int:
-        """Replicas that drain `burst_tokens` of prompt work arriving together within the queue budget
-        (least-outstanding-tokens routing spreads a burst over the pool)."""
+    def burst_replicas(self, bursts: Sequence[WeightedBurst], expected_requests: float, mix: PromptMix,
+                       decode_itl_s: float, k: float = 1.0, max_replicas: int = 1024, rate: float = 0.0) -> int:
+        """Fewest replicas at which the remembered bursts, were they to recur, would make at most the
+        error budget (`1 - quantile`) of `expected_requests` wait beyond the queue budget.
+
+        Each burst is the work-ahead distribution one window's requests saw (`Burst`), with the
+        requests it covered (already weighted by the caller, e.g. for age); a burst spread over `c`
+        replicas makes a request wait its work ahead / (`c` x the saturated rate), so a share
+        `Burst.share_waiting_over(c x rate x budget)` of them misses. With `expected_requests` the
+        requests the same span brings (e.g. the rate over the memory), this is the burst part of the
+        SLO's error budget; steady queueing is `size_prefill`'s."""
         budget = self.queue_budget_s(mix, decode_itl_s, k)
-        if burst_tokens <= 0 or budget <= 0:
+        if budget <= 0 or not any(w > 0 and b.requests > 0 for w, b in bursts):
             return 1
-        return max(1, math.ceil(burst_tokens / (self.saturated_tokens_per_s(k) * budget) - 1e-9))
+        allowed = 1.0 - self.quantile
+        replicas = 1
+        while replicas < max_replicas and (
+                self.burst_miss_share(bursts, expected_requests, replicas, mix, decode_itl_s, k)
+                + 1.0 - self.prefill_attainment(replicas, rate, mix, decode_itl_s, k)) > allowed:
+            replicas += 1
+        return replicas
+
+    def burst_miss_share(self, bursts: Sequence[WeightedBurst], expected_requests: float, replicas: int,
+                         mix: PromptMix, decode_itl_s: float, k: float = 1.0) -> float:
+        """Share of `expected_requests` that the remembered bursts would keep waiting past the queue
+        budget on `replicas` (see `burst_replicas`)."""
+        budget = self.queue_budget_s(mix, decode_itl_s, k)
+        drained = replicas * self.saturated_tokens_per_s(k) * max(budget, 0.0)
+        missed = sum(w * b.requests * b.share_waiting_over(drained) for w, b in bursts if w > 0 and b.requests > 0)
+        if missed <= 0:
+            return 0.0
+        return missed / expected_requests if expected_requests > 0 else 1.0
 
     def prefill_attainment(self, replicas: int, rate: float, mix: PromptMix, decode_itl_s: float,
                            k: float = 1.0) -> float:
