@@ -14,7 +14,7 @@ $(BIN)/xpyd: pyproject.toml
 	touch $@
 
 demo: $(BIN)/xpyd tools
-	$(BIN)/python scripts/demo.py
+	$(BIN)/xpyd demo $(DEMO_ARGS)
 
 test: lint typecheck tools
 	$(BIN)/python -m pytest

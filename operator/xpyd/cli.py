@@ -126,6 +126,7 @@ def build_parser() -> argparse.ArgumentParser:
     cluster.set_defaults(func=_cmd_cluster)
 
     from xpyd.bench.main import add_parser as add_bench_parser
+    from xpyd.demo.main import add_parser as add_demo_parser
     from xpyd.proxy.main import add_parser as add_proxy_parser
     from xpyd.sim.emulator import add_parser as add_engine_sim_parser
     from xpyd.sim.plan import add_parser as add_plan_parser
@@ -136,6 +137,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_engine_sim_parser(commands)
     add_proxy_parser(commands)
     add_bench_parser(commands)
+    add_demo_parser(commands)
     return parser
 
 
