@@ -273,3 +273,4 @@ def test_an_idle_pool_is_not_a_metrics_problem() -> None:
     assert patch["autoscaler"]["lastDecision"]["reason"] == "NoTraffic"
     assert condition(patch)["status"] == "True"
     assert kube.events == []
+

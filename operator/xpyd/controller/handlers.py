@@ -56,6 +56,14 @@ class OperatorState:
         with self._locks_guard:
             return self._locks.setdefault((namespace, name), threading.Lock())
 
+    def forget_locks(self, present: set[tuple[str, str]], scopes: list[str | None]) -> None:
+        """Drop the idle locks of objects that no longer exist in the listed scopes (the map would
+        otherwise grow with every object ever seen). A held lock stays until a later sweep."""
+        with self._locks_guard:
+            for key, lock in list(self._locks.items()):
+                if key not in present and (None in scopes or key[0] in scopes) and not lock.locked():
+                    del self._locks[key]
+
     def reconcile(self, namespace: str, name: str) -> None:
         """Read the object and reconcile it, under its lock: a reconcile that waited for another
         must see that one's writes, or it would write a stale status again."""
@@ -152,14 +160,19 @@ def _reconcile_quietly(state: OperatorState, namespace: str, name: str) -> None:
 
 def _sweep(state: OperatorState) -> None:
     scopes: list[str | None] = list(state.namespaces) or [None]
+    present: set[tuple[str, str]] = set()
+    listed: list[str | None] = []
     for scope in scopes:
         try:
             servings = state.kube.list_servings(scope)
         except KubeError as error:
             log.warning("drift sweep could not list DisaggregatedServings: %s", error)
             continue
+        listed.append(scope)
         for body in servings:
+            present.add((body["metadata"]["namespace"], body["metadata"]["name"]))
             _reconcile_quietly(state, body["metadata"]["namespace"], body["metadata"]["name"])
+    state.forget_locks(present, listed)  # only where the list was complete
 
 
 async def _sweep_forever(state: OperatorState) -> None:
