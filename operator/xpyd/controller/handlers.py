@@ -16,6 +16,7 @@ import asyncio
 import contextlib
 import logging
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -27,6 +28,7 @@ from xpyd.controller.reconcile import InvalidSpec, reconcile
 from xpyd.kube import Kube, KubeError
 from xpyd.render.naming import FIELD_MANAGER, SERVING_LABEL
 
+JSON = dict[str, Any]
 log = logging.getLogger(__name__)
 
 CHILD_SELECTOR = {"app.kubernetes.io/managed-by": FIELD_MANAGER}
@@ -158,56 +160,65 @@ def _reconcile_quietly(state: OperatorState, namespace: str, name: str) -> None:
         log.warning("reconcile of %s/%s failed, will retry: %s", namespace, name, error)
 
 
-def _sweep(state: OperatorState) -> None:
-    scopes: list[str | None] = list(state.namespaces) or [None]
-    present: set[tuple[str, str]] = set()
+def _list_all(state: OperatorState, what: str) -> tuple[list[JSON], list[str | None]]:
+    """Every DisaggregatedServing in the operator's scopes, and the scopes whose list succeeded (only
+    there may an object missing from the list be taken as gone)."""
+    bodies: list[JSON] = []
     listed: list[str | None] = []
+    scopes: list[str | None] = list(state.namespaces) or [None]  # None: every namespace
     for scope in scopes:
         try:
-            servings = state.kube.list_servings(scope)
+            bodies.extend(state.kube.list_servings(scope))
         except KubeError as error:
-            log.warning("drift sweep could not list DisaggregatedServings: %s", error)
+            log.warning("%s could not list DisaggregatedServings: %s", what, error)
             continue
         listed.append(scope)
-        for body in servings:
-            present.add((body["metadata"]["namespace"], body["metadata"]["name"]))
-            _reconcile_quietly(state, body["metadata"]["namespace"], body["metadata"]["name"])
-    state.forget_locks(present, listed)  # only where the list was complete
+    return bodies, listed
+
+
+def _key(body: JSON) -> tuple[str, str]:
+    return body["metadata"]["namespace"], body["metadata"]["name"]
+
+
+def _sweep(state: OperatorState) -> None:
+    bodies, listed = _list_all(state, "drift sweep")
+    for body in bodies:
+        _reconcile_quietly(state, *_key(body))
+    state.forget_locks({_key(body) for body in bodies}, listed)
 
 
 async def _sweep_forever(state: OperatorState) -> None:
     while True:
         await asyncio.sleep(state.resync_seconds)
-        await asyncio.to_thread(_sweep, state)
+        await _survive(_sweep, state)
+
+
+async def _survive(work: Callable[[OperatorState], None], state: OperatorState) -> None:
+    """Run one round of a periodic loop in a thread; a bug in it is logged and the loop goes on."""
+    try:
+        await asyncio.to_thread(work, state)
+    except Exception:
+        log.exception("%s failed; the next round retries", work.__name__)
 
 
 def _autoscale_due(state: OperatorState) -> None:
     """Decide for every autoscaled object whose decision is due (one list per scope and tick)."""
     assert state.autoscaler is not None
-    scopes: list[str | None] = list(state.namespaces) or [None]
-    present: set[tuple[str, str]] = set()
-    for scope in scopes:
+    bodies, listed = _list_all(state, "autoscaler")
+    for body in bodies:
+        namespace, name = _key(body)
+        if not state.autoscaler.due(body, state.autoscaler.clock()):
+            continue
         try:
-            servings = state.kube.list_servings(scope)
-        except KubeError as error:
-            log.warning("autoscaler could not list DisaggregatedServings: %s", error)
-            return
-        for body in servings:
-            meta = body["metadata"]
-            present.add((meta["namespace"], meta["name"]))
-            if not state.autoscaler.due(body, state.autoscaler.clock()):
-                continue
-            try:
-                state.autoscale(meta["namespace"], meta["name"])
-            except (KubeError, InvalidSpec) as error:
-                log.warning("autoscaler decision for %s/%s failed, will retry: %s", meta["namespace"],
-                            meta["name"], error)
-            except Exception:  # a bug in one object's decision must not stop the others' (or the loop)
-                log.exception("autoscaler decision for %s/%s failed", meta["namespace"], meta["name"])
-    state.autoscaler.forget_absent(present, scopes)
+            state.autoscale(namespace, name)
+        except (KubeError, InvalidSpec) as error:
+            log.warning("autoscaler decision for %s/%s failed, will retry: %s", namespace, name, error)
+        except Exception:  # a bug in one object's decision must not stop the others' (or the loop)
+            log.exception("autoscaler decision for %s/%s failed", namespace, name)
+    state.autoscaler.forget_absent({_key(body) for body in bodies}, listed)
 
 
 async def _autoscale_forever(state: OperatorState) -> None:
     while True:
-        await asyncio.to_thread(_autoscale_due, state)
+        await _survive(_autoscale_due, state)
         await asyncio.sleep(state.autoscale_tick_seconds)
