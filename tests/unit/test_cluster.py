@@ -128,3 +128,30 @@ def test_certificates_name_loopback_only(tmp_path: Path) -> None:
     admin = x509.load_pem_x509_certificate(files.admin_cert.read_bytes())
     assert admin.subject.rfc4514_string() == "O=system:masters,CN=xpyd-admin"
     assert oct(files.ca_key.stat().st_mode & 0o777) == "0o600"
+
+
+def test_down_kills_pod_processes_a_dead_runtime_left_behind(tmp_path: Path) -> None:
+    """A runtime killed before it stopped its pods leaves them running in their own sessions; the
+    pid files it wrote let `down` find them (and a reused pid of some other program is left alone)."""
+    import signal
+    import subprocess
+    import sys
+
+    from xpyd.cluster.runtime import PID_FILE, kill_leftover_pods
+
+    ours = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)  # xpyd pod"],
+                            start_new_session=True)
+    other = subprocess.Popen(["sleep", "60"], start_new_session=True)
+    try:
+        for name, process in (("ns_ours", ours), ("ns_other", other)):
+            (tmp_path / "pods" / name).mkdir(parents=True)
+            (tmp_path / "pods" / name / PID_FILE).write_text(str(process.pid))
+        (tmp_path / "pods" / "ns_gone").mkdir()
+        (tmp_path / "pods" / "ns_gone" / PID_FILE).write_text("999999999")
+        assert kill_leftover_pods(tmp_path) == 1
+        assert ours.wait(timeout=5) == -signal.SIGKILL
+        assert other.poll() is None
+    finally:
+        for process in (ours, other):
+            process.kill()
+            process.wait()

@@ -358,6 +358,10 @@ class ControlPlane:
             for name, pid in reversed(list(state.pids.items())):
                 _terminate(pid)
                 progress(f"stopped {name}")
+        from xpyd.cluster.runtime import kill_leftover_pods  # the runtime imports this module
+
+        if self.state_dir.exists() and (killed := kill_leftover_pods(self.state_dir)):
+            progress(f"killed {killed} pod process(es) the runtime left behind")
         if self.state_dir.exists():
             for child in self.state_dir.iterdir():
                 if keep_logs and child.name == "logs":

@@ -17,6 +17,7 @@ address is checked by `netguard` first.
 from __future__ import annotations
 
 import base64
+import contextlib
 import datetime
 import json
 import logging
@@ -44,6 +45,7 @@ ENGINE_IMAGES = ("vllm/vllm-openai:", "ghcr.io/xpyd-operator/vllm-engine:")
 #: they are told to bind the pod IP (never this machine's other interfaces).
 SERVING_SUBCOMMANDS = frozenset({"proxy", "engine-sim"})
 RESTART_BACKOFF_SECONDS = 2.0
+PID_FILE = "pid"
 MAX_GRACE_SECONDS = 30.0  # the harness never waits longer for a process to stop
 
 
@@ -125,6 +127,8 @@ class PodProcess:
             self.process = subprocess.Popen(
                 self.plan.argv, stdout=output, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                 env=self.plan.env, cwd=self.directory, start_new_session=True)
+        # For `xpyd cluster down`: it kills what a runtime that died (or was killed) left running.
+        (self.directory / PID_FILE).write_text(str(self.process.pid))
         self.exited_at = None
         self.ready = False
         log.info("started %s/%s at %s: %s (pid %d)", self.namespace, self.name, self.ip,
@@ -397,8 +401,42 @@ class PodRuntime:
             except KubeError as error:
                 log.warning("sync failed: %s", error)
             stop.wait(self.poll_seconds)
-        for runner in list(self.pods.values()):
-            runner.stop(grace=5)
+        stop_all(list(self.pods.values()), grace=5)
+
+
+def stop_all(runners: list[PodProcess], grace: float) -> None:
+    """Stop every pod process at once: SIGTERM to all, then SIGKILL to what is left after `grace`
+    (one after another would take grace x pods, longer than `down` waits for the runtime)."""
+    running = [r.process for r in runners if r.process is not None and r.process.poll() is None]
+    for process in running:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(process.pid, signal.SIGTERM)
+    deadline = time.monotonic() + grace
+    for process in running:
+        try:
+            process.wait(timeout=max(0.0, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(process.pid, signal.SIGKILL)
+            process.wait()
+
+
+def kill_leftover_pods(state_dir: Path) -> int:
+    """SIGKILL the pod processes a runtime recorded under `state_dir/pods/*/pid` that still run (and are
+    still ours: an xpyd command line), e.g. after the runtime itself was killed. Returns how many."""
+    killed = 0
+    for pid_file in (state_dir / "pods").glob(f"*/{PID_FILE}"):
+        try:
+            pid = int(pid_file.read_text())
+            cmdline = Path(f"/proc/{pid}/cmdline").read_bytes()
+        except (OSError, ValueError):
+            continue
+        if b"xpyd" not in cmdline:
+            continue  # the pid was reused by something else
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(pid, signal.SIGKILL)
+            killed += 1
+    return killed
 
 
 def main(state_dir: Path) -> int:
