@@ -78,6 +78,19 @@ def condition(obj: Any, kind: str) -> dict[str, Any]:
     return {}
 
 
+def serving_of(cluster: Cluster, namespace: str, name: str) -> Any:
+    return cluster.get("disaggregatedserving", "-n", namespace, name)
+
+
+def wait_ready(cluster: Cluster, namespace: str, name: str, timeout: float = 90) -> Any:
+    """Every replica ready (Ready=True alone also covers PartiallyReady: one pod per role serving)."""
+    def complete(obj: Any) -> Any:
+        ready = condition(obj, "Ready")
+        return obj if (ready.get("status"), ready.get("reason")) == ("True", "AllReplicasReady") else None
+    return eventually(lambda: complete(serving_of(cluster, namespace, name)), timeout=timeout,
+                      what=f"{name} Ready=True, AllReplicasReady")
+
+
 @pytest.fixture(scope="session")
 def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
     state_dir = tmp_path_factory.mktemp("cluster")

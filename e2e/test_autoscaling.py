@@ -27,7 +27,7 @@ from typing import Any
 import pytest
 import yaml
 
-from e2e.conftest import OPERATOR_NAMESPACE, ROOT, Cluster, condition, eventually
+from e2e.conftest import OPERATOR_NAMESPACE, ROOT, Cluster, condition, eventually, serving_of, wait_ready
 from xpyd.cluster.controlplane import ControlPlane
 from xpyd.cluster.netguard import LOOPBACK_ONLY_ENV, require_loopback, require_loopback_url
 
@@ -62,15 +62,6 @@ def prometheus_url(cluster: Cluster) -> str:
     url = cluster.state.prometheus_url
     assert url is not None, "Prometheus did not start (run e2e/build/prometheus.sh)"
     return require_loopback_url(url)
-
-
-def serving(cluster: Cluster, namespace: str, name: str) -> Any:
-    return cluster.get("disaggregatedserving", "-n", namespace, name)
-
-
-def ready(cluster: Cluster, namespace: str, name: str) -> Any:
-    return eventually(lambda: (lambda o: o if condition(o, "Ready").get("status") == "True" else None)(
-        serving(cluster, namespace, name)), timeout=90, what=f"{name} Ready")
 
 
 def proxy_address(cluster: Cluster, namespace: str, name: str) -> str:
@@ -153,7 +144,7 @@ def operator_metrics(cluster: Cluster) -> str:
 
 def start(cluster: Cluster, namespace: str, name: str, mode: str = "Auto") -> str:
     cluster.apply(autoscaled(name, prometheus_url(cluster), mode), namespace)
-    ready(cluster, namespace, name)
+    wait_ready(cluster, namespace, name)
     return proxy_address(cluster, namespace, name)
 
 
@@ -174,7 +165,7 @@ def test_prefill_heavy_code_slice_grows_prefill_more_than_decode(operator: Clust
     grew = [e["message"] for e in events(operator, namespace, "code") if e["reason"] in ("PrefillQueueing",
                                                                                       "PrefillDemand")]
     assert grew and grew[0].startswith("prefill 1->"), grew
-    obj = serving(operator, namespace, "code")
+    obj = serving_of(operator, namespace, "code")
     assert condition(obj, "ScalingActive")["status"] == "True"
     decision = obj["status"]["autoscaler"]["lastDecision"]
     assert decision["reason"] and decision["message"]
@@ -219,7 +210,7 @@ def test_recommend_mode_never_scales(operator: Cluster, namespace: str) -> None:
     with Recorder(operator, namespace, "advice") as recorder:
         finish(load)
         recommended = eventually(lambda: (lambda o: o if o["status"]["autoscaler"]["lastDecision"]["prefill"] > 1
-                                          else None)(serving(operator, namespace, "advice")),
+                                          else None)(serving_of(operator, namespace, "advice")),
                                  timeout=30, what="a recommendation of more prefill")
     assert recorder.peak() == (1, 1) and recorder.changes() == 0, recorder.samples
     assert recommended["status"]["prefill"]["desiredReplicas"] == 1
@@ -241,13 +232,13 @@ def test_without_prometheus_replicas_hold_and_the_condition_says_why(
         operator: Cluster, namespace: str, prometheus_control: ControlPlane) -> None:
     url = start(operator, namespace, "blind")
     finish(bench(url, "--rate", "4", "--isl", "1024", "--osl", "16", "--duration", "15", wall_s=15))
-    eventually(lambda: condition(serving(operator, namespace, "blind"), "ScalingActive").get("status") == "True",
+    eventually(lambda: condition(serving_of(operator, namespace, "blind"), "ScalingActive").get("status") == "True",
                timeout=30, what="ScalingActive=True with metrics")
     before = Recorder(operator, namespace, "blind").replicas()
 
     prometheus_control.stop_prometheus()
     held = eventually(lambda: (lambda c: c if c.get("reason") == "MetricsUnavailable" else None)(
-        condition(serving(operator, namespace, "blind"), "ScalingActive")), timeout=30, what="MetricsUnavailable")
+        condition(serving_of(operator, namespace, "blind"), "ScalingActive")), timeout=30, what="MetricsUnavailable")
     assert held["status"] == "False" and "cannot be read" in held["message"], held
     time.sleep(12)  # two more decisions without metrics: nothing moves
     assert Recorder(operator, namespace, "blind").replicas() == before
@@ -257,7 +248,7 @@ def test_without_prometheus_replicas_hold_and_the_condition_says_why(
 
     prometheus_control.start_prometheus()
     deadline = time.monotonic() + 60
-    while (scaling := condition(serving(operator, namespace, "blind"), "ScalingActive"))["status"] != "True":
+    while (scaling := condition(serving_of(operator, namespace, "blind"), "ScalingActive"))["status"] != "True":
         assert time.monotonic() < deadline, f"ScalingActive not True 60 s after Prometheus came back: {scaling}"
         time.sleep(1)
     assert any(e["reason"] == "MetricsAvailable" for e in events(operator, namespace, "blind"))

@@ -49,7 +49,6 @@ def test_demo_runs_to_its_summary_and_plot(tmp_path: Path) -> None:
     assert [number for _, number, _ in narrated] == [1, 2, 3, 4, 5, 6, 7], out
     assert [t for t, _, _ in narrated] == sorted(t for t, _, _ in narrated)
     assert narrated[-1][2] == "tearing everything down"
-    assert narrated[-1][0] < 360, f"the warm demo took {narrated[-1][0]} s"  # "a few minutes" (about 1.5 here)
 
     live = [LIVE.match(line) for line in out.splitlines() if LIVE.match(line)]
     assert len(live) >= 10, out   # one line per sample (~3 s) over about a minute of load

@@ -14,7 +14,7 @@ from typing import Any
 import pytest
 import yaml
 
-from e2e.conftest import OPERATOR_NAMESPACE, RELEASE, ROOT, Cluster, condition, eventually
+from e2e.conftest import OPERATOR_NAMESPACE, RELEASE, ROOT, Cluster, condition, eventually, serving_of, wait_ready
 from tests.unit.test_api import INVALID, SCHEMA_INVALID, TRANSITIONS, serving
 from xpyd.api.load import load_servings
 from xpyd.cluster.controlplane import ControlPlane
@@ -46,15 +46,6 @@ def manifest(obj: dict[str, Any]) -> str:
     obj = copy.deepcopy(obj)
     obj["metadata"].pop("namespace", None)
     return yaml.safe_dump(obj)
-
-
-def serving_of(cluster: Cluster, namespace: str, name: str) -> Any:
-    return cluster.get("disaggregatedserving", "-n", namespace, name)
-
-
-def wait_ready(cluster: Cluster, namespace: str, name: str, timeout: float = 90) -> Any:
-    return eventually(lambda: (lambda obj: obj if condition(obj, "Ready").get("status") == "True" else None)(
-        serving_of(cluster, namespace, name)), timeout=timeout, what=f"{name} Ready=True")
 
 
 def pods_of(cluster: Cluster, namespace: str, name: str, role: str) -> list[Any]:
