@@ -204,7 +204,7 @@ async def test_nixl_push_sends_decode_again_when_prefill_restarted_with_a_new_id
         stale, fresh = r.decode[0].seen[1:]
         assert stale.body["kv_transfer_params"]["remote_engine_id"] == "p0-engine"
         assert fresh.body["kv_transfer_params"]["remote_engine_id"] == "p0-restarted-engine"
-        learnt = r.proxy.pools["prefill"].instances[r.prefill[0].url].push_identity
+        learnt = r.proxy.pools["prefill"].instances[r.prefill[0].url].push_identities.get(0)
         assert learnt is not None and learnt["remote_engine_id"] == "p0-restarted-engine"
 
 

@@ -82,19 +82,24 @@ def _parse(*argv: str) -> argparse.Namespace:
     (("--drain-seconds", "nan"), "--drain-seconds"),
     (("--finish-timeout", "0"), "--finish-timeout"),
     (("--finish-timeout", str(MAX_FINISH_SECONDS + 1)), "--finish-timeout"),
+    (("--prefill-data-parallel-size", "8"), None),
+    (("--prefill-data-parallel-size", "0"), "--prefill-data-parallel-size"),
+    (("--prefill-data-parallel-size", "65"), "--prefill-data-parallel-size"),
 ])
-def test_stop_flags_are_bounded(argv: tuple[str, ...], problem: str | None) -> None:
+def test_flags_are_bounded(argv: tuple[str, ...], problem: str | None) -> None:
     message = _check(_parse(*argv))
     assert (message is None) if problem is None else (message is not None and problem in message)
 
 
-def test_the_mooncake_bootstrap_port_reaches_the_proxy_from_the_spec() -> None:
+def test_connector_settings_reach_the_proxy_from_the_spec() -> None:
     spec = DisaggregatedServingSpec.model_validate({
-        "model": {"name": "m"}, "kvTransfer": {"connector": "MooncakeConnector", "mooncake": {"bootstrapPort": 9100}}})
+        "model": {"name": "m"}, "kvTransfer": {"connector": "MooncakeConnector", "mooncake": {"bootstrapPort": 9100}},
+        "prefill": {"dataParallelSize": 4, "gpu": {"count": 4}}})
     parser = argparse.ArgumentParser()
     add_arguments(parser)
     args = parser.parse_args(proxy_args("llama", "ns", spec))
-    assert config_from_args(args).mooncake_bootstrap_port == 9100
+    config = config_from_args(args)
+    assert (config.mooncake_bootstrap_port, config.prefill_data_parallel_size) == (9100, 4)
     assert _check(args) is None
 
 

@@ -281,6 +281,14 @@ def test_the_mooncake_bootstrap_port_goes_to_engines_and_proxy_alike(port: int, 
         assert flags == []
 
 
+@pytest.mark.parametrize("dp", [1, 2, 4])
+def test_the_proxy_knows_how_many_data_parallel_ranks_a_prefill_server_has(dp: int) -> None:
+    args = proxy_pod({"kvTransfer": {"connector": "NixlPushConnector"}, "engine": {"vllmVersion": "0.33.0"},
+                      "prefill": {"dataParallelSize": dp, "gpu": {"count": dp}}})["containers"][0]["args"]
+    flags = [a for a in args if a.startswith("--prefill-data-parallel-size")]
+    assert flags == ([f"--prefill-data-parallel-size={dp}"] if dp > 1 else [])
+
+
 def test_proxy_probes_and_grace_fit_its_stop_sequence() -> None:
     pod = proxy_pod({})
     c = pod["containers"][0]

@@ -42,6 +42,8 @@ FINISH_SECONDS = 45.0
 #: Upper bounds of the two: a stopping proxy must not hold its pod for long.
 MAX_DRAIN_SECONDS = 300.0
 MAX_FINISH_SECONDS = 3600.0
+#: The API's bound on dataParallelSize.
+MAX_DATA_PARALLEL = 64
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -106,6 +108,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     connectors.add_argument("--p2p-nccl-registration-port", type=int, default=0,
                             help="P2pNcclConnector: ZMQ port engines register on (their proxy_port, e.g. 30001; "
                             "0: off; needs pyzmq and msgpack)")
+    connectors.add_argument("--prefill-data-parallel-size", type=int, default=1, metavar="N",
+                            help="data-parallel ranks per prefill server (its --data-parallel-size): "
+                            "NixlPushConnector pins prefill legs to ranks and learns each rank's identity")
     parser.add_argument("-v", "--verbose", action="store_true", help="debug logging")
 
 
@@ -141,6 +146,7 @@ def config_from_args(args: argparse.Namespace) -> ProxyConfig:
         decode_only_fallback=args.decode_only_fallback,
         mooncake_bootstrap_port=args.mooncake_bootstrap_port,
         p2p_nccl_kv_port=args.p2p_nccl_kv_port,
+        prefill_data_parallel_size=args.prefill_data_parallel_size,
     )
 
 
@@ -156,6 +162,8 @@ def _check(args: argparse.Namespace) -> str | None:
         return "at least one --decode URL is needed"
     if static and not args.prefill and not args.decode_only_fallback:
         return "at least one --prefill URL is needed (or --decode-only-fallback)"
+    if not 1 <= args.prefill_data_parallel_size <= MAX_DATA_PARALLEL:
+        return f"--prefill-data-parallel-size must be within 1..{MAX_DATA_PARALLEL}"
     if args.upstream_idle_timeout >= 5.0:
         return "--upstream-idle-timeout must stay below the engines' 5 s keep-alive"
     if not 0 <= args.drain_seconds <= MAX_DRAIN_SECONDS:

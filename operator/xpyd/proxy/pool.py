@@ -47,12 +47,12 @@ class Instance:
     outstanding_requests: int = 0
     outstanding_tokens: int = 0
     zmq_address: str | None = None
-    #: NixlPushConnector: the prefill engine's identity, learnt from its answers.
-    push_identity: dict[str, Any] | None = None
+    #: NixlPushConnector: the prefill engine's identity per data-parallel rank, learnt from its answers.
+    push_identities: dict[int, dict[str, Any]] = field(default_factory=dict)
     #: MooncakeConnector: the engine id of each data-parallel rank of the prefill engine, from its
     #: bootstrap server (`GET /query`); None until asked, and again after a failure or a restart.
     mooncake_engines: dict[int, str] | None = None
-    #: Legs outstanding per data-parallel rank, where the proxy pins legs to ranks (Mooncake).
+    #: Legs outstanding per data-parallel rank, where the proxy pins legs to ranks (Mooncake, NIXL push).
     rank_outstanding: dict[int, int] = field(default_factory=dict)
     rank_turn: int = 0
     probing: bool = False
@@ -83,6 +83,7 @@ class Instance:
     def forget_identity(self) -> None:
         """Drop what was learnt about the engine's identity (a restarted engine has new ids)."""
         self.mooncake_engines = None
+        self.push_identities.clear()
 
     def pick_rank(self, ranks: Iterable[int]) -> int:
         """The data-parallel rank with the fewest outstanding legs; ties go round, starting after the

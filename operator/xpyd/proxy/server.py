@@ -88,6 +88,9 @@ class ProxyConfig:
     decode_only_fallback: bool = False
     mooncake_bootstrap_port: int = protocol.MOONCAKE_BOOTSTRAP_PORT
     p2p_nccl_kv_port: int = protocol.P2P_NCCL_KV_PORT
+    #: Data-parallel ranks per prefill server (NixlPushConnector learns and pins each rank's identity;
+    #: Mooncake asks the bootstrap server instead).
+    prefill_data_parallel_size: int = 1
     seed: int | None = None
 
 
@@ -494,35 +497,54 @@ class Proxy:
         request_id = context.upstream_id
         if connector == Connector.MOONCAKE:
             return await self._mooncake(context, prefill, decode, request_id)
-        if connector == Connector.NIXL_PUSH and prefill.push_identity is not None:
-            identity = prefill.push_identity
-            return await self._concurrent(
-                context, prefill, decode, request_id,
-                protocol.prefill_body(body, protocol.NIXL_PREFILL_PARAMS),
-                protocol.decode_body(body, protocol.push_decode_params(identity, request_id)),
-                push_identity=identity)
+        if connector == Connector.NIXL_PUSH:
+            return await self._push(context, prefill, decode, request_id)
         # Sequential: prefill, then decode with what prefill answered.
         if connector == Connector.P2P_NCCL:
             request_id = protocol.p2p_nccl_request_id(self._zmq_address(prefill), self._zmq_address(decode))
         kv = protocol.NIXL_PREFILL_PARAMS if connector.is_nixl else None
         answer = await self._prefill_leg(context, prefill, protocol.prefill_body(body, kv), request_id)
-        decode_params = self._decode_params(prefill, answer, request_id)
+        decode_params: JSON | None = answer["kv_transfer_params"] if connector == Connector.NIXL else None
         opened = await self._open_decode(context, decode, protocol.decode_body(body, decode_params), request_id,
                                          prefill_answer=answer)
         return await self._relay(context, decode, opened)
 
-    def _decode_params(self, prefill: Instance, answer: JSON, request_id: str) -> JSON | None:
-        """Decode's `kv_transfer_params` after a sequential prefill leg."""
-        if self.config.connector == Connector.NIXL:
-            params: JSON = answer["kv_transfer_params"]
-            return params
-        if self.config.connector == Connector.NIXL_PUSH:
-            identity = protocol.push_identity(answer.get("kv_transfer_params"))
-            if identity is None:
-                raise PrefillFailed("the prefill answer carries no NixlPushConnector identity")
-            prefill.push_identity = identity
-            return protocol.push_decode_params(identity, request_id)
-        return None
+    async def _push(self, context: Context, prefill: Instance, decode: Instance,
+                    request_id: str) -> web.StreamResponse:
+        """NixlPushConnector: decode needs the identity of the prefill engine (of the data-parallel
+        rank) that will run the prefill. Known: both legs at once; not yet: prefill first, and its
+        answer teaches the identity. With several ranks, the prefill leg is pinned to one."""
+        dp = self.config.prefill_data_parallel_size
+        rank = prefill.pick_rank(range(dp))
+        headers = {protocol.DP_RANK_HEADER: str(rank)} if dp > 1 else None
+        body = context.parsed.body
+        prefill_body = protocol.prefill_body(body, protocol.NIXL_PREFILL_PARAMS)
+        prefill.acquire_rank(rank)
+        try:
+            identity = prefill.push_identities.get(rank)
+            if identity is not None:
+                return await self._concurrent(
+                    context, prefill, decode, request_id, prefill_body,
+                    protocol.decode_body(body, protocol.push_decode_params(identity, request_id)),
+                    prefill_headers=headers, push_told=(rank, identity))
+            answer = await self._prefill_leg(context, prefill, prefill_body, request_id, headers)
+            identity = self._learn_push_identity(prefill, rank, answer)
+            opened = await self._open_decode(
+                context, decode, protocol.decode_body(body, protocol.push_decode_params(identity, request_id)),
+                request_id)
+            return await self._relay(context, decode, opened)
+        finally:
+            prefill.release_rank(rank)
+
+    @staticmethod
+    def _learn_push_identity(prefill: Instance, rank: int, answer: JSON) -> JSON:
+        """The NixlPushConnector identity a prefill answer reports, remembered for `rank`."""
+        identity = protocol.push_identity(answer.get("kv_transfer_params"))
+        if identity is None:
+            prefill.push_identities.pop(rank, None)
+            raise PrefillFailed("the prefill answer carries no NixlPushConnector identity")
+        prefill.push_identities[rank] = identity
+        return identity
 
     async def _decode_with(self, context: Context, decode: Instance, answer: JSON) -> web.StreamResponse:
         """Decode again with an earlier prefill answer (NIXL pull: the KV is still on prefill)."""
@@ -533,7 +555,7 @@ class Proxy:
 
     async def _concurrent(self, context: Context, prefill: Instance, decode: Instance, request_id: str,
                           prefill_body: JSON, decode_body: JSON, prefill_headers: dict[str, str] | None = None,
-                          push_identity: JSON | None = None) -> web.StreamResponse:
+                          push_told: tuple[int, JSON] | None = None) -> web.StreamResponse:
         """Both legs at once; decode's answer reaches the client only after prefill answered well."""
         prefill_task = asyncio.ensure_future(
             self._prefill_leg(context, prefill, prefill_body, request_id, prefill_headers))
@@ -544,14 +566,12 @@ class Proxy:
             if decode_task.done() and decode_task.exception() is not None:
                 decode_task.result()  # raises DecodeFailed: prefill is cancelled below
             answer = await prefill_task
-            if push_identity is not None:
-                answered = protocol.push_identity(answer.get("kv_transfer_params"))
-                if answered != push_identity:
+            if push_told is not None:
+                rank, told = push_told
+                answered = self._learn_push_identity(prefill, rank, answer)
+                if answered != told:
                     # Decode registered with an engine that did not run this prefill (it restarted):
                     # drop that decode leg and send decode again with the identity just learnt.
-                    prefill.push_identity = answered
-                    if answered is None:
-                        raise PrefillFailed("the prefill answer carries no NixlPushConnector identity")
                     log.info("prefill %s has a new NIXL identity; sending decode again", prefill.url)
                     decode_task.cancel()
                     body = protocol.decode_body(context.parsed.body, protocol.push_decode_params(answered, request_id))

@@ -4,8 +4,11 @@ Mooncake bootstrap server (`GET /query`). It models no timing at all (`xpyd engi
 the engine of the proxy benchmark, where only the proxy's own cost should show, and of the proxy's
 failure-injection tests, which switch its faults on and off (`fail_status`, `hang`, `health_status`,
 `break_after_chunks`, `omit_kv_params`, `token_delay`) and read what it received (`seen`) and how
-requests ended (`cancelled`). With `data_parallel_size` > 1 its bootstrap server reports one engine
-id per rank (`<name>-engine_dp<rank>`, the `_dp` suffix vLLM gives each rank's engine id).
+requests ended (`cancelled`). With `data_parallel_size` > 1 it has one engine id per rank
+(`<name>-engine_dp<rank>`, the `_dp` suffix vLLM gives each rank's engine id), which its bootstrap
+server reports; a NIXL prefill answer carries the identity of the rank that served it (the one the
+`X-data-parallel-rank` header names, else the next in turn, as vLLM's internal balancing would),
+with that rank's side-channel port (`side_channel_port` + rank).
 
     python -m xpyd.proxy.stubengine --host 127.0.0.1 --port 8100 [--port 8101 ...]
 """
@@ -75,6 +78,7 @@ class StubEngine:
     port: int = 0
     _runner: web.AppRunner | None = None
     _ids: itertools.count[int] = field(default_factory=itertools.count)
+    _turn: itertools.count[int] = field(default_factory=itertools.count)
 
     @property
     def url(self) -> str:
@@ -162,13 +166,21 @@ class StubEngine:
             return None
         if "transfer_id" in params:  # Mooncake: decode learns everything from the proxy
             return None
-        return self.kv_answer(request.headers.get("X-Request-Id", ""))
+        return self.kv_answer(request.headers.get("X-Request-Id", ""), self._rank(request))
 
-    def kv_answer(self, request_id: str) -> JSON:
-        """The `kv_transfer_params` a NIXL prefill leg with this X-Request-Id is answered with."""
+    def _rank(self, request: web.Request) -> int:
+        """The data-parallel rank that serves a request: the pinned one, else the next in turn."""
+        pinned = request.headers.get("X-data-parallel-rank", "")
+        if pinned.isdigit() and int(pinned) < self.data_parallel_size:
+            return int(pinned)
+        return next(self._turn) % max(self.data_parallel_size, 1)
+
+    def kv_answer(self, request_id: str, rank: int = 0) -> JSON:
+        """The `kv_transfer_params` a NIXL prefill leg with this X-Request-Id is answered with by
+        data-parallel `rank`."""
         return {"do_remote_prefill": True, "do_remote_decode": False, "remote_block_ids": [[1, 2, 3]],
-                "remote_engine_id": self.engine_id, "remote_request_id": f"cmpl-{request_id}-0",
-                "remote_host": self.host, "remote_port": self.side_channel_port, "tp_size": 1, "pp_size": 1}
+                "remote_engine_id": self.rank_engine_id(rank), "remote_request_id": f"cmpl-{request_id}-0",
+                "remote_host": self.host, "remote_port": self.side_channel_port + rank, "tp_size": 1, "pp_size": 1}
 
     async def _answer(self, request: web.Request, body: JSON) -> web.StreamResponse:
         chat = request.path.endswith("/chat/completions")

@@ -116,6 +116,9 @@ def proxy_args(name: str, namespace: str, spec: DisaggregatedServingSpec) -> lis
     if kv.connector == Connector.MOONCAKE:
         # Decode dials prefill's bootstrap server at this port; the proxy asks it for the engine ids.
         connector.append(f"--mooncake-bootstrap-port={kv.mooncake_settings.bootstrap_port}")
+    if spec.prefill.data_parallel_size > 1:
+        # NixlPushConnector learns each rank's identity and pins prefill legs to ranks.
+        connector.append(f"--prefill-data-parallel-size={spec.prefill.data_parallel_size}")
     return [
         f"--port={spec.proxy.port}",
         f"--connector={kv.connector.value}",

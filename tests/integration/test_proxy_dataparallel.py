@@ -1,12 +1,17 @@
-"""MooncakeConnector with data-parallel prefill engines, over real HTTP on loopback (stub engines in
-this process: `xpyd engine-sim` emulates only the NIXL pull hand-off). A prefill pod serves one
-bootstrap server for all its DP ranks; the proxy pins each prefill leg to a rank with
-`X-data-parallel-rank` and gives decode that rank's engine id, as vLLM's
-`examples/disaggregated/mooncake_connector/mooncake_connector_proxy.py` does."""
+"""Data-parallel prefill engines (one vLLM server, several DP ranks behind its own load balancer),
+over real HTTP on loopback (stub engines in this process: `xpyd engine-sim` emulates one rank).
+
+- MooncakeConnector: a prefill pod serves one bootstrap server for all its DP ranks; the proxy pins
+  each prefill leg to a rank with `X-data-parallel-rank` and gives decode that rank's engine id, as
+  vLLM's `examples/disaggregated/mooncake_connector/mooncake_connector_proxy.py` does.
+- NixlPushConnector: each rank has its own engine id and side-channel port, so the identity decode
+  registers with is learnt per rank and the prefill leg is pinned to the rank decode was told.
+"""
 
 from __future__ import annotations
 
 import asyncio
+from typing import Any
 
 import pytest
 
@@ -92,3 +97,38 @@ async def test_a_bootstrap_server_reporting_no_engine_is_a_prefill_failure() -> 
         status, answer, _ = await r.post("/v1/completions", COMPLETION)
         assert status == 503 and "Prefill failed" in answer["error"]["message"]
         assert broken.seen == [] and r.decode[0].seen == []
+
+
+async def _push_rig_requests(dp: int, count: int) -> tuple[StubEngine, StubEngine, Any]:
+    """`count` requests, one after another, through a NixlPushConnector proxy in front of one
+    prefill engine with `dp` ranks (the proxy told so, as the operator renders it)."""
+    prefill, decode = await _prefill(dp), StubEngine(name="d0")
+    async with rig(engines=([prefill], [decode]), connector=Connector.NIXL_PUSH,
+                   prefill_data_parallel_size=dp) as r:
+        for n in range(count):
+            assert (await r.post("/v1/completions", COMPLETION, {"X-Request-Id": f"r{n}"}))[0] == 200
+        learnt = dict(r.proxy.pools["prefill"].instances[prefill.url].push_identities)
+    return prefill, decode, learnt
+
+
+async def test_nixl_push_learns_each_ranks_identity_and_pins_prefill_to_the_rank_decode_was_told() -> None:
+    prefill, decode, learnt = await _push_rig_requests(dp=2, count=6)
+    assert sorted(learnt) == [0, 1]
+    for rank, identity in learnt.items():
+        assert identity["remote_engine_id"] == f"p0-engine_dp{rank}"
+        assert identity["remote_port"] == prefill.side_channel_port + rank
+    pinned = {leg.headers["X-Request-Id"]: int(leg.headers[protocol.DP_RANK_HEADER]) for leg in prefill.seen}
+    assert len(pinned) == 6 and sorted(pinned.values()) == [0, 0, 0, 1, 1, 1]
+    # One decode leg per request (a decode registered with the wrong rank would be sent again),
+    # each told the identity of the rank its prefill leg was pinned to.
+    assert len(decode.seen) == 6
+    for leg in decode.seen:
+        request_id = leg.headers["X-Request-Id"]
+        assert leg.body["kv_transfer_params"] == protocol.push_decode_params(learnt[pinned[request_id]], request_id)
+
+
+async def test_nixl_push_without_data_parallelism_pins_nothing() -> None:
+    prefill, decode, learnt = await _push_rig_requests(dp=1, count=3)
+    assert list(learnt) == [0] and learnt[0]["remote_engine_id"] == "p0-engine"
+    assert all(protocol.DP_RANK_HEADER not in leg.headers for leg in prefill.seen)
+    assert len(decode.seen) == 3
