@@ -3,20 +3,25 @@ this machine: requests per second and the latency the proxy adds over calling th
 directly (p50/p99), unstreamed and streamed (64 tokens), at 1, 64 and 512 concurrent clients;
 then the proxy's memory over a bounded soak.
 
-    python benchmarks/proxy_bench.py [--seconds 3] [--stacks xpyd,aiohttp,starlette] [--soak-seconds 60]
+    python benchmarks/proxy_bench.py [--seconds 3] [--stacks xpyd,xpyd+asyncio,aiohttp,starlette]
+                                     [--soak-seconds 60]
 
 Stacks, each a separate process in front of the same engines, sending the NIXL pull protocol
 (prefill leg, then decode with the prefill's `kv_transfer_params`):
 
-- `xpyd`: the proxy itself (`python -m xpyd.proxy`: aiohttp server and client, asyncio loop).
-- `xpyd+uvloop`: the same code on uvloop (only if uvloop is installed; not a dependency).
+- `xpyd`: the proxy as deployed (`python -m xpyd.proxy`: aiohttp server and client, uvloop).
+- `xpyd+asyncio`: the same code on asyncio's own loop (`--event-loop asyncio`).
 - `aiohttp`: a bare aiohttp forwarder with the same two legs and nothing else (no checks, picking,
   retries or metrics): what the HTTP stack alone costs.
 - `starlette`: the same bare forwarder on uvicorn + starlette + httpx (only if installed), the
   stack vLLM's own example proxies use.
 
 Clients are closed loops (each sends its next request when the last one finished), so at high
-concurrency latency is mostly queueing; "added" is p(stack) - p(direct) at the same concurrency.
+concurrency latency is mostly queueing; "added" is p(stack) - p(direct) at the same concurrency,
+where `direct` calls the decode engine alone. The NIXL pull protocol itself costs a whole extra
+round trip (the prefill leg, before decode can start), so `direct P+D` is a client that makes both
+legs itself, one after the other, and "own" is p(stack) - p(direct P+D): what the proxy's hop and
+its work cost on top of the protocol.
 A paced row (64 clients sharing `--paced-rps`, below saturation) shows the added latency without
 queueing. Engines, proxy and the load generator share this machine's cores: the figures are for
 comparison, not capacity planning.
@@ -42,6 +47,7 @@ from typing import Any
 import aiohttp
 
 from xpyd.cluster.controlplane import free_port
+from xpyd.proxy import protocol
 
 HOST = "127.0.0.1"
 PROMPT = "the quick brown fox jumps over the lazy dog " * 12
@@ -122,25 +128,14 @@ def _serve_starlette(port: int, prefill: str, decode: str) -> None:
     uvicorn.run(app, host=HOST, port=port, log_level="warning", access_log=False)
 
 
-def _serve_xpyd_uvloop(port: int, prefill: str, decode: str) -> None:
-    import uvloop  # type: ignore[import-not-found]
-
-    from xpyd.proxy.main import add_arguments, serve
-
-    parser = argparse.ArgumentParser()
-    add_arguments(parser)
-    args = parser.parse_args(["--host", HOST, "--port", str(port), "--prefill", prefill, "--decode", decode])
-    uvloop.run(serve(args))
-
-
-SERVERS = {"aiohttp": _serve_aiohttp, "starlette": _serve_starlette, "xpyd+uvloop": _serve_xpyd_uvloop}
+SERVERS = {"aiohttp": _serve_aiohttp, "starlette": _serve_starlette}
 
 
 # -- orchestration ----------------------------------------------------------------------------------
 
 
 def _available(stack: str) -> bool:
-    needs = {"starlette": ("uvicorn", "starlette", "httpx"), "xpyd+uvloop": ("uvloop",)}.get(stack, ())
+    needs = {"starlette": ("uvicorn", "starlette", "httpx")}.get(stack, ())
     return all(importlib.util.find_spec(module) is not None for module in needs)
 
 
@@ -175,9 +170,10 @@ def _wait(url: str, path: str = "/health", timeout: float = 30.0) -> None:
 
 
 def _stack_argv(stack: str, port: int, prefill: str, decode: str) -> list[str]:
-    if stack == "xpyd":
+    if stack in ("xpyd", "xpyd+asyncio"):
+        loop = "asyncio" if stack == "xpyd+asyncio" else "uvloop"
         return [sys.executable, "-m", "xpyd.proxy", "--host", HOST, "--port", str(port), "--prefill", prefill,
-                "--decode", decode, "--max-concurrency", "100000"]
+                "--decode", decode, "--max-concurrency", "100000", "--event-loop", loop]
     return [sys.executable, __file__, "serve", stack, str(port), prefill, decode]
 
 
@@ -196,9 +192,14 @@ def _percentile(values: list[float], share: float) -> float:
     return ordered[min(len(ordered) - 1, int(len(ordered) * share))] * 1000
 
 
-async def _measure(url: str, clients: int, stream: bool, seconds: float, paced_rps: float | None = None) -> Result:
-    body = json.dumps({"model": "m", "prompt": PROMPT, "stream": stream,
-                       "max_tokens": STREAM_TOKENS if stream else UNSTREAMED_TOKENS}).encode()
+async def _measure(url: str, clients: int, stream: bool, seconds: float, paced_rps: float | None = None,
+                   prefill: str | None = None) -> Result:
+    """Latency and throughput of `clients` clients posting to `url` (with `prefill`: a prefill leg
+    there first, and its `kv_transfer_params` in the request to `url`, as the proxy does)."""
+    request = {"model": "m", "prompt": PROMPT, "stream": stream,
+               "max_tokens": STREAM_TOKENS if stream else UNSTREAMED_TOKENS}
+    body = json.dumps(request).encode()
+    prefill_body = json.dumps(protocol.prefill_body(request, protocol.NIXL_PREFILL_PARAMS)).encode()
     headers = {"Content-Type": "application/json"}
     latencies: list[float] = []
     errors = 0
@@ -218,7 +219,13 @@ async def _measure(url: str, clients: int, stream: bool, seconds: float, paced_r
                     next_send += interval
                 started = time.monotonic()
                 try:
-                    async with session.post(url + "/v1/completions", data=body, headers=headers) as response:
+                    data = body
+                    if prefill is not None:
+                        async with session.post(prefill + "/v1/completions", data=prefill_body,
+                                                headers=headers) as response:
+                            answer = await response.json()
+                        data = json.dumps(protocol.decode_body(request, answer.get("kv_transfer_params"))).encode()
+                    async with session.post(url + "/v1/completions", data=data, headers=headers) as response:
                         await response.read()
                         ok = response.status == 200
                 except aiohttp.ClientError:
@@ -266,8 +273,8 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--seconds", type=float, default=3.0, help="measured seconds per cell (after a warm-up)")
     parser.add_argument("--clients", type=int, nargs="+", default=[1, 64, 512])
-    parser.add_argument("--stacks", default="xpyd,xpyd+uvloop,aiohttp,starlette",
-                        help="comma-separated: xpyd, xpyd+uvloop, aiohttp, starlette")
+    parser.add_argument("--stacks", default="xpyd,xpyd+asyncio,aiohttp,starlette",
+                        help="comma-separated: xpyd, xpyd+asyncio, aiohttp, starlette")
     parser.add_argument("--paced-rps", type=float, default=400.0, help="offered load of the paced 64-client row")
     parser.add_argument("--soak-seconds", type=float, default=60.0, help="memory soak of the xpyd proxy (600 for "
                         "ten minutes; 0 skips it)")
@@ -285,6 +292,7 @@ def main() -> int:
         _wait(decode)
         rows: list[tuple[str, int, str, Result]] = []
         direct: dict[tuple[str, int], Result] = {}
+        both_legs: dict[tuple[str, int], Result] = {}
         cells = [] if args.no_table else [(mode, clients) for mode in ("unstreamed", "stream64")
                                           for clients in args.clients]
         # Every stack runs at once and each cell measures the direct baseline and then every stack, so a
@@ -301,6 +309,8 @@ def main() -> int:
                 paced = args.paced_rps if mode == "paced" else None
                 direct[(mode, clients)] = asyncio.run(_measure(decode, clients, mode == "stream64", args.seconds,
                                                                paced))
+                both_legs[(mode, clients)] = asyncio.run(_measure(decode, clients, mode == "stream64", args.seconds,
+                                                                  paced, prefill=prefill))
                 for stack, url in urls.items():
                     rows.append((mode, clients, stack, asyncio.run(
                         _measure(url, clients, mode == "stream64", args.seconds, paced))))
@@ -311,15 +321,18 @@ def main() -> int:
             if skipped:
                 out.write(f"skipped (not installed): {', '.join(skipped)}\n")
             out.write(f"\n{'mode':<11} {'clients':>7} {'target':<12} {'req/s':>8} {'p50 ms':>8} {'p99 ms':>8} "
-                      f"{'added p50':>10} {'added p99':>10} {'errors':>7}\n")
+                      f"{'added p50':>10} {'added p99':>10} {'own p50':>8} {'own p99':>8} {'errors':>7}\n")
+            blank = ""
             for (mode, clients), result in direct.items():
-                out.write(f"{mode:<11} {clients:>7} {'direct':<12} {result.rps:>8.0f} {result.p50_ms:>8.2f} "
-                          f"{result.p99_ms:>8.2f} {'':>10} {'':>10} {result.errors:>7}\n")
+                for target, base in (("direct", result), ("direct P+D", both_legs[(mode, clients)])):
+                    out.write(f"{mode:<11} {clients:>7} {target:<12} {base.rps:>8.0f} {base.p50_ms:>8.2f} "
+                              f"{base.p99_ms:>8.2f} {blank:>10} {blank:>10} {blank:>8} {blank:>8} {base.errors:>7}\n")
             for mode, clients, stack, result in sorted(rows, key=lambda r: (r[0], r[1])):
-                base = direct[(mode, clients)]
-                added_p50, added_p99 = result.p50_ms - base.p50_ms, result.p99_ms - base.p99_ms
+                base, pair = direct[(mode, clients)], both_legs[(mode, clients)]
                 out.write(f"{mode:<11} {clients:>7} {stack:<12} {result.rps:>8.0f} {result.p50_ms:>8.2f} "
-                          f"{result.p99_ms:>8.2f} {added_p50:>10.2f} {added_p99:>10.2f} {result.errors:>7}\n")
+                          f"{result.p99_ms:>8.2f} {result.p50_ms - base.p50_ms:>10.2f} "
+                          f"{result.p99_ms - base.p99_ms:>10.2f} {result.p50_ms - pair.p50_ms:>8.2f} "
+                          f"{result.p99_ms - pair.p99_ms:>8.2f} {result.errors:>7}\n")
         out.flush()
         if args.soak_seconds > 0:
             port = free_port()

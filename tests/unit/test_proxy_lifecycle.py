@@ -1,12 +1,14 @@
 """Pure parts of the proxy's data-parallel handling and of its stop sequence: the Mooncake bootstrap
 server's answer per rank, the rank picked for a leg, the drain flags and their bounds, and what a
-signal does to readiness and to the drain period (no sockets: the proxy is never started)."""
+signal does to readiness and to the drain period, the event loop (no sockets: the proxy is never
+started)."""
 
 from __future__ import annotations
 
 import argparse
 import asyncio
 import signal
+import sys
 import time
 from typing import Any
 
@@ -15,7 +17,16 @@ import pytest
 from xpyd.api.models import DisaggregatedServingSpec
 from xpyd.proxy import protocol
 from xpyd.proxy.breaker import Breaker
-from xpyd.proxy.main import MAX_DRAIN_SECONDS, MAX_FINISH_SECONDS, Stopping, _check, add_arguments, config_from_args
+from xpyd.proxy.main import (
+    MAX_DRAIN_SECONDS,
+    MAX_FINISH_SECONDS,
+    Stopping,
+    _check,
+    add_arguments,
+    config_from_args,
+    event_loop,
+    run,
+)
 from xpyd.proxy.pool import Instance
 from xpyd.proxy.server import Proxy, ProxyConfig
 from xpyd.render import proxy_args
@@ -137,3 +148,15 @@ async def test_no_signal_no_drain() -> None:
     with pytest.raises(TimeoutError):
         await asyncio.wait_for(stopping.drain(0), 0.2)
     assert not stopping.proxy.draining
+
+
+def test_the_event_loop_is_uvloop_unless_asked_otherwise(monkeypatch: pytest.MonkeyPatch) -> None:
+    import uvloop
+
+    assert event_loop("auto") == ("uvloop", uvloop.new_event_loop)
+    assert event_loop("uvloop") == ("uvloop", uvloop.new_event_loop)
+    assert event_loop("asyncio") == ("asyncio", asyncio.new_event_loop)
+    monkeypatch.setitem(sys.modules, "uvloop", None)          # not installed: import fails
+    assert event_loop("auto") == ("asyncio", asyncio.new_event_loop)
+    assert event_loop("uvloop") is None
+    assert run(_parse("--event-loop", "uvloop")) == 2

@@ -27,6 +27,7 @@ import contextlib
 import logging
 import os
 import signal
+from collections.abc import Callable
 from typing import Any
 
 from xpyd.api.models import Connector, RoutingPolicy
@@ -111,6 +112,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     connectors.add_argument("--prefill-data-parallel-size", type=int, default=1, metavar="N",
                             help="data-parallel ranks per prefill server (its --data-parallel-size): "
                             "NixlPushConnector pins prefill legs to ranks and learns each rank's identity")
+    parser.add_argument("--event-loop", default="auto", choices=("auto", "uvloop", "asyncio"),
+                        help="auto (default): uvloop where it is installed (a dependency on Linux), else asyncio's")
     parser.add_argument("-v", "--verbose", action="store_true", help="debug logging")
 
 
@@ -181,8 +184,28 @@ def run(args: argparse.Namespace) -> int:
     if problem:
         log.error("xpyd proxy: %s", problem)
         return 2
-    asyncio.run(serve(args))
+    loop = event_loop(args.event_loop)
+    if loop is None:
+        log.error("xpyd proxy: --event-loop uvloop, but uvloop is not installed")
+        return 2
+    name, factory = loop
+    log.info("event loop: %s", name)
+    with asyncio.Runner(loop_factory=factory) as runner:
+        runner.run(serve(args))
     return 0
+
+
+def event_loop(choice: str) -> tuple[str, Callable[[], asyncio.AbstractEventLoop]] | None:
+    """The event loop `--event-loop` asks for (its name and factory); None when that is uvloop and
+    uvloop is missing. uvloop takes about a tenth off the latency the proxy adds
+    (benchmarks/proxy_bench.py compares both)."""
+    if choice != "asyncio":
+        try:
+            import uvloop
+        except ImportError:
+            return None if choice == "uvloop" else ("asyncio", asyncio.new_event_loop)
+        return "uvloop", uvloop.new_event_loop
+    return "asyncio", asyncio.new_event_loop
 
 
 def _own_namespace() -> str:

@@ -1,0 +1,47 @@
+"""The benchmarks under `benchmarks/` still run and print their tables (tiny, bounded runs: the
+figures themselves are not checked, only that every row is there and nothing failed)."""
+
+from __future__ import annotations
+
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytestmark = pytest.mark.integration
+
+BENCHMARKS = Path(__file__).resolve().parents[2] / "benchmarks"
+
+
+def run(script: str, *args: str, timeout: float = 120) -> str:
+    result = subprocess.run([sys.executable, str(BENCHMARKS / script), *args], capture_output=True, text=True,
+                            timeout=timeout, check=False)
+    assert result.returncode == 0, result.stdout + result.stderr
+    return result.stdout
+
+
+def test_proxy_bench_compares_every_stack_with_both_baselines_and_soaks() -> None:
+    stacks = ("xpyd", "xpyd+asyncio", "aiohttp")
+    out = run("proxy_bench.py", "--seconds", "0.3", "--clients", "1", "--stacks", ",".join(stacks),
+              "--paced-rps", "50", "--soak-seconds", "3")
+    lines = [line for line in out.splitlines() if re.match(r"(unstreamed|stream64|paced) ", line)]
+    for mode in ("unstreamed", "stream64", "paced"):
+        targets = {line[20:32].strip() for line in lines if line.startswith(mode)}   # the target column
+        assert targets == {"direct", "direct P+D", *stacks}, out
+    assert all(line.split()[-1] == "0" for line in lines), out       # no request failed
+    stack_rows = [line.split() for line in lines if line[20:32].strip() in stacks]
+    assert len(stack_rows) == 9 and all(len(row) == 11 and float(row[3]) > 0 for row in stack_rows), out
+    assert re.search(r"growth after warm-up: [+-]\d+\.\d MiB", out), out
+
+
+def test_engine_sim_bench_prints_each_mode() -> None:
+    out = run("engine_sim_bench.py", "--streams", "1", "--tokens", "8", "--prompt", "16", "--rounds", "1")
+    assert {line.split()[0] for line in out.splitlines()[2:] if line.strip()} >= {"flat", "real", "10x"}, out
+
+
+def test_sim_bench_prints_a_row_per_speedup() -> None:
+    out = run("sim_bench.py", "--speedups", "50", "100")
+    speedups = [line.split()[0] for line in out.splitlines() if re.match(r"\s+\d+\s+[\d,]+\s", line)]
+    assert speedups == ["50", "100"], out
