@@ -151,16 +151,23 @@ def start(cluster: Cluster, namespace: str, name: str, mode: str = "Auto") -> st
 # ------------------------------------------------------------------------------------------------
 
 
-def test_prefill_heavy_code_slice_grows_prefill_more_than_decode(operator: Cluster, namespace: str) -> None:
-    url = start(operator, namespace, "code")
-    # 12 trace-minutes of the code trace at x12 (60 s): ~2,000-token prompts, ~28-token answers.
-    load = bench(url, "--trace", str(TRACES / "azure_code_2023_600s_720s.csv"), "--speedup", "12",
-                 "--slo-tpot-ms", "15", wall_s=60)
-    with Recorder(operator, namespace, "code") as recorder:
+def replay_slice(cluster: Cluster, namespace: str, name: str, trace: str, speedup: str) -> tuple[int, int, set[str]]:
+    """A minute of a trace slice through a fresh pool (TPOT target 15 ms, so decode sizing binds):
+    the peak (prefill, decode) replicas and the reasons of the Normal Events."""
+    url = start(cluster, namespace, name)
+    load = bench(url, "--trace", str(TRACES / trace), "--speedup", speedup, "--slo-tpot-ms", "15", wall_s=60)
+    with Recorder(cluster, namespace, name) as recorder:
         output = finish(load)
     prefill, decode = recorder.peak()
-    assert prefill - 1 > decode - 1, (prefill, decode, recorder.samples, output)
-    reasons = {e["reason"] for e in events(operator, namespace, "code") if e["type"] == "Normal"}
+    reasons = {e["reason"] for e in events(cluster, namespace, name) if e["type"] == "Normal"}
+    print(f"{name}: peak prefill {prefill}, decode {decode}; samples {recorder.samples}; reasons {reasons}\n{output}")
+    return prefill, decode, reasons
+
+
+def test_prefill_heavy_code_slice_grows_prefill_more_than_decode(operator: Cluster, namespace: str) -> None:
+    # 12 trace-minutes of the code trace at x12: ~2,000-token prompts, ~28-token answers.
+    prefill, decode, reasons = replay_slice(operator, namespace, "code", "azure_code_2023_600s_720s.csv", "12")
+    assert prefill - 1 > decode - 1, (prefill, decode)
     assert reasons & {"PrefillQueueing", "PrefillDemand"}, reasons
     grew = [e["message"] for e in events(operator, namespace, "code") if e["reason"] in ("PrefillQueueing",
                                                                                       "PrefillDemand")]
@@ -177,16 +184,9 @@ def test_prefill_heavy_code_slice_grows_prefill_more_than_decode(operator: Clust
 
 
 def test_decode_heavy_conv_slice_grows_decode_more_than_prefill(operator: Cluster, namespace: str) -> None:
-    url = start(operator, namespace, "conv")
-    # 4 trace-minutes of the conv trace at x4 (60 s): ~1,100-token prompts, ~220-token answers,
-    # against a 15 ms TPOT target that makes decode sizing bind.
-    load = bench(url, "--trace", str(TRACES / "azure_conv_2023_600s_240s.csv"), "--speedup", "4",
-                 "--slo-tpot-ms", "15", wall_s=60)
-    with Recorder(operator, namespace, "conv") as recorder:
-        output = finish(load)
-    prefill, decode = recorder.peak()
-    assert decode - 1 > prefill - 1, (prefill, decode, recorder.samples, output)
-    reasons = {e["reason"] for e in events(operator, namespace, "conv") if e["type"] == "Normal"}
+    # 4 trace-minutes of the conv trace at x4: ~1,100-token prompts, ~220-token answers.
+    prefill, decode, reasons = replay_slice(operator, namespace, "conv", "azure_conv_2023_600s_240s.csv", "4")
+    assert decode - 1 > prefill - 1, (prefill, decode)
     assert reasons & {"TpotOverTarget", "DecodeDemand", "DecodeAdmission"}, reasons
 
 

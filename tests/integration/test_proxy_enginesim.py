@@ -7,24 +7,21 @@ from __future__ import annotations
 
 import asyncio
 import json
-import os
 import signal
 import subprocess
-import sys
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
 import aiohttp
 import pytest
 
+from tests.integration.processes import HOST, kill, start_engine, start_proxy, wait_eligible, wait_for
 from xpyd.cluster.controlplane import free_ports
-from xpyd.cluster.netguard import require_loopback
 
 pytest.importorskip("xpyd.sim.emulator")
 
 pytestmark = pytest.mark.integration
 
-HOST = require_loopback("127.0.0.1")
 #: Modelled time runs this many times faster than the wall clock.
 TIME_SCALE = "5"
 PROMPT = "hello " * 50
@@ -39,55 +36,24 @@ class Cluster:
     processes: dict[str, subprocess.Popen[bytes]]
 
 
-async def _wait_healthy(url: str, process: subprocess.Popen[bytes], timeout: float = 60.0) -> None:
-    async with aiohttp.ClientSession() as session:
-        for _ in range(int(timeout / 0.1)):
-            assert process.poll() is None, f"{url} exited"
-            try:
-                async with session.get(url + "/health") as response:
-                    if response.status == 200:
-                        return
-            except aiohttp.ClientError:
-                pass
-            await asyncio.sleep(0.1)
-    raise AssertionError(f"{url} never became healthy")
-
-
 @pytest.fixture
 async def cluster() -> AsyncIterator[Cluster]:
     ports = free_ports(5)
     processes: dict[str, subprocess.Popen[bytes]] = {}
-    env = {**os.environ, "VLLM_NIXL_SIDE_CHANNEL_PORT": "0"}
     roles = {"prefill": ports[:2], "decode": ports[2:4]}
     try:
         for role, role_ports in roles.items():
             for port in role_ports:
-                url = f"http://{HOST}:{port}"
-                processes[url] = subprocess.Popen(
-                    [sys.executable, "-m", "xpyd.sim.emulator", "--role", role, "--host", HOST, "--port", str(port),
-                     "--time-scale", TIME_SCALE], env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+                processes[f"http://{HOST}:{port}"] = start_engine(role, port, TIME_SCALE)
         urls = {role: [f"http://{HOST}:{port}" for port in role_ports] for role, role_ports in roles.items()}
         proxy = f"http://{HOST}:{ports[4]}"
-        processes[proxy] = subprocess.Popen(
-            [sys.executable, "-m", "xpyd.proxy", "--host", HOST, "--port", str(ports[4]),
-             *[a for url in urls["prefill"] for a in ("--prefill", url)],
-             *[a for url in urls["decode"] for a in ("--decode", url)], "--health-interval", "0.2"],
-            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        processes[proxy] = start_proxy(ports[4], urls["prefill"], urls["decode"])
         for url, process in processes.items():
-            await _wait_healthy(url, process)
-        async with aiohttp.ClientSession() as session:
-            for _ in range(100):
-                async with session.get(proxy + "/health") as response:
-                    state = await response.json()
-                if state["prefill"]["eligible"] == 2 and state["decode"]["eligible"] == 2:
-                    break
-                await asyncio.sleep(0.1)
+            await wait_for(url + "/health", process)
+        await wait_eligible(proxy, prefill=2, decode=2)
         yield Cluster(proxy, urls["prefill"], urls["decode"], processes)
     finally:
-        for process in processes.values():
-            if process.poll() is None:
-                process.send_signal(signal.SIGKILL)
-            process.wait(timeout=10)
+        kill(processes.values())
 
 
 async def _metric(session: aiohttp.ClientSession, urls: list[str], name: str, labels: str = "") -> float:

@@ -7,10 +7,8 @@ from __future__ import annotations
 
 import asyncio
 import json
-import os
 import signal
 import subprocess
-import sys
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
@@ -18,14 +16,13 @@ from dataclasses import dataclass
 import aiohttp
 import pytest
 
+from tests.integration.processes import HOST, kill, start_engine, start_proxy, wait_eligible, wait_for
 from xpyd.cluster.controlplane import free_ports
-from xpyd.cluster.netguard import require_loopback
 
 pytest.importorskip("xpyd.sim.emulator")
 
 pytestmark = pytest.mark.integration
 
-HOST = require_loopback("127.0.0.1")
 MODEL = "meta-llama/Llama-3.1-8B-Instruct"
 PROMPT = "hello " * 50
 #: Modelled time runs at wall-clock speed: a decode step of the bundled profile takes milliseconds.
@@ -42,64 +39,28 @@ class Engines:
     processes: list[subprocess.Popen[bytes]]
 
 
-async def _wait_for(url: str, process: subprocess.Popen[bytes], timeout: float = 60.0) -> None:
-    """Wait until `url` answers 200 (the process must stay alive)."""
-    deadline = time.monotonic() + timeout
-    async with aiohttp.ClientSession() as session:
-        while time.monotonic() < deadline:
-            assert process.poll() is None, f"the process behind {url} exited"
-            try:
-                async with session.get(url) as response:
-                    if response.status == 200:
-                        return
-            except aiohttp.ClientError:
-                pass
-            await asyncio.sleep(0.1)
-    raise AssertionError(f"{url} never answered 200")
-
-
-def _kill(processes: list[subprocess.Popen[bytes]]) -> None:
-    for process in processes:
-        if process.poll() is None:
-            process.send_signal(signal.SIGKILL)
-        process.wait(timeout=10)
-
-
 @pytest.fixture
 async def engines() -> AsyncIterator[Engines]:
     ports = free_ports(2)
-    env = {**os.environ, "VLLM_NIXL_SIDE_CHANNEL_PORT": "0"}  # any free port: tests may run side by side
-    processes = [subprocess.Popen(
-        [sys.executable, "-m", "xpyd.sim.emulator", "--role", role, "--host", HOST, "--port", str(port),
-         "--time-scale", TIME_SCALE], env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-        for role, port in zip(("prefill", "decode"), ports, strict=True)]
+    processes = [start_engine(role, port, TIME_SCALE) for role, port in zip(("prefill", "decode"), ports, strict=True)]
     try:
         urls = [f"http://{HOST}:{port}" for port in ports]
         for url, process in zip(urls, processes, strict=True):
-            await _wait_for(url + "/health", process)
+            await wait_for(url + "/health", process)
         yield Engines(urls[0], urls[1], processes)
     finally:
-        _kill(processes)
+        kill(processes)
 
 
 async def _start_proxy(engines: Engines, *extra: str) -> tuple[str, subprocess.Popen[bytes]]:
     (port,) = free_ports(1)
-    process = subprocess.Popen(
-        [sys.executable, "-m", "xpyd.proxy", "--host", HOST, "--port", str(port), "--prefill", engines.prefill,
-         "--decode", engines.decode, "--health-interval", "0.2", *extra],
-        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    process = start_proxy(port, [engines.prefill], [engines.decode], *extra)
     url = f"http://{HOST}:{port}"
     try:
-        await _wait_for(url + "/ready", process)
-        async with aiohttp.ClientSession() as session:
-            for _ in range(100):
-                async with session.get(url + "/health") as response:
-                    state = await response.json()
-                if state["prefill"]["eligible"] == 1 and state["decode"]["eligible"] == 1:
-                    break
-                await asyncio.sleep(0.1)
+        await wait_for(url + "/ready", process)
+        await wait_eligible(url, prefill=1, decode=1)
     except BaseException:
-        _kill([process])
+        kill([process])
         raise
     engines.processes.append(process)
     return url, process

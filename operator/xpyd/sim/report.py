@@ -17,6 +17,7 @@ import math
 from pathlib import Path
 from typing import Any
 
+from xpyd.plotting import ROLE_COLORS, LatencyPanel, Series, TimelinePlot, write_timeline_plot
 from xpyd.sim.simulator import SimResult
 from xpyd.stats import finite, percentile, summary_ms
 
@@ -128,64 +129,40 @@ def summary(report: dict[str, Any], wall_s: float | None = None) -> str:
 def plot(result: SimResult, path: str | Path, title: str = "") -> None:
     """Write a PNG: load (and the part of it meeting the SLOs), P and D replicas, TTFT and TPOT
     percentiles over time against the SLO lines."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    from matplotlib import pyplot, ticker
-
     report = build_report(result)
     line = report["timeline"]
     minutes = result.end_s > 900
     scale = 60.0 if minutes else 1.0
     edges = [x / scale for x in line["t_s"]] + [(line["t_s"][-1] + line["bin_s"]) / scale]
     slo = result.config.slo
-
-    figure, axes = pyplot.subplots(4, 1, figsize=(12, 10), sharex=True,
-                                   gridspec_kw={"height_ratios": [1, 0.8, 1.2, 1.2]})
-    load, replicas, ttft_axis, tpot_axis = axes
-    load.stairs(line["arrivals_rps"], edges, fill=True, color="#fcbba1", label="arrivals (missed an SLO)")
-    load.stairs(line["good_rps"], edges, fill=True, color="#74c476", label="met both SLOs")
-    load.set_ylabel("load (req/s)")
-    load.set_ylim(bottom=0)
-
-    times = [s.time_s / scale for s in result.replicas] + [result.end_s / scale]
-    for role, color in (("prefill", "#d95f02"), ("decode", "#1b9e77")):
+    role_lines: list[Series] = []
+    for role, color in ROLE_COLORS.items():
         ready = [getattr(s, f"{role}_ready") for s in result.replicas]
         total = [getattr(s, f"{role}_ready") + getattr(s, f"{role}_starting") for s in result.replicas]
-        replicas.stairs(ready, times, color=color, linewidth=2.2, baseline=None, label=f"{role} (serving)")
+        role_lines.append(Series(f"{role} (serving)", ready, color, width=2.2))
         if total != ready:
-            replicas.stairs(total, times, color=color, linewidth=1.2, linestyle="--", baseline=None,
-                            label=f"{role} incl. starting")
-    replicas.set_ylabel("replicas")
-    replicas.set_ylim(0, max(max(s.prefill_ready + s.prefill_starting, s.decode_ready + s.decode_starting)
-                             for s in result.replicas) + 1)
-    replicas.yaxis.set_major_locator(ticker.MaxNLocator(integer=True))
+            role_lines.append(Series(f"{role} incl. starting", total, color, width=1.2, dashed=True))
 
-    panels = ((ttft_axis, "ttft_ms", "TTFT", slo.ttft_s * 1000.0), (tpot_axis, "tpot_ms", "TPOT", slo.tpot_s * 1000.0))
-    for axis, name, label, target in panels:
-        values_seen = [target]
-        for quantile, shade in (("p50", "#9ecae1"), ("p90", "#3182bd"), ("p99", "#08306b")):
-            values = [v if v is not None else math.nan for v in line[f"{name}_{quantile}"]]
-            values_seen += [v for v in values if math.isfinite(v)]
-            axis.stairs(values, edges, color=shade, linewidth=1.6, baseline=None, label=quantile)
-        axis.axhline(target, color="#e41a1c", linestyle="--", linewidth=1.6, label=f"SLO {target:g} ms")
-        axis.set_yscale("log")
-        axis.set_ylim(min(values_seen) / 1.5, max(values_seen) * 1.5)
-        axis.yaxis.set_major_locator(ticker.LogLocator(subs=(1.0, 2.0, 5.0)))
-        axis.yaxis.set_major_formatter(ticker.FuncFormatter(lambda value, _: f"{value:,.0f}" if value >= 1
-                                                            else f"{value:g}"))
-        axis.yaxis.set_minor_formatter(ticker.NullFormatter())
-        axis.set_ylabel(f"{label} (ms, log)")
-    for axis in axes:
-        axis.grid(True, which="major", alpha=0.3)
-        axis.legend(loc="upper left", bbox_to_anchor=(1.005, 1.0), fontsize=8, frameon=False)
-    tpot_axis.set_xlabel(f"time ({'min' if minutes else 's'}); latencies of the requests arriving in each "
-                         f"{line['bin_s']} s bin")
-    tpot_axis.set_xlim(0, max(edges[-1], result.end_s / scale))
+    def quantiles(name: str) -> list[Series]:
+        return [Series(q, line[f"{name}_{q}"], shade, width=1.6)
+                for q, shade in (("p50", "#9ecae1"), ("p90", "#3182bd"), ("p99", "#08306b"))]
+
     goodput = report["goodput_per_gpu_hour"]
-    figure.suptitle(f"{title}   policy {result.policy}   attainment {report['attainment']:.1%}   "
-                    f"{report['gpu_hours']:.2f} GPU-h   good requests/GPU-h "
-                    + (f"{goodput:,.0f}" if goodput is not None else "-"), fontsize=11)
-    figure.tight_layout()
-    figure.savefig(path, dpi=110)
-    pyplot.close(figure)
+    write_timeline_plot(TimelinePlot(
+        title=f"{title}   policy {result.policy}   attainment {report['attainment']:.1%}   "
+              f"{report['gpu_hours']:.2f} GPU-h   good requests/GPU-h "
+              + (f"{goodput:,.0f}" if goodput is not None else "-"),
+        edges=edges,
+        sent=Series("arrivals (missed an SLO)", line["arrivals_rps"], "#fcbba1"),
+        good=Series("met both SLOs", line["good_rps"], "#74c476"),
+        replica_times=[s.time_s / scale for s in result.replicas] + [result.end_s / scale],
+        replicas=role_lines,
+        latency=(LatencyPanel("TTFT", slo.ttft_s * 1000.0, quantiles("ttft_ms")),
+                 LatencyPanel("TPOT", slo.tpot_s * 1000.0, quantiles("tpot_ms"))),
+        xlabel=f"time ({'min' if minutes else 's'}); latencies of the requests arriving in each {line['bin_s']} s bin",
+        x_end=max(edges[-1], result.end_s / scale),
+        log_latency=True,
+        height_ratios=(1, 0.8, 1.2, 1.2),
+        size=(12, 10),
+        dpi=110,
+    ), path)
