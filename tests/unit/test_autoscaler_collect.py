@@ -7,6 +7,7 @@ import http.server
 import json
 import math
 import threading
+import time
 from collections.abc import Iterator
 from typing import Any
 
@@ -170,17 +171,30 @@ def test_a_pool_without_ready_pods_needs_no_series() -> None:
 # --- the HTTP client ------------------------------------------------------------------------------------
 
 
+#: Requests the fake Prometheus is answering now, and the most it answered at once.
+IN_FLIGHT: dict[str, int] = {}
+
+
 @pytest.fixture
 def fake_prometheus() -> Iterator[tuple[str, list[dict[str, list[str]]]]]:
     """A loopback HTTP server answering /api/v1/query like Prometheus: queries containing "bad" get
-    a 400 with Prometheus' error body; the others one sample."""
+    a 400 with Prometheus' error body; the others one sample, after a short wait (so that queries
+    sent at once are in flight together: the most at once is `IN_FLIGHT["max"]`)."""
     seen: list[dict[str, list[str]]] = []
+    lock = threading.Lock()
+    IN_FLIGHT.update(now=0, max=0)
 
     class Handler(http.server.BaseHTTPRequestHandler):
         def do_POST(self) -> None:
             import urllib.parse
             form = urllib.parse.parse_qs(self.rfile.read(int(self.headers["Content-Length"])).decode())
-            seen.append(form)
+            with lock:
+                seen.append(form)
+                IN_FLIGHT["now"] += 1
+                IN_FLIGHT["max"] = max(IN_FLIGHT["max"], IN_FLIGHT["now"])
+            time.sleep(0.02)
+            with lock:
+                IN_FLIGHT["now"] -= 1
             if "bad" in form["query"][0]:
                 body, code = {"status": "error", "errorType": "bad_data", "error": "unexpected identifier"}, 400
             else:
@@ -211,6 +225,17 @@ def test_client_sends_the_query_at_the_decision_time(fake_prometheus: tuple[str,
     assert seen[-1] == {"query": ["up"], "time": ["1234.500"]}
     results = Prometheus(url).collect(SCOPE, 10.0)
     assert set(results) == set(collect.queries(SCOPE))
+    assert all(samples == {"prefill": 2.0} for samples in results.values())
+    assert {form["query"][0] for form in seen[1:]} == set(collect.queries(SCOPE).values())
+    assert 1 < IN_FLIGHT["max"] <= collect.PARALLEL_QUERIES     # queries run side by side, bounded
+
+
+def test_one_failed_query_fails_the_collection(fake_prometheus: tuple[str, list[dict[str, list[str]]]],
+                                               monkeypatch: pytest.MonkeyPatch) -> None:
+    url, _ = fake_prometheus
+    monkeypatch.setattr(collect, "queries", lambda scope: {f"q{n}": "up" for n in range(20)} | {"broken": "bad("})
+    with pytest.raises(MetricsError, match="bad_data"):
+        Prometheus(url).collect(SCOPE, 1.0)
 
 
 def test_client_errors_are_metrics_errors(fake_prometheus: tuple[str, list[dict[str, list[str]]]]) -> None:

@@ -25,6 +25,7 @@ import urllib.error
 import urllib.parse
 import urllib.request
 from collections.abc import Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, Final
 
@@ -278,6 +279,10 @@ def pods_only(pods: Sequence[JSON], now: float, window_s: float) -> Observation:
 # --- I/O -------------------------------------------------------------------------------------------
 
 
+#: Queries of one observation in flight at once (a decision makes about 40).
+PARALLEL_QUERIES = 8
+
+
 class Prometheus:
     """A minimal Prometheus HTTP API client: instant queries, each with a timeout."""
 
@@ -306,8 +311,14 @@ class Prometheus:
         return parse_vector(answer)
 
     def collect(self, scope: Scope, at: float) -> dict[str, Samples]:
-        """Every query of `scope` evaluated at `at` (Unix seconds)."""
-        return {name: self.query(promql, at) for name, promql in queries(scope).items()}
+        """Every query of `scope` evaluated at `at` (Unix seconds), up to `PARALLEL_QUERIES` at a
+        time; the first failure is raised and the queries not yet sent are dropped."""
+        named = queries(scope)
+        pool = ThreadPoolExecutor(max_workers=min(PARALLEL_QUERIES, len(named)), thread_name_prefix="promql")
+        try:
+            return dict(zip(named, pool.map(lambda promql: self.query(promql, at), named.values()), strict=True))
+        finally:
+            pool.shutdown(wait=False, cancel_futures=True)
 
 
 def pool_selector(serving: str) -> str:
