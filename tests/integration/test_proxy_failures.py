@@ -61,6 +61,15 @@ async def test_a_prefill_answering_500_is_retried_on_another_and_its_breaker_ope
         assert r.proxy.metrics.breaker_trips.value("prefill") == 1
 
 
+async def test_a_decode_failing_before_its_first_byte_is_a_failed_leg_and_no_retry_without_another() -> None:
+    async with rig(prefill=1, decode=1) as r:
+        r.decode[0].fail_status = 500
+        status, answer, _ = await r.post("/v1/completions", COMPLETION)
+        assert status == 503 and "decode" in answer["error"]["message"].lower()
+        assert r.proxy.metrics.legs.count("decode", "error") == 1
+        assert r.proxy.metrics.retries.value("decode") == 0       # no other decode instance: nothing resent
+
+
 async def test_every_prefill_failing_is_a_clear_503() -> None:
     async with rig(prefill=2, decode=1) as r:
         for engine in r.prefill:

@@ -259,6 +259,7 @@ async def test_api_key_protects_the_proxy() -> None:
     async with rig(api_key="k3y") as r:
         assert (await r.post("/v1/completions", COMPLETION))[0] == 401
         assert (await r.post("/v1/completions", COMPLETION, {"Authorization": "Bearer nope"}))[0] == 401
+        assert r.proxy.metrics.requests.value("NixlConnector", "completions", "unauthorized") == 2
         async with r.session.get(r.url + "/v1/models") as response:
             assert response.status == 401
         assert r.prefill[0].seen == [] and r.decode[0].seen == []
@@ -279,6 +280,7 @@ async def test_malformed_requests_get_json_errors_before_any_upstream_call(body:
         assert headers["X-Request-Id"]
         assert r.prefill[0].seen == [] and r.decode[0].seen == []
         assert r.proxy.metrics.rejected.value(str(status)) == 1
+        assert r.proxy.metrics.requests.value("NixlConnector", "completions", "invalid") == 1
 
 
 async def test_saturation_answers_429() -> None:
@@ -288,6 +290,8 @@ async def test_saturation_answers_429() -> None:
         await eventually(lambda: r.prefill[0].started == 2, what="two requests in flight")
         status, answer, headers = await r.post("/v1/completions", COMPLETION)
         assert (status, answer["error"]["type"], headers["Retry-After"]) == (429, "RateLimitError", "1")
+        # Refused, but demand all the same: the autoscaler reads its arrival rate from this counter.
+        assert r.proxy.metrics.requests.value("NixlConnector", "completions", "overloaded") == 1
         for task in waiting:
             task.cancel()
         await asyncio.gather(*waiting, return_exceptions=True)
@@ -341,6 +345,7 @@ async def test_metrics_page() -> None:
                  # TTFT proper: the streamed request only.
                  'xpyd_proxy_time_to_first_token_seconds_count{connector="NixlConnector",endpoint="completions"} 1',
                  'xpyd_proxy_leg_duration_seconds_count{role="prefill",result="success"} 2',
+                 'xpyd_proxy_leg_duration_seconds_count{role="decode",result="success"} 2',
                  f'xpyd_proxy_breaker_state{{role="decode",upstream="{r.decode[0].url}"}} 0',
                  f'xpyd_proxy_upstream_in_flight{{role="prefill",upstream="{r.prefill[0].url}"}} 0',
                  'xpyd_proxy_upstreams{role="decode",state="eligible"} 1', "xpyd_proxy_in_flight_requests 0"):

@@ -107,6 +107,10 @@ async def test_sigterm_fails_readiness_serves_through_the_drain_and_finishes_str
             assert response.status == 200, await response.text()
             assert response.headers.get("Connection", "").lower() == "close"
             assert (await response.json())["usage"]["completion_tokens"] == 4
+        # So do the proxy's own answers (here a 400).
+        async with session.post(url + "/v1/completions", data=b"{not json",
+                                headers={"Content-Type": "application/json"}) as response:
+            assert response.status == 400 and response.headers.get("Connection", "").lower() == "close"
         assert time.monotonic() - signalled < DRAIN_SECONDS
         # After the drain period the listener is closed: new connections are refused.
         await asyncio.sleep(DRAIN_SECONDS + 0.5 - (time.monotonic() - signalled))

@@ -43,7 +43,8 @@ def pod(role: str, *, ready: bool = False, scheduled: bool = True, deleting: boo
     ("kv_max", f'max by (xpyd_io_role) (vllm:kv_cache_usage_perc{{{SELECT},xpyd_io_role=~"prefill|decode"}})'),
     ("prompt_tps", f'sum by (xpyd_io_role) (rate(vllm:prompt_tokens_total{{{SELECT},'
                    'xpyd_io_role=~"prefill|decode"}[60s]))'),
-    ("proxy_rps", f'sum(rate(xpyd_proxy_requests_total{{{SELECT},xpyd_io_role=~"proxy"}}[60s]))'),
+    ("proxy_rps", f'sum(rate(xpyd_proxy_requests_total{{{SELECT},xpyd_io_role=~"proxy",'
+                  'outcome!="unauthorized"}[60s]))'),
     ("isl.p90", f'histogram_quantile(0.9, sum by (le) (rate(vllm:request_prompt_tokens_bucket{{{SELECT},'
                 'xpyd_io_role=~"prefill"}[60s])))'),
     ("isl.mean", f'sum (rate(vllm:request_prompt_tokens_sum{{{SELECT},xpyd_io_role=~"prefill"}}[60s])) / '

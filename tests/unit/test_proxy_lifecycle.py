@@ -102,15 +102,19 @@ def test_flags_are_bounded(argv: tuple[str, ...], problem: str | None) -> None:
     assert (message is None) if problem is None else (message is not None and problem in message)
 
 
-def test_connector_settings_reach_the_proxy_from_the_spec() -> None:
+@pytest.mark.parametrize(("kv", "port", "dp"), [
+    ({"connector": "MooncakeConnector", "mooncake": {"bootstrapPort": 9100}}, 9100, 1),   # it asks /query
+    ({"connector": "NixlPushConnector"}, protocol.MOONCAKE_BOOTSTRAP_PORT, 4),
+])
+def test_connector_settings_reach_the_proxy_from_the_spec(kv: dict[str, Any], port: int, dp: int) -> None:
     spec = DisaggregatedServingSpec.model_validate({
-        "model": {"name": "m"}, "kvTransfer": {"connector": "MooncakeConnector", "mooncake": {"bootstrapPort": 9100}},
+        "model": {"name": "m"}, "kvTransfer": kv, "engine": {"vllmVersion": "0.33.0"},
         "prefill": {"dataParallelSize": 4, "gpu": {"count": 4}}})
     parser = argparse.ArgumentParser()
     add_arguments(parser)
     args = parser.parse_args(proxy_args("llama", "ns", spec))
     config = config_from_args(args)
-    assert (config.mooncake_bootstrap_port, config.prefill_data_parallel_size) == (9100, 4)
+    assert (config.mooncake_bootstrap_port, config.prefill_data_parallel_size) == (port, dp)
     assert _check(args) is None
 
 

@@ -309,11 +309,20 @@ def test_proxy_probes_and_grace_fit_its_stop_sequence() -> None:
     (["--drain-seconds", "20", "--finish-timeout", "100"], 20 + 100 + 5),
     (["--drain-seconds=0"], 45 + 5),
     (["--finish-timeout=oops"], 10 + 45 + 5),
+    (["--drain-seconds=9999", "--finish-timeout=9999"], 300 + 3600 + 5),   # what the proxy would refuse
 ])
 def test_proxy_grace_follows_the_users_stop_flags(extra: list[str], grace: int) -> None:
     pod = proxy_pod({"proxy": {"extraArgs": extra}})
     assert pod["terminationGracePeriodSeconds"] == grace
     assert pod["containers"][0]["args"][-len(extra):] == extra
+
+
+def test_the_grace_caps_are_the_proxys_own_bounds() -> None:
+    from xpyd.proxy import main as proxy_main
+    from xpyd.render import PROXY_MAX_DRAIN_SECONDS, PROXY_MAX_FINISH_SECONDS
+
+    assert (PROXY_MAX_DRAIN_SECONDS, PROXY_MAX_FINISH_SECONDS) == (proxy_main.MAX_DRAIN_SECONDS,
+                                                                  proxy_main.MAX_FINISH_SECONDS)
 
 
 # ------------------------------------------------------------------------------------------------

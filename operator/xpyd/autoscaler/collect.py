@@ -114,7 +114,8 @@ def queries(scope: Scope) -> dict[str, str]:
         "generation_tps": f"sum by ({by}) (rate(vllm:generation_tokens_total{{{engines}}}{window}))",
         "success_rps": f"sum by ({by}) (rate(vllm:request_success_total{{{engines}}}{window}))",
         "proxy_up": f"count(up{{{proxy}}} == 1)",
-        "proxy_rps": f"sum(rate({PROXY_REQUESTS}{{{proxy}}}{window}))",
+        # Every request offered, refused at the concurrency limit too (demand), except unauthorised ones.
+        "proxy_rps": f"sum(rate({PROXY_REQUESTS}{{{proxy},outcome!=\"unauthorized\"}}{window}))",
         "prefill_rps": (f"sum(rate(vllm:request_prompt_tokens_count{{{scope.selector('prefill')}}}"
                         f"{window}))"),
     }

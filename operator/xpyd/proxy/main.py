@@ -80,7 +80,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                           help="longest silence of a streamed decode leg, in seconds")
     failures.add_argument("--connect-timeout", type=float, default=2.0, help="seconds to connect to an engine")
     failures.add_argument("--health-interval", type=float, default=2.0, help="seconds between health probes")
-    failures.add_argument("--health-timeout", type=float, default=2.0, help="seconds a health probe may take")
+    failures.add_argument("--health-timeout", type=float, default=2.0,
+                          help="seconds a health probe may take (also a Mooncake bootstrap /query; "
+                          "GET /v1/models gets five times as long)")
     failures.add_argument("--breaker-threshold", type=int, default=3,
                           help="consecutive failed legs that open an instance's circuit breaker")
     failures.add_argument("--breaker-cooldown", type=float, default=2.0,
@@ -113,7 +115,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                             help="data-parallel ranks per prefill server (its --data-parallel-size): "
                             "NixlPushConnector pins prefill legs to ranks and learns each rank's identity")
     parser.add_argument("--event-loop", default="auto", choices=("auto", "uvloop", "asyncio"),
-                        help="auto (default): uvloop where it is installed (a dependency on Linux), else asyncio's")
+                        help="auto (default): uvloop where it is installed (a dependency except on Windows), "
+                        "else asyncio's")
     parser.add_argument("-v", "--verbose", action="store_true", help="debug logging")
 
 
@@ -251,7 +254,12 @@ async def serve(args: argparse.Namespace) -> None:
             loop.call_soon_threadsafe(proxy.set_endpoints, role, endpoints, "registration")
 
         registration = Registrations(args.host, args.p2p_nccl_registration_port, register)
-        registration.start()
+        try:
+            registration.start()
+        except RuntimeError as error:  # serving goes on: each engine is addressed at <pod IP>:kv_port
+            log.error("%s; install them (pip install 'xpyd-operator[p2p-nccl]') to take registrations. Engines "
+                      "are addressed at their discovered IP and --p2p-nccl-kv-port until then", error)
+            registration = None
     site = web.TCPSite(runner, args.host, args.port)
     await site.start()
     log.info("xpyd proxy (%s, %s) listening on %s:%d", config.connector.value, config.routing_policy.value,

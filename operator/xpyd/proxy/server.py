@@ -15,7 +15,8 @@ One request, in order:
    client's and is returned as is.
 4. Decode fails before its first byte: retried once on another decode instance. When the failed
    decode never got the request (no connection) and the connector lets decode read the KV later
-   (NIXL pull), the retry reuses the prefill's KV; otherwise (the failed decode may have consumed
+   (NIXL pull: prefill holds the blocks for their lease; LMCache: the KV sits in LMCache's store),
+   the retry reuses the prefill's KV; otherwise (the failed decode may have consumed
    it, or the connector pairs the legs) the retry is a whole new attempt, prefill included. Nothing
    reaches the client before decode's first byte, so such a retry is invisible. After that, a
    broken stream ends with an error event.
@@ -145,6 +146,8 @@ class Opened:
 
     response: aiohttp.ClientResponse
     head: bytes
+    #: When the leg was sent (monotonic seconds): its duration runs to the end of the relay.
+    started: float
 
     def close(self) -> None:
         """Drop the upstream connection (vLLM aborts the request)."""
@@ -255,7 +258,15 @@ class Proxy:
         app.router.add_get("/metrics", self.metrics_page)
         app.on_startup.append(self._on_startup)
         app.on_cleanup.append(self._on_cleanup)
+        app.on_response_prepare.append(self._close_when_draining)
         return app
+
+    async def _close_when_draining(self, request: web.Request, response: web.StreamResponse) -> None:
+        """While draining, every answer (errors and probes included) closes its connection. (The
+        hook runs after aiohttp wrote the Connection header, so it is set here too.)"""
+        if self.draining:
+            response.force_close()
+            response.headers["Connection"] = "close"
 
     async def _on_startup(self, app: web.Application) -> None:
         await self.start()
@@ -372,19 +383,22 @@ class Proxy:
 
     async def _generate(self, request: web.Request, endpoint: ApiEndpoint, path: str) -> web.StreamResponse:
         request_id = _printable_id(request.headers.get("X-Request-Id")) or str(uuid.uuid4())
+        connector = self.config.connector.value
         if not self._authorized(request):
+            self.metrics.requests.inc(connector, endpoint, "unauthorized")
             return self._reject(401, "Missing or invalid API key.", request_id)
-        if self.in_flight >= self.config.max_concurrency:
+        if self.in_flight >= self.config.max_concurrency:  # still demand: the autoscaler counts it
+            self.metrics.requests.inc(connector, endpoint, "overloaded")
             return self._reject(429, "The proxy is at its concurrency limit; retry later.", request_id,
                                 headers={"Retry-After": "1"})
         started = time.monotonic()
         self.in_flight += 1
-        connector = self.config.connector.value
         outcome = "error"
         try:
             try:
                 raw = await request.read()
             except web.HTTPRequestEntityTooLarge:
+                outcome = "invalid"
                 return self._reject(413, f"The request body exceeds {self.config.max_body_bytes} bytes.", request_id)
             try:
                 parsed = parse(raw, endpoint, self.config.served_model_name)
@@ -407,8 +421,6 @@ class Proxy:
                 self.metrics.ttft.observe(context.first_byte_at - started, connector, endpoint)
                 if parsed.stream:
                     self.metrics.stream_ttft.observe(context.first_byte_at - started, connector, endpoint)
-            if self.draining and not response.prepared:
-                response.force_close()
             return response
         except asyncio.CancelledError:
             outcome = "cancelled"
@@ -426,6 +438,7 @@ class Proxy:
         tried_decode: set[str] = set()
         prefill_failures = decode_failures = 0
         reusable: JSON | None = None
+        retrying: str | None = None  # the role whose failed leg the next attempt sends again
         while True:
             prefill = None
             if reusable is None:
@@ -436,6 +449,9 @@ class Proxy:
             decode = self.pools["decode"].pick(tried_decode)
             if decode is None:
                 raise RequestError(503, "No decode instance is available.")
+            if retrying is not None:  # counted once there is an instance to retry on
+                self.metrics.retries.inc(retrying)
+                retrying = None
             decode.acquire()
             try:
                 if reusable is not None:
@@ -450,7 +466,7 @@ class Proxy:
                 prefill_failures += 1
                 if prefill_failures > self.config.prefill_retries:
                     return await self._without_prefill(context, "prefill_failed", tried_decode)
-                self.metrics.retries.inc("prefill")
+                retrying = "prefill"
             except DecodeFailed as failure:
                 self._failed(decode, str(failure))
                 if prefill is not None:
@@ -459,7 +475,7 @@ class Proxy:
                 decode_failures += 1
                 if decode_failures > self.config.decode_retries:
                     raise RequestError(503, f"Decode failed on {decode_failures} instance(s): {failure}") from None
-                self.metrics.retries.inc("decode")
+                retrying = "decode"
                 reusable = failure.prefill if traits.decode_reuses_prefill else None
             finally:
                 decode.release()
@@ -650,12 +666,15 @@ class Proxy:
         timeout = self._timeouts["stream" if stream else "decode"]
         reusable = prefill_answer if protocol.TRAITS[self.config.connector].decode_reuses_prefill else None
         response: aiohttp.ClientResponse | None = None
+        started = time.monotonic()
+        result = "error"  # how the leg ended, unless it opened (then `_relay` records it)
         try:
             response = await self._session.post(instance.url + context.path, data=_json_bytes(body), timeout=timeout,
                                                 headers=self._headers(context, request_id))
             if 400 <= response.status < 500 and response.status not in (408, 429):
                 data = await response.content.read(MAX_ERROR_BODY)
                 instance.breaker.success()
+                result = "client_error"
                 raise UpstreamAnswer(response.status, data, response.content_type)
             if response.status != 200:
                 data = await response.content.read(MAX_ERROR_BODY)
@@ -663,8 +682,9 @@ class Proxy:
             head = await response.content.readany() if stream else await response.read()
             if stream and not head:
                 raise DecodeFailed("the stream ended before its first byte")
-            opened = Opened(response, head)
+            opened = Opened(response, head, started)
             response = None
+            result = ""
             return opened
         except TimeoutError:
             raise DecodeFailed("no first byte in time") from None
@@ -672,13 +692,17 @@ class Proxy:
             raise DecodeFailed(f"{type(error).__name__}: {error}", reusable) from None
         except (aiohttp.ClientError, OSError) as error:
             raise DecodeFailed(f"{type(error).__name__}: {error}") from None
+        except asyncio.CancelledError:
+            result = "cancelled"
+            raise
         finally:
             if response is not None:
                 response.close()
+            if result:
+                self.metrics.legs.observe(time.monotonic() - started, "decode", result)
 
     async def _relay(self, context: Context, instance: Instance, opened: Opened) -> web.StreamResponse:
         """Send decode's answer to the client as it arrives."""
-        started = time.monotonic()
         upstream = opened.response
         headers = {"X-Request-Id": context.request_id}
         result = "success"
@@ -691,8 +715,6 @@ class Proxy:
             headers["Content-Type"] = upstream.headers.get("Content-Type", "text/event-stream; charset=utf-8")
             headers["Cache-Control"] = "no-cache"
             response = web.StreamResponse(status=200, headers=headers)
-            if self.draining:
-                response.force_close()
             try:
                 await response.prepare(context.request)
                 await response.write(opened.head)
@@ -717,7 +739,7 @@ class Proxy:
             raise
         finally:
             opened.close()
-            self.metrics.legs.observe(time.monotonic() - started, "decode", result)
+            self.metrics.legs.observe(time.monotonic() - opened.started, "decode", result)
 
     # -- connector specifics --------------------------------------------------------------------
 

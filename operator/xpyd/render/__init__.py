@@ -30,8 +30,9 @@ PROXY_DRAIN_SECONDS: Final = 10
 PROXY_FINISH_SECONDS: Final = 45
 #: Between the end of that and SIGKILL: the proxy's own exit.
 PROXY_EXIT_MARGIN_SECONDS: Final = 5
-#: The most either period counts for (the proxy refuses longer ones: `xpyd proxy --help`).
-PROXY_MAX_STOP_SECONDS: Final = 3600.0
+#: The most each period counts for (the proxy refuses longer ones: `xpyd proxy --help`).
+PROXY_MAX_DRAIN_SECONDS: Final = 300.0
+PROXY_MAX_FINISH_SECONDS: Final = 3600.0
 
 _ENV = jinja2.Environment(
     loader=jinja2.PackageLoader("xpyd", "templates"),
@@ -116,8 +117,8 @@ def proxy_args(name: str, namespace: str, spec: DisaggregatedServingSpec) -> lis
     if kv.connector == Connector.MOONCAKE:
         # Decode dials prefill's bootstrap server at this port; the proxy asks it for the engine ids.
         connector.append(f"--mooncake-bootstrap-port={kv.mooncake_settings.bootstrap_port}")
-    if spec.prefill.data_parallel_size > 1:
-        # NixlPushConnector learns each rank's identity and pins prefill legs to ranks.
+    if kv.connector == Connector.NIXL_PUSH and spec.prefill.data_parallel_size > 1:
+        # It learns each rank's identity and pins prefill legs to ranks (Mooncake asks /query instead).
         connector.append(f"--prefill-data-parallel-size={spec.prefill.data_parallel_size}")
     return [
         f"--port={spec.proxy.port}",
@@ -150,13 +151,14 @@ def proxy_termination_grace_seconds(args: list[str]) -> int:
     """terminationGracePeriodSeconds of the proxy pod: its drain period plus the time it gives
     requests in flight plus a margin, from the values its arguments set (the user's included)."""
     total = float(PROXY_EXIT_MARGIN_SECONDS)
-    for flag, default in (("--drain-seconds", PROXY_DRAIN_SECONDS), ("--finish-timeout", PROXY_FINISH_SECONDS)):
+    for flag, default, most in (("--drain-seconds", PROXY_DRAIN_SECONDS, PROXY_MAX_DRAIN_SECONDS),
+                                ("--finish-timeout", PROXY_FINISH_SECONDS, PROXY_MAX_FINISH_SECONDS)):
         value = _last_flag_value(args, flag)
         try:
             seconds = float(value) if value is not None else float(default)
         except ValueError:  # the proxy refuses it at start-up; the default keeps the pod spec valid
             seconds = float(default)
-        total += min(seconds, PROXY_MAX_STOP_SECONDS) if math.isfinite(seconds) and seconds > 0 else 0.0
+        total += min(seconds, most) if math.isfinite(seconds) and seconds > 0 else 0.0
     return math.ceil(total)
 
 
