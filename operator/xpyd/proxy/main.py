@@ -200,8 +200,8 @@ def run(args: argparse.Namespace) -> int:
 
 def event_loop(choice: str) -> tuple[str, Callable[[], asyncio.AbstractEventLoop]] | None:
     """The event loop `--event-loop` asks for (its name and factory); None when that is uvloop and
-    uvloop is missing. uvloop takes about a tenth off the latency the proxy adds
-    (benchmarks/proxy_bench.py compares both)."""
+    uvloop is missing. uvloop was ahead in most latency rows of benchmarks/proxy_bench.py, which
+    compares both (figures in docs/proxy.md)."""
     if choice != "asyncio":
         try:
             import uvloop
