@@ -199,6 +199,7 @@ def test_breaches_scale_only_the_guilty_role(changes: dict[str, Any], guilty: st
     assert evidence in blamed.message
     assert other.replicas <= other.current
     assert decision.reason == reason
+    assert decision.message.startswith(blamed.message)   # the role that leads the decision speaks first
 
 
 def test_breach_with_replicas_already_starting_adds_none_for_that_symptom() -> None:
@@ -446,3 +447,4 @@ def test_quantile_at(percentile: float, expected: float) -> None:
 @pytest.mark.parametrize(("p", "d", "ratio"), [(2, 6, "1:3"), (3, 5, "3:5"), (4, 4, "1:1")])
 def test_pd_ratio(p: int, d: int, ratio: str) -> None:
     assert pd_ratio(p, d) == ratio
+

@@ -522,7 +522,8 @@ def decide(observation: Observation, config: AutoscalerConfig, state: Autoscaler
     candidates = [r for r in (prefill, decode) if r.replicas != r.current] or [prefill, decode]
     lead = min(candidates, key=lambda r: _PRIORITY.index(r.reason))
     reason = GPU_BUDGET if budget_binding else lead.reason
-    message = "; ".join(r.message for r in (prefill, decode))
+    # The role that leads the decision speaks first (Events and the status show the message's start).
+    message = "; ".join(r.message for r in sorted((prefill, decode), key=lambda r: r is not lead))
     return Decision(prefill, decode, reason, message, pd_ratio(plan.prefill_replicas, plan.decode.replicas),
                     new_state, scaling_active=True,
                     degraded_reason=INSUFFICIENT_GPUS if blocked else None, budget_binding=budget_binding)
