@@ -317,14 +317,6 @@ def test_proxy_grace_follows_the_users_stop_flags(extra: list[str], grace: int) 
     assert pod["containers"][0]["args"][-len(extra):] == extra
 
 
-def test_the_grace_caps_are_the_proxys_own_bounds() -> None:
-    from xpyd.proxy import main as proxy_main
-    from xpyd.render import PROXY_MAX_DRAIN_SECONDS, PROXY_MAX_FINISH_SECONDS
-
-    assert (PROXY_MAX_DRAIN_SECONDS, PROXY_MAX_FINISH_SECONDS) == (proxy_main.MAX_DRAIN_SECONDS,
-                                                                  proxy_main.MAX_FINISH_SECONDS)
-
-
 # ------------------------------------------------------------------------------------------------
 # The command
 

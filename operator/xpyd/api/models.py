@@ -57,6 +57,9 @@ Name = Annotated[str, Field(min_length=1, max_length=253)]
 # ---------------------------------------------------------------------------------------------
 # Shared small types
 
+#: The most data-parallel ranks one engine pod may run (`dataParallelSize`; the proxy bounds its flag by it).
+MAX_DATA_PARALLEL = 64
+
 
 class EnvVar(APIModel):
     """An environment variable for a container, as in a Pod spec."""
@@ -492,7 +495,7 @@ class RoleSpec(APIModel):
     tensor_parallel_size: int = Field(default=1, ge=1, le=64, description="--tensor-parallel-size.")
     pipeline_parallel_size: int = Field(default=1, ge=1, le=64, description="--pipeline-parallel-size.")
     data_parallel_size: int = Field(
-        default=1, ge=1, le=64, description="--data-parallel-size, all ranks inside one pod."
+        default=1, ge=1, le=MAX_DATA_PARALLEL, description="--data-parallel-size, all ranks inside one pod."
     )
     gpu: GPUSpec = Field(default_factory=GPUSpec, description="GPUs of each pod.")
     node_selector: dict[str, str] = Field(

@@ -30,7 +30,7 @@ import signal
 from collections.abc import Callable
 from typing import Any
 
-from xpyd.api.models import Connector, RoutingPolicy
+from xpyd.api.models import MAX_DATA_PARALLEL, Connector, RoutingPolicy
 from xpyd.proxy import protocol
 from xpyd.proxy.server import API_KEY_ENV, Proxy, ProxyConfig
 
@@ -43,8 +43,6 @@ FINISH_SECONDS = 45.0
 #: Upper bounds of the two: a stopping proxy must not hold its pod for long.
 MAX_DRAIN_SECONDS = 300.0
 MAX_FINISH_SECONDS = 3600.0
-#: The API's bound on dataParallelSize.
-MAX_DATA_PARALLEL = 64
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

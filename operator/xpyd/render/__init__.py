@@ -17,6 +17,7 @@ import yaml
 
 from xpyd import __version__
 from xpyd.api.models import Connector, DisaggregatedServingSpec
+from xpyd.proxy.main import MAX_DRAIN_SECONDS, MAX_FINISH_SECONDS
 from xpyd.render import engine, naming
 from xpyd.render.kvconfig import Role
 
@@ -30,9 +31,9 @@ PROXY_DRAIN_SECONDS: Final = 10
 PROXY_FINISH_SECONDS: Final = 45
 #: Between the end of that and SIGKILL: the proxy's own exit.
 PROXY_EXIT_MARGIN_SECONDS: Final = 5
-#: The most each period counts for (the proxy refuses longer ones: `xpyd proxy --help`).
-PROXY_MAX_DRAIN_SECONDS: Final = 300.0
-PROXY_MAX_FINISH_SECONDS: Final = 3600.0
+#: The most each period counts for: the proxy's own bounds (it refuses longer ones).
+PROXY_MAX_DRAIN_SECONDS: Final = MAX_DRAIN_SECONDS
+PROXY_MAX_FINISH_SECONDS: Final = MAX_FINISH_SECONDS
 
 _ENV = jinja2.Environment(
     loader=jinja2.PackageLoader("xpyd", "templates"),
