@@ -39,7 +39,7 @@ from xpyd.sim.simulator import SimConfig, SimResult, Simulator
 from xpyd.sim.traces import TraceRequest, load_trace
 
 ROOT = Path(__file__).resolve().parents[1]
-TRACES = ROOT.parent / "shared" / "data" / "traces"
+TRACES = ROOT / "data" / "traces"
 PROFILE = "h200_llama31_8b_fp8_tp1"
 SLO = Slo(ttft_s=0.5, tpot_s=0.025)
 POLICY_ORDER = ("static-peak", "static-mean", "queue-threshold", "dynamo-sla", "xpyd", "oracle")

@@ -20,7 +20,7 @@ from xpyd.sim.shapes import lookup_model
 from xpyd.sim.simulator import SimConfig, simulate
 from xpyd.sim.traces import load_trace
 
-DATA = Path(__file__).resolve().parents[1].parent / "shared" / "data"
+DATA = Path(__file__).resolve().parents[1] / "data"
 
 
 def main() -> int:

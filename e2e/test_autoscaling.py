@@ -33,7 +33,7 @@ from xpyd.cluster.netguard import LOOPBACK_ONLY_ENV, require_loopback, require_l
 
 pytestmark = pytest.mark.e2e
 
-TRACES = ROOT / "tests" / "fixtures" / "traces"  # slices of ../shared/data/traces (see its README)
+TRACES = ROOT / "tests" / "fixtures" / "traces"  # slices of data/traces (see its README)
 MODEL = "llama-8b"
 
 

@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from pathlib import Path
 from typing import Any
 
 import pytest
 
+from tests.paths import H200_PROFILE
 from xpyd.api.models import AutoscalingSpec
 from xpyd.autoscaler.decide import (
     DECODE_ADMISSION,
@@ -38,7 +38,7 @@ from xpyd.sim.policy import Observation, Quantiles, RoleObservation
 
 pytestmark = pytest.mark.unit
 
-PROFILE = Path(__file__).resolve().parents[1] / "fixtures" / "profiles" / "h200_llama31_8b_fp8_tp1"
+PROFILE = H200_PROFILE
 PERF = PerfModel.from_profile(PROFILE).with_kv_transfer(2 * 32 * 8 * 128 * 2, 100.0)
 MODEL = PoolModel(PERF, ttft_target_s=0.5, tpot_target_s=0.025, quantile=0.95)
 CONFIG = AutoscalerConfig(model=MODEL, prefill=RoleBounds(1, 64), decode=RoleBounds(1, 64))

@@ -3,10 +3,10 @@
 from __future__ import annotations
 
 import math
-from pathlib import Path
 
 import pytest
 
+from tests.paths import FIXTURE_TRACES, H200_PROFILE
 from xpyd.autoscaler.dynamo import ArimaLikePredictor, DynamoSlaPolicy
 from xpyd.autoscaler.forecast import HoltForecaster, LastValueForecaster, SeriesState
 from xpyd.autoscaler.oracle import OraclePolicy, OracleWindow, oracle_gpu_hours, oracle_windows
@@ -21,8 +21,7 @@ from xpyd.sim.traces import TraceRequest, read_trace
 
 pytestmark = pytest.mark.unit
 
-FIXTURES = Path(__file__).resolve().parents[1] / "fixtures"
-PERF = PerfModel.from_profile(FIXTURES / "profiles" / "h200_llama31_8b_fp8_tp1").with_kv_transfer(131072, 100.0)
+PERF = PerfModel.from_profile(H200_PROFILE).with_kv_transfer(131072, 100.0)
 MODEL = PoolModel(PERF, ttft_target_s=0.5, tpot_target_s=0.025, quantile=0.95)
 SLO = Slo(ttft_s=0.5, tpot_s=0.025)
 
@@ -223,7 +222,7 @@ def test_queued_work_is_the_work_ahead_on_arrival() -> None:
 @pytest.mark.parametrize("name", ["xpyd", "static-peak", "static-mean", "queue-threshold", "dynamo-sla"])
 def test_every_policy_replays_a_trace(name: str) -> None:
     trace = [TraceRequest(r.arrival_s / 4, r.isl, r.osl)
-             for r in read_trace(FIXTURES / "traces" / "azure_conv_2023_head200.csv")]
+             for r in read_trace(FIXTURE_TRACES / "azure_conv_2023_head200.csv")]
     result = simulate(trace, PERF, SimConfig(prefill=1, decode=1, slo=SLO, startup_delay_s=30.0), name)
     report = build_report(result)
     assert report["requests"] == len(trace) and report["policy"] == name

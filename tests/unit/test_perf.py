@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 
+from tests.paths import H200_PROFILE, SPLITWISE
 from xpyd.sim.core import EnginePerf
 from xpyd.sim.perf import (
     H200_LLAMA31_8B_MAX_KV_TOKENS,
@@ -29,10 +30,7 @@ from xpyd.sim.shapes import GPUS, MODELS, ModelShape, lookup_gpu, lookup_model
 pytestmark = pytest.mark.unit
 
 ROOT = Path(__file__).resolve().parents[2]
-FIXTURES = ROOT / "tests" / "fixtures" / "profiles"
-PROFILE = FIXTURES / "h200_llama31_8b_fp8_tp1"
-SPLITWISE = FIXTURES / "splitwise_llama2_70b.csv"
-SHARED = ROOT.parent / "shared" / "data" / "profiles"
+PROFILE = H200_PROFILE
 K = H200_LLAMA31_8B_MAX_KV_TOKENS
 
 PREFILL_POINTS, DECODE_POINTS = read_profile(PROFILE)
@@ -54,14 +52,6 @@ def _decode(model: PerfModel) -> MeasuredDecode:
 
 
 # --- data and interface --------------------------------------------------------------------
-
-
-@pytest.mark.skipif(not SHARED.is_dir(), reason="../shared/data/profiles not present")
-def test_fixtures_are_the_shared_data() -> None:
-    for name in ("h200_llama31_8b_fp8_tp1_prefill.csv", "h200_llama31_8b_fp8_tp1_decode.csv"):
-        assert (FIXTURES / name).read_bytes() == (SHARED / name).read_bytes()
-    shared = set((SHARED / "splitwise_perf_model.csv").read_text().splitlines())
-    assert set(SPLITWISE.read_text().splitlines()) <= shared
 
 
 def test_profile_tables_are_read_whole() -> None:
@@ -278,8 +268,8 @@ def test_splitwise_drops_rows_that_cannot_fit_the_kv_cache() -> None:
 
 
 def test_splitwise_unknown_combination_lists_what_exists() -> None:
-    with pytest.raises(ValueError, match=r"available: llama2-70b/a100-80gb/tp4, llama2-70b/h100-80gb/tp2"):
-        PerfModel.from_splitwise(SPLITWISE, "bloom-176b", "h100-80gb", 8)
+    with pytest.raises(ValueError, match=r"available: bloom-176b/a100-80gb/tp8, .*llama2-70b/h100-80gb/tp2"):
+        PerfModel.from_splitwise(SPLITWISE, "bloom-176b", "h100-80gb", 4)
 
 
 # --- roofline --------------------------------------------------------------------------------
@@ -416,7 +406,7 @@ def test_bundled_profile_by_name_is_the_measured_one() -> None:
     from xpyd.sim.perf import DEFAULT_PROFILE, profile_paths
 
     assert profile_paths("h200_llama31_8b_fp8_tp1") == profile_paths(DEFAULT_PROFILE)
-    fixture = FIXTURES / "h200_llama31_8b_fp8_tp1_prefill.csv"
-    assert profile_paths(DEFAULT_PROFILE)[0].read_text() == fixture.read_text()
+    for bundled, data in zip(profile_paths(DEFAULT_PROFILE), profile_paths(PROFILE), strict=True):
+        assert bundled.read_bytes() == data.read_bytes()  # the package's copy is data/'s
     missing = profile_paths("/nowhere/no_such_profile")
     assert missing[0] == Path("/nowhere/no_such_profile_prefill.csv")

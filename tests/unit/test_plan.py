@@ -11,6 +11,7 @@ from typing import Any
 
 import pytest
 
+from tests.paths import H200_PROFILE, SPLITWISE
 from xpyd.sim import plan as plan_module
 from xpyd.sim.perf import PerfModel
 from xpyd.sim.plan import erlang_c, size_prefill
@@ -18,8 +19,7 @@ from xpyd.sim.plan import erlang_c, size_prefill
 pytestmark = pytest.mark.unit
 
 ROOT = Path(__file__).resolve().parents[2]
-PROFILE = ROOT / "tests" / "fixtures" / "profiles" / "h200_llama31_8b_fp8_tp1"
-SPLITWISE = ROOT / "tests" / "fixtures" / "profiles" / "splitwise_llama2_70b.csv"
+PROFILE = H200_PROFILE
 REQUIRED_KEYS = {"kv_bytes_per_token", "kv_bytes_per_request", "transfer_ms", "prefill_ms",
                  "transfer_to_prefill_ratio", "prefill_replicas", "decode_replicas"}
 # The seed's assumptions: a 70B dense model (70e9 parameters), 4 GPUs prefill at 400 TFLOPS effective.

@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from pathlib import Path
 
 import pytest
 
+from tests.paths import H200_PROFILE
 from xpyd.sim.core import (
     EngineConfig,
     EngineCore,
@@ -23,7 +23,7 @@ from xpyd.sim.perf import PerfModel, read_profile
 
 pytestmark = pytest.mark.unit
 
-PROFILE = Path(__file__).resolve().parents[1] / "fixtures" / "profiles" / "h200_llama31_8b_fp8_tp1"
+PROFILE = H200_PROFILE
 
 
 @dataclass

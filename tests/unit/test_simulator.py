@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 
+from tests.paths import FIXTURE_TRACES, H200_PROFILE
 from xpyd.sim.core import EngineConfig
 from xpyd.sim.perf import PerfModel
 from xpyd.sim.policy import POLICIES, Desired, Observation, PolicyContext, Slo, StaticPolicy, build_policy
@@ -19,9 +20,8 @@ from xpyd.sim.traces import TraceRequest, read_trace
 
 pytestmark = pytest.mark.unit
 
-FIXTURES = Path(__file__).resolve().parents[1] / "fixtures"
-AZURE = FIXTURES / "traces" / "azure_conv_2023_head200.csv"
-PROFILE = FIXTURES / "profiles" / "h200_llama31_8b_fp8_tp1"
+AZURE = FIXTURE_TRACES / "azure_conv_2023_head200.csv"
+PROFILE = H200_PROFILE
 KV_BYTES_LLAMA_8B_BF16 = 2 * 32 * 8 * 128 * 2
 
 

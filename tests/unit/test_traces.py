@@ -13,7 +13,7 @@ from xpyd.sim.traces import TraceError, TraceRequest, load_trace, read_trace
 pytestmark = pytest.mark.unit
 
 FIXTURES = Path(__file__).resolve().parents[1] / "fixtures" / "traces"
-SHARED = Path(__file__).resolve().parents[2].parent / "shared" / "data" / "traces"
+DATA = Path(__file__).resolve().parents[2] / "data" / "traces"
 AZURE = FIXTURES / "azure_conv_2023_head200.csv"
 MOONCAKE = FIXTURES / "mooncake_synthetic_head50.jsonl"
 
@@ -109,29 +109,27 @@ def test_unreadable_files(tmp_path: Path) -> None:
         read_trace(binary)
 
 
-@pytest.mark.skipif(not SHARED.exists(), reason="shared data not present")
-def test_shared_traces_load_and_fixtures_match_them() -> None:
-    conv = read_trace(SHARED / "azure_conv_2023.csv")
+def test_data_traces_load_and_fixtures_match_them() -> None:
+    conv = read_trace(DATA / "azure_conv_2023.csv")
     assert len(conv) == 19366
     assert conv[:200] == read_trace(AZURE)
     assert 3500 < conv[-1].arrival_s < 3600
-    mooncake = read_trace(SHARED / "mooncake_synthetic.jsonl")
+    mooncake = read_trace(DATA / "mooncake_synthetic.jsonl")
     assert len(mooncake) == 3993
     assert mooncake[:50] == read_trace(MOONCAKE)
-    assert len(read_trace(SHARED / "azure_code_2023.csv")) == 8819
+    assert len(read_trace(DATA / "azure_code_2023.csv")) == 8819
 
 
-@pytest.mark.skipif(not SHARED.exists(), reason="shared data not present")
 @pytest.mark.parametrize(("fixture", "source", "start", "length"), [
     ("azure_code_2023_600s_720s.csv", "azure_code_2023.csv", 600.0, 720.0),
     ("azure_conv_2023_600s_240s.csv", "azure_conv_2023.csv", 600.0, 240.0),
 ])
-def test_trace_slices_match_the_shared_traces(fixture: str, source: str, start: float, length: float) -> None:
+def test_trace_slices_match_the_data_traces(fixture: str, source: str, start: float, length: float) -> None:
     """The e2e's slices: the requests of the source arriving in [start, start + length), in order."""
     sliced = read_trace(FIXTURES / fixture)
     raw_lines = (FIXTURES / fixture).read_bytes().splitlines()[1:]
-    source_lines = set((SHARED / source).read_bytes().splitlines()[1:])
+    source_lines = set((DATA / source).read_bytes().splitlines()[1:])
     assert raw_lines and all(line in source_lines for line in raw_lines)  # byte for byte
-    whole = read_trace(SHARED / source)
+    whole = read_trace(DATA / source)
     window = [r for r in whole if start <= r.arrival_s < start + length]
     assert [(r.isl, r.osl) for r in sliced] == [(r.isl, r.osl) for r in window]

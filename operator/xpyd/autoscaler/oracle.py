@@ -1,4 +1,4 @@
-"""`oracle`: the hindsight lower bound on GPU-hours (`../shared/AUTOSCALER.md`, "How to judge it").
+"""`oracle`: the hindsight lower bound on GPU-hours (`docs/evaluation.md`).
 
 The trace is cut into windows (60 s). For each window, by simulation from a warm state (the
 previous `warmup_s` of the true arrivals replayed first, at the same sizes) it finds the fewest

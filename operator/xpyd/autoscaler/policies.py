@@ -162,7 +162,7 @@ class FixedPolicy:
 
 @dataclass
 class QueueThresholdPolicy:
-    """KEDA/HPA on queue and KV gauges, as deployed in the field (VLLM_FACTS.md):
+    """KEDA/HPA on queue and KV gauges, as deployed in the field (`docs/evaluation.md`):
 
     prefill `desired = ceil(sum(vllm:num_requests_waiting) / 5)` (AverageValue 5 per pod), decode
     `desired = ceil(D · mean(vllm:kv_cache_usage_perc) / 0.8)` (Utilization-style target 0.8), each

@@ -1,4 +1,4 @@
-"""The steady-state model the autoscaler sizes pools with (`../shared/AUTOSCALER.md`).
+"""The steady-state model the autoscaler sizes pools with (`docs/autoscaling.md`).
 
 Prefill: a pool of `c` batching engines fed by a least-outstanding-tokens router behaves like an
 M/G/c queue whose servers process prompt tokens at the engine's *saturated* rate: under load an

@@ -3,7 +3,7 @@
 The proxy sends every client request twice: a prefill leg that computes the prompt's KV cache and
 generates one token, and a decode leg that receives the KV cache and generates the answer the
 client sees. The connectors differ in what the legs carry and whether they may run at once
-(vLLM 0.33 unless noted; see `../shared/VLLM_FACTS.md`):
+(vLLM 0.33 unless noted; see `docs/proxy.md` and `docs/connectors.md`):
 
 - NixlConnector (pull, `toy_proxy_server.py`): prefill first with
   `kv_transfer_params={do_remote_decode: true, ...}`; its answer's `kv_transfer_params` (block ids,

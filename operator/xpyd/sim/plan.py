@@ -5,7 +5,7 @@ roofline), a workload (ISL, OSL and rate, or a trace) and the SLOs, it computes:
 
 - the KV arithmetic: bytes per token and per request, transfer time over the link and its ratio to
   the prefill time (the seed's table: the ratio is the same for every prompt length);
-- decode sizing by the ITL frontier (AUTOSCALER.md): the largest batch `b*` whose ITL at context
+- decode sizing by the ITL frontier (`docs/autoscaling.md`): the largest batch `b*` whose ITL at context
   `ISL + OSL/2` is under `TPOT target x itl_margin` and whose KV fits `kv_headroom` of the cache, then
   `D = ceil(rate · OSL · ITL(b*) / b*)`;
 - prefill sizing with queueing headroom: M/G/c with Erlang C and the Allen-Cunneen tail
