@@ -29,14 +29,15 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from xpyd.autoscaler.oracle import OraclePolicy, oracle_gpu_hours, oracle_windows
-from xpyd.autoscaler.policies import XpydPolicy
-from xpyd.sim.perf import PerfModel
-from xpyd.sim.policy import POLICIES, Desired, PolicyContext, Slo
+from xpyd.autoscaler.observation import Desired, Slo
+from xpyd.perf.model import PerfModel
+from xpyd.perf.shapes import lookup_model
+from xpyd.sim.oracle import OraclePolicy, oracle_gpu_hours, oracle_windows
+from xpyd.sim.policies import POLICIES, XpydPolicy
+from xpyd.sim.policy import PolicyContext
 from xpyd.sim.report import build_report
-from xpyd.sim.shapes import lookup_model
 from xpyd.sim.simulator import SimConfig, SimResult, Simulator
-from xpyd.sim.traces import TraceRequest, load_trace
+from xpyd.traces import TraceRequest, load_trace
 
 ROOT = Path(__file__).resolve().parents[1]
 TRACES = ROOT / "data" / "traces"

@@ -1,4 +1,4 @@
-"""What the xPyD proxy costs, against stub engines that answer at once (`xpyd.proxy.stubengine`), on
+"""What the xPyD proxy costs, against stub engines that answer at once (`xpyd.testing.stubengine`), on
 this machine: requests per second and the latency the proxy adds over calling the decode engine
 directly (p50/p99), unstreamed and streamed (64 tokens), at 1, 64 and 512 concurrent clients;
 then the proxy's memory over a bounded soak.
@@ -286,7 +286,7 @@ def main() -> int:
     prefill_port, decode_port = free_port(), free_port()
     prefill, decode = f"http://{HOST}:{prefill_port}", f"http://{HOST}:{decode_port}"
     out = sys.stdout
-    stub = [sys.executable, "-m", "xpyd.proxy.stubengine", "--host", HOST, "--port"]
+    stub = [sys.executable, "-m", "xpyd.testing.stubengine", "--host", HOST, "--port"]
     with _process([*stub, str(prefill_port)]), _process([*stub, str(decode_port)]):
         _wait(prefill)
         _wait(decode)

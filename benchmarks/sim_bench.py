@@ -14,11 +14,11 @@ import sys
 import time
 from pathlib import Path
 
-from xpyd.sim.perf import PerfModel
+from xpyd.perf.model import PerfModel
+from xpyd.perf.shapes import lookup_model
 from xpyd.sim.report import build_report
-from xpyd.sim.shapes import lookup_model
 from xpyd.sim.simulator import SimConfig, simulate
-from xpyd.sim.traces import load_trace
+from xpyd.traces import load_trace
 
 DATA = Path(__file__).resolve().parents[1] / "data"
 

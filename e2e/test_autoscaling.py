@@ -29,7 +29,7 @@ import yaml
 
 from e2e.conftest import OPERATOR_NAMESPACE, ROOT, Cluster, condition, eventually, serving_of, wait_ready
 from xpyd.cluster.controlplane import ControlPlane
-from xpyd.cluster.netguard import LOOPBACK_ONLY_ENV, require_loopback, require_loopback_url
+from xpyd.common.netguard import LOOPBACK_ONLY_ENV, require_loopback, require_loopback_url
 
 pytestmark = pytest.mark.e2e
 

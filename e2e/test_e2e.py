@@ -18,7 +18,7 @@ from e2e.conftest import OPERATOR_NAMESPACE, RELEASE, ROOT, Cluster, condition, 
 from tests.unit.test_api import INVALID, SCHEMA_INVALID, TRANSITIONS, serving
 from xpyd.api.load import load_servings
 from xpyd.cluster.controlplane import ControlPlane
-from xpyd.cluster.netguard import NonLoopbackAddress, require_loopback, require_loopback_url
+from xpyd.common.netguard import NonLoopbackAddress, require_loopback, require_loopback_url
 
 pytestmark = pytest.mark.e2e
 

@@ -127,10 +127,10 @@ def build_parser() -> argparse.ArgumentParser:
 
     from xpyd.bench.main import add_parser as add_bench_parser
     from xpyd.demo.main import add_parser as add_demo_parser
+    from xpyd.plan import add_parser as add_plan_parser
     from xpyd.proxy.main import add_parser as add_proxy_parser
-    from xpyd.sim.emulator import add_parser as add_engine_sim_parser
-    from xpyd.sim.plan import add_parser as add_plan_parser
-    from xpyd.sim.simulator import add_parser as add_sim_parser
+    from xpyd.sim.cli import add_parser as add_sim_parser
+    from xpyd.sim.emulator.main import add_parser as add_engine_sim_parser
 
     add_plan_parser(commands)
     add_sim_parser(commands)

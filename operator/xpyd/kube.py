@@ -7,7 +7,6 @@ rendering produces. Every call has a timeout, so a hung API server never wedges 
 
 from __future__ import annotations
 
-import datetime
 import json
 import logging
 from dataclasses import dataclass
@@ -17,9 +16,10 @@ from typing import Any, Final
 import kubernetes
 
 from xpyd.api import models
-from xpyd.render.naming import FIELD_MANAGER
+from xpyd.api.naming import FIELD_MANAGER
+from xpyd.common.jsontypes import JSON
+from xpyd.common.timefmt import rfc3339
 
-JSON = dict[str, Any]
 log = logging.getLogger(__name__)
 
 #: (apiVersion, kind) -> plural, for every kind the operator reads or writes.
@@ -186,7 +186,7 @@ class Kube:
         """Record an Event on `owner` (shown by `kubectl describe`). Failures are logged, not raised:
         an Event is never worth failing a reconcile for."""
         meta = owner["metadata"]
-        now = datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
+        now = rfc3339()
         event = {
             "apiVersion": "v1",
             "kind": "Event",

@@ -10,7 +10,6 @@ label selectors on lists; `generateName`; error injection; and a log of every wr
 from __future__ import annotations
 
 import copy
-import datetime
 import itertools
 import uuid
 from collections import Counter
@@ -21,6 +20,8 @@ import aiohttp.web
 import kmock
 from kmock._internal import dicts as kdicts
 from kmock._internal import rendering
+
+from xpyd.common.timefmt import rfc3339
 
 JSON = dict[str, Any]
 WRITE_METHODS = {"POST", "PUT", "PATCH", "DELETE"}
@@ -47,10 +48,6 @@ class Write:
     method: str
     path: str
     content_type: str
-
-
-def _now() -> str:
-    return datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
 
 
 def _matches(labels: dict[str, str], selector: str) -> bool:
@@ -125,7 +122,7 @@ class FakeKube(kmock.KubernetesEmulator):  # type: ignore[misc]
         if method == "POST":
             if "name" not in meta and "generateName" in meta:
                 meta["name"] = meta["generateName"] + uuid.uuid4().hex[:5]
-            meta.update(uid=str(uuid.uuid4()), generation=1, resourceVersion=version, creationTimestamp=_now())
+            meta.update(uid=str(uuid.uuid4()), generation=1, resourceVersion=version, creationTimestamp=rfc3339())
             meta.setdefault("namespace", request.namespace)
             return
         key = (request.resource, request.namespace, request.name)
@@ -134,7 +131,7 @@ class FakeKube(kmock.KubernetesEmulator):  # type: ignore[misc]
             if "apply-patch" not in request.headers.get("Content-Type", ""):
                 return  # kmock answers 404
             # Server-side apply of a missing object creates it.
-            meta.update(uid=str(uuid.uuid4()), generation=1, resourceVersion=version, creationTimestamp=_now(),
+            meta.update(uid=str(uuid.uuid4()), generation=1, resourceVersion=version, creationTimestamp=rfc3339(),
                          namespace=request.namespace)
             self._objects[key] = {"metadata": {}}
             return

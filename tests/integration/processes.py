@@ -13,7 +13,7 @@ from collections.abc import Iterable
 
 import aiohttp
 
-from xpyd.cluster.netguard import require_loopback
+from xpyd.common.netguard import require_loopback
 
 HOST = require_loopback("127.0.0.1")
 

@@ -23,9 +23,10 @@ import pytest
 from xpyd.bench import BenchConfig, RequestRecord, Slo, run_bench
 from xpyd.cli import main as xpyd_main
 from xpyd.cluster.controlplane import free_ports
-from xpyd.cluster.netguard import LOOPBACK_ONLY_ENV, require_loopback
-from xpyd.sim.emulator import DEFAULT_MODEL, ScaledPerf, config_from_args
-from xpyd.sim.traces import TraceRequest
+from xpyd.common.netguard import LOOPBACK_ONLY_ENV, require_loopback
+from xpyd.sim.emulator.config import DEFAULT_MODEL, ScaledPerf
+from xpyd.sim.emulator.main import config_from_args
+from xpyd.traces import TraceRequest
 
 pytestmark = pytest.mark.integration
 

@@ -36,10 +36,11 @@ import aiohttp
 import pytest
 
 from tests.integration.test_engine_sim import PERF, client_session, engine_process, prefill_leg, token_prompt
-from xpyd.sim.policy import Desired, StaticPolicy
+from xpyd.autoscaler.observation import Desired
+from xpyd.common.stats import percentile
+from xpyd.sim.policy import StaticPolicy
 from xpyd.sim.simulator import SimConfig, simulate
-from xpyd.sim.traces import TraceRequest, load_trace
-from xpyd.stats import percentile
+from xpyd.traces import TraceRequest, load_trace
 
 pytestmark = pytest.mark.integration
 

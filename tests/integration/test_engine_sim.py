@@ -27,12 +27,14 @@ import aiohttp
 import pytest
 
 from xpyd.cluster.controlplane import free_port
-from xpyd.cluster.netguard import NonLoopbackAddress, require_loopback
+from xpyd.common.netguard import NonLoopbackAddress, require_loopback
+from xpyd.perf.model import DEFAULT_PROFILE, PerfModel
+from xpyd.perf.shapes import lookup_model
 from xpyd.sim.core import ITL_BUCKETS, REQUEST_LATENCY_BUCKETS, TTFT_BUCKETS, build_1_2_5_buckets
-from xpyd.sim.emulator import DEFAULT_PROFILE, EmulatorConfig, EmulatorServer, config_from_args, start_server
-from xpyd.sim.exposition import NIXL_BYTES_BUCKETS, NIXL_XFER_TIME_BUCKETS
-from xpyd.sim.perf import PerfModel
-from xpyd.sim.shapes import lookup_model
+from xpyd.sim.emulator.config import EmulatorConfig
+from xpyd.sim.emulator.exposition import NIXL_BYTES_BUCKETS, NIXL_XFER_TIME_BUCKETS
+from xpyd.sim.emulator.http import EmulatorServer, start_server
+from xpyd.sim.emulator.main import config_from_args
 
 pytestmark = pytest.mark.integration
 

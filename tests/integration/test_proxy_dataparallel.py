@@ -18,7 +18,7 @@ import pytest
 from tests.integration.test_proxy_protocol import COMPLETION, HOST, eventually, rig
 from xpyd.api.models import Connector
 from xpyd.proxy import protocol
-from xpyd.proxy.stubengine import StubEngine
+from xpyd.testing.stubengine import StubEngine
 
 pytestmark = pytest.mark.integration
 

@@ -21,7 +21,7 @@ from tests.integration.test_proxy_protocol import COMPLETION, HOST, Rig, eventua
 from xpyd.api.models import Connector, RoutingPolicy
 from xpyd.cluster.controlplane import free_port, free_ports
 from xpyd.proxy.discovery import static_endpoints
-from xpyd.proxy.stubengine import StubEngine
+from xpyd.testing.stubengine import StubEngine
 
 pytestmark = pytest.mark.integration
 
@@ -192,7 +192,7 @@ async def test_decode_endpoints_scaled_up_and_down_while_requests_flow() -> None
 
 
 async def _engine_process(port: int) -> subprocess.Popen[bytes]:
-    process = subprocess.Popen([sys.executable, "-m", "xpyd.proxy.stubengine", "--host", HOST, "--port", str(port)],
+    process = subprocess.Popen([sys.executable, "-m", "xpyd.testing.stubengine", "--host", HOST, "--port", str(port)],
                                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     async with aiohttp.ClientSession() as session:
         for _ in range(200):

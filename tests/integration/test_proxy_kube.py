@@ -16,11 +16,11 @@ import pytest
 
 from tests.integration.fakekube import FakeKube
 from tests.integration.test_proxy_protocol import COMPLETION, Rig, eventually, rig
-from xpyd.cluster.netguard import require_loopback
+from xpyd.common.netguard import require_loopback
 from xpyd.kube import Kube
 from xpyd.proxy.discovery import PodWatcher
 from xpyd.proxy.pool import Endpoint
-from xpyd.proxy.stubengine import StubEngine
+from xpyd.testing.stubengine import StubEngine
 
 pytestmark = pytest.mark.integration
 

@@ -14,7 +14,7 @@ import pytest
 from tests.integration.test_proxy_protocol import COMPLETION, HOST, eventually, rig
 from xpyd.api.models import Connector
 from xpyd.proxy.p2pnccl import Registrations
-from xpyd.proxy.stubengine import StubEngine
+from xpyd.testing.stubengine import StubEngine
 
 zmq = pytest.importorskip("zmq")
 msgpack = pytest.importorskip("msgpack")

@@ -1,6 +1,6 @@
 """Protocol conformance of the proxy over real HTTP on loopback: what each connector's legs carry,
 streaming intact, request ids, auth, the 4xx answers that never reach an engine, and cancellation
-reaching the engines. The engines are stub engines in this process (`xpyd.proxy.stubengine`).
+reaching the engines. The engines are stub engines in this process (`xpyd.testing.stubengine`).
 
 `Rig` (the proxy in front of stub engines) is shared by the other proxy integration tests.
 """
@@ -20,12 +20,13 @@ import pytest
 from aiohttp import web
 
 from xpyd.api.models import Connector
-from xpyd.cluster.netguard import require_loopback
+from xpyd.common.netguard import require_loopback
 from xpyd.proxy import protocol
+from xpyd.proxy.config import ProxyConfig
 from xpyd.proxy.discovery import static_endpoints
 from xpyd.proxy.pool import Role
-from xpyd.proxy.server import Proxy, ProxyConfig
-from xpyd.proxy.stubengine import StubEngine
+from xpyd.proxy.server import Proxy
+from xpyd.testing.stubengine import StubEngine
 
 pytestmark = pytest.mark.integration
 

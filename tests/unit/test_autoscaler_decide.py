@@ -32,9 +32,9 @@ from xpyd.autoscaler.decide import (
     pd_ratio,
     quantile_at,
 )
+from xpyd.autoscaler.observation import Observation, Quantiles, RoleObservation
 from xpyd.autoscaler.sizing import PoolModel, PromptMix
-from xpyd.sim.perf import PerfModel
-from xpyd.sim.policy import Observation, Quantiles, RoleObservation
+from xpyd.perf.model import PerfModel
 
 pytestmark = pytest.mark.unit
 

@@ -22,7 +22,7 @@ from xpyd.controller.status import Observed, compute_status
 pytestmark = pytest.mark.unit
 
 REPO = Path(__file__).resolve().parents[2]
-PROFILE_DIR = REPO / "operator" / "xpyd" / "sim" / "profiles"
+PROFILE_DIR = REPO / "operator" / "xpyd" / "perf" / "profiles"
 
 JSON = dict[str, Any]
 

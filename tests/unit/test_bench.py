@@ -31,7 +31,7 @@ from xpyd.bench.report import (
     summarize,
 )
 from xpyd.bench.runner import BenchConfig, BenchError, plan_arrivals
-from xpyd.sim.traces import TraceRequest
+from xpyd.traces import TraceRequest
 
 pytestmark = pytest.mark.unit
 

@@ -11,11 +11,12 @@ from typing import Any
 import pytest
 from cryptography import x509
 
+from xpyd.cli import build_parser
 from xpyd.cluster import pki
 from xpyd.cluster.controlplane import ClusterState
-from xpyd.cluster.netguard import NonLoopbackAddress, require_loopback, require_loopback_url
 from xpyd.cluster.nodes import DEFAULT_NODES, node_object
-from xpyd.cluster.runtime import PodRuntime, supported_subcommands
+from xpyd.cluster.runtime import POD_SUBCOMMANDS, PodRuntime
+from xpyd.common.netguard import NonLoopbackAddress, require_loopback, require_loopback_url
 
 pytestmark = pytest.mark.unit
 
@@ -88,7 +89,6 @@ def test_operator_image_runs_as_this_xpyd_with_its_own_token(runtime: PodRuntime
 
 
 def test_serving_subcommands_bind_the_pod_ip(runtime: PodRuntime, tmp_path: Path) -> None:
-    runtime._subcommands = {*runtime._subcommands, "proxy"}  # as once `xpyd proxy` exists
     plan = runtime.plan(pod("ghcr.io/xpyd-operator/xpyd-operator:0.1.0", ["xpyd", "proxy"], ["--port=8000"]),
                         "127.77.4.9", tmp_path)
     assert plan is not None and plan.argv[3:] == ["proxy", "--host", "127.77.4.9", "--port=8000"]
@@ -99,7 +99,13 @@ def test_unknown_images_and_subcommands_run_no_process(runtime: PodRuntime, tmp_
     assert runtime.plan(pod("ghcr.io/xpyd-operator/xpyd-operator:0.1.0", ["xpyd", "no-such-command"], []),
                         "127.77.4.9", tmp_path) is None
     engine = runtime.plan(pod("vllm/vllm-openai:v0.33.0", ["vllm", "serve"], ["m"]), "127.77.4.9", tmp_path)
-    assert (engine is not None) == ("engine-sim" in supported_subcommands())
+    assert engine is not None and engine.argv[3:5] == ["engine-sim", "--host"]
+
+
+def test_pod_subcommands_are_xpyd_subcommands() -> None:
+    subcommands = next(action.choices for action in build_parser()._actions
+                       if isinstance(getattr(action, "choices", None), dict))
+    assert set(subcommands) >= POD_SUBCOMMANDS
 
 
 def test_no_token_without_automount(runtime: PodRuntime, tmp_path: Path) -> None:

@@ -272,7 +272,7 @@ def test_the_proxy_url_is_a_ready_pods_loopback_address() -> None:
     assert proxy_url([_pod("127.0.0.9", False), _pod("127.0.0.10", True)]) == "http://127.0.0.10:8000"
     with pytest.raises(DemoFailed):
         proxy_url([_pod("127.0.0.9", False)])
-    from xpyd.cluster.netguard import NonLoopbackAddress
+    from xpyd.common.netguard import NonLoopbackAddress
 
     with pytest.raises(NonLoopbackAddress):
         proxy_url([_pod("10.0.0.3", True)])

@@ -12,8 +12,7 @@ from pathlib import Path
 import pytest
 
 from tests.paths import H200_PROFILE, SPLITWISE
-from xpyd.sim.core import EnginePerf
-from xpyd.sim.perf import (
+from xpyd.perf.model import (
     H200_LLAMA31_8B_MAX_KV_TOKENS,
     DecodePoint,
     MeasuredDecode,
@@ -25,7 +24,8 @@ from xpyd.sim.perf import (
     saturated_points,
     transfer_to_prefill_ratio,
 )
-from xpyd.sim.shapes import GPUS, MODELS, ModelShape, lookup_gpu, lookup_model
+from xpyd.perf.shapes import GPUS, MODELS, ModelShape, lookup_gpu, lookup_model
+from xpyd.sim.core import EnginePerf
 
 pytestmark = pytest.mark.unit
 
@@ -403,7 +403,7 @@ def test_piecewise_linear_rejects_bad_tables() -> None:
 
 
 def test_bundled_profile_by_name_is_the_measured_one() -> None:
-    from xpyd.sim.perf import DEFAULT_PROFILE, profile_paths
+    from xpyd.perf.model import DEFAULT_PROFILE, profile_paths
 
     assert profile_paths("h200_llama31_8b_fp8_tp1") == profile_paths(DEFAULT_PROFILE)
     for bundled, data in zip(profile_paths(DEFAULT_PROFILE), profile_paths(PROFILE), strict=True):

@@ -6,15 +6,17 @@ from __future__ import annotations
 import argparse
 import json
 import math
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
 import pytest
 
 from tests.paths import H200_PROFILE, SPLITWISE
-from xpyd.sim import plan as plan_module
-from xpyd.sim.perf import PerfModel
-from xpyd.sim.plan import erlang_c, size_prefill
+from xpyd import plan as plan_module
+from xpyd.autoscaler.sizing import PoolModel, PromptMix
+from xpyd.perf.model import PerfModel
+from xpyd.perf.queueing import erlang_c
 
 pytestmark = pytest.mark.unit
 
@@ -120,7 +122,7 @@ def test_profile_plan_sizes_both_pools_from_the_model(capsys: pytest.CaptureFixt
     assert result["decode_replicas"] == math.ceil(20 * 200 * itl / batch)
     assert result["prefill_utilisation"] < 1 and result["ttft_ms_at_percentile"] <= 1000
     assert result["pd_ratio_steady_state"] == pytest.approx(
-        (batch / itl) / model.prefill_tokens_per_second(4168) * 4168 / 200, rel=1e-12)
+        (batch / itl) / (8192 / model.prefill_seconds(8192)) * 4168 / 200, rel=1e-12)
 
 
 def test_splitwise_plan(capsys: pytest.CaptureFixture[str]) -> None:
@@ -173,31 +175,52 @@ def test_erlang_c(servers: int, load: float, expected: float) -> None:
     assert erlang_c(servers, load) == pytest.approx(expected, rel=1e-12)
 
 
-def test_prefill_sizing_grows_with_load_and_percentile() -> None:
-    def replicas(rate: float, percentile: float = 90.0) -> int:
-        return size_prefill(rate, [0.2], [0.05], 1.0, 0.6, percentile).replicas
+POOL = PoolModel(PerfModel.from_profile(H200_PROFILE), ttft_target_s=0.6, tpot_target_s=0.05)
+MIX = PromptMix.from_quantiles(2000.0)
 
-    counts = [replicas(rate) for rate in (0.5, 2, 5, 10, 20, 40)]
-    assert counts == sorted(counts) and counts[0] == 1
-    assert all(count > rate * 0.2 for count, rate in zip(counts, (0.5, 2, 5, 10, 20, 40), strict=True))
-    assert replicas(10, 99) >= replicas(10, 90) >= replicas(10, 50)
-    # Unlike a fixed utilisation target, the pool runs busier as it grows (AUTOSCALER.md).
-    busy = [size_prefill(rate, [0.2], [0.05], 1.0, 0.6, 90.0).utilisation for rate in (2, 10, 40)]
+
+def test_prefill_sizing_grows_with_load_and_percentile() -> None:
+    def replicas(rate: float, quantile: float = 0.9) -> int:
+        return replace(POOL, quantile=quantile).size_prefill(rate, MIX, 0.01).replicas
+
+    rates = (0.5, 5, 20, 50, 100, 200)
+    counts = [replicas(rate) for rate in rates]
+    assert counts == sorted(counts) and counts[0] == 1 and counts[-1] > 1
+    assert replicas(100, 0.99) >= replicas(100, 0.9) >= replicas(100, 0.5)
+    # Unlike a fixed utilisation target, the pool runs busier as it grows (docs/autoscaling.md).
+    busy = [POOL.size_prefill(rate, MIX, 0.01).utilisation for rate in (20, 100, 200)]
     assert busy == sorted(busy)
 
 
-def test_prefill_sizing_meets_the_target_it_reports() -> None:
-    sizing = size_prefill(10, [0.1, 0.2, 0.4], [0.02, 0.04, 0.08], 0.5, 0.8, 90)
-    assert sizing.feasible and sizing.ttft_s <= 0.8
-    fewer = size_prefill(10, [0.1, 0.2, 0.4], [0.02, 0.04, 0.08], 0.5, sizing.ttft_s * 1.0001, 90)
-    assert fewer.replicas == sizing.replicas
+@pytest.mark.parametrize("rate", [5.0, 50.0, 150.0])
+def test_prefill_sizing_meets_the_target_it_reports(rate: float) -> None:
+    sizing = POOL.size_prefill(rate, MIX, 0.01)
+    assert sizing.feasible_share == 1.0  # every prompt can meet 600 ms: the TTFT quantile is the SLO's
+    assert POOL.ttft_quantile(sizing.replicas, rate, MIX, 0.01) <= POOL.ttft_target_s
+    fewer = sizing.replicas - 1
+    assert fewer == 0 or POOL.ttft_quantile(fewer, rate, MIX, 0.01) > POOL.ttft_target_s \
+        or rate * POOL.service_seconds(MIX.mean) / fewer > POOL.max_utilisation
 
 
-def test_unreachable_ttft_sizes_near_the_floor() -> None:
-    sizing = size_prefill(5, [2.0], [0.1], 1.0, 0.5, 90)
-    assert not sizing.feasible
-    assert sizing.floor_s == pytest.approx(2.1, rel=1e-9)
-    assert sizing.ttft_s <= 1.1 * sizing.floor_s
+def test_unreachable_ttft_sizes_for_load_only() -> None:
+    pool = replace(POOL, ttft_target_s=0.001)   # below any prompt's own prefill
+    sizing = pool.size_prefill(20.0, MIX, 0.01)
+    assert sizing.feasible_share == 0.0 and pool.ttft_floor(MIX, 0.01) > pool.ttft_target_s
+    offered = 20.0 * sum(pool.service_seconds(x) for x in MIX.isl_tokens) / len(MIX.isl_tokens)
+    assert sizing.replicas == max(1, math.ceil(offered / pool.max_utilisation - 1e-9))
+
+
+def test_plan_sizes_prefill_as_the_autoscaler_does(capsys: pytest.CaptureFixture[str]) -> None:
+    result = plan_json(capsys, "--model", "meta-llama/Llama-3.1-8B-Instruct", "--kv-dtype", "fp8", "--profile",
+                       str(PROFILE), "--isl", "2000", "--osl", "200", "--rate", "50", "--link-gbps", "400",
+                       "--slo-ttft-ms", "600", "--slo-tpot-ms", "50")
+    perf = PerfModel.from_profile(PROFILE).with_kv_transfer(64 * 1024, 400.0)
+    assert perf.max_num_seqs is not None   # the profile's own cap (the engine it was measured on)
+    pool = PoolModel(perf, 0.6, 0.05, max_num_seqs=perf.max_num_seqs)
+    batch, itl, _ = pool.decode_frontier(2100)
+    assert result["prefill_replicas"] == pool.size_prefill(50.0, MIX, itl).replicas
+    assert result["decode_replicas"] == pool.size_decode(50.0, 2000, 200).replicas
+    assert result["decode_batch_per_replica"] == batch
 
 
 # --- verdicts --------------------------------------------------------------------------------

@@ -14,12 +14,11 @@ from typing import Any
 
 import pytest
 
-from xpyd.api.models import DisaggregatedServingSpec
+from xpyd.api.models import MAX_PROXY_DRAIN_SECONDS, MAX_PROXY_FINISH_SECONDS, DisaggregatedServingSpec
 from xpyd.proxy import protocol
 from xpyd.proxy.breaker import Breaker
+from xpyd.proxy.config import ProxyConfig
 from xpyd.proxy.main import (
-    MAX_DRAIN_SECONDS,
-    MAX_FINISH_SECONDS,
     Stopping,
     _check,
     add_arguments,
@@ -28,7 +27,7 @@ from xpyd.proxy.main import (
     run,
 )
 from xpyd.proxy.pool import Instance
-from xpyd.proxy.server import Proxy, ProxyConfig
+from xpyd.proxy.server import Proxy
 from xpyd.render import proxy_args
 
 pytestmark = pytest.mark.unit
@@ -87,12 +86,12 @@ def _parse(*argv: str) -> argparse.Namespace:
 @pytest.mark.parametrize(("argv", "problem"), [
     ((), None),
     (("--drain-seconds", "0", "--finish-timeout", "0.5"), None),
-    (("--drain-seconds", str(MAX_DRAIN_SECONDS)), None),
+    (("--drain-seconds", str(MAX_PROXY_DRAIN_SECONDS)), None),
     (("--drain-seconds", "-1"), "--drain-seconds"),
-    (("--drain-seconds", str(MAX_DRAIN_SECONDS + 1)), "--drain-seconds"),
+    (("--drain-seconds", str(MAX_PROXY_DRAIN_SECONDS + 1)), "--drain-seconds"),
     (("--drain-seconds", "nan"), "--drain-seconds"),
     (("--finish-timeout", "0"), "--finish-timeout"),
-    (("--finish-timeout", str(MAX_FINISH_SECONDS + 1)), "--finish-timeout"),
+    (("--finish-timeout", str(MAX_PROXY_FINISH_SECONDS + 1)), "--finish-timeout"),
     (("--prefill-data-parallel-size", "8"), None),
     (("--prefill-data-parallel-size", "0"), "--prefill-data-parallel-size"),
     (("--prefill-data-parallel-size", "65"), "--prefill-data-parallel-size"),

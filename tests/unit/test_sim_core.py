@@ -8,6 +8,7 @@ from dataclasses import dataclass
 import pytest
 
 from tests.paths import H200_PROFILE
+from xpyd.perf.model import PerfModel, read_profile
 from xpyd.sim.core import (
     EngineConfig,
     EngineCore,
@@ -19,7 +20,6 @@ from xpyd.sim.core import (
     build_1_2_5_buckets,
     histogram_quantile,
 )
-from xpyd.sim.perf import PerfModel, read_profile
 
 pytestmark = pytest.mark.unit
 

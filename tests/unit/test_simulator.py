@@ -11,12 +11,15 @@ from pathlib import Path
 import pytest
 
 from tests.paths import FIXTURE_TRACES, H200_PROFILE
+from xpyd.autoscaler.observation import Desired, Observation, Slo
+from xpyd.perf.model import PerfModel
+from xpyd.sim.cli import ProgressBar, add_parser
 from xpyd.sim.core import EngineConfig
-from xpyd.sim.perf import PerfModel
-from xpyd.sim.policy import POLICIES, Desired, Observation, PolicyContext, Slo, StaticPolicy, build_policy
+from xpyd.sim.policies import POLICIES, build_policy
+from xpyd.sim.policy import PolicyContext, StaticPolicy
 from xpyd.sim.report import build_report, percentile, summary, timeline_bin_s
-from xpyd.sim.simulator import DECODE, PREFILL, ProgressBar, SimConfig, Simulator, add_parser, simulate
-from xpyd.sim.traces import TraceRequest, read_trace
+from xpyd.sim.simulator import DECODE, PREFILL, SimConfig, Simulator, simulate
+from xpyd.traces import TraceRequest, read_trace
 
 pytestmark = pytest.mark.unit
 

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from xpyd.sim.traces import TraceError, TraceRequest, load_trace, read_trace
+from xpyd.traces import TraceError, TraceRequest, load_trace, read_trace
 
 pytestmark = pytest.mark.unit
 

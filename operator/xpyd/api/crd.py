@@ -15,8 +15,7 @@ from pydantic.json_schema import GenerateJsonSchema, NoDefault
 from pydantic_core import core_schema as cs
 
 from xpyd.api import models
-
-JSON = dict[str, Any]
+from xpyd.common.jsontypes import JSON
 
 # Keys of pydantic's JSON Schema that a CRD schema does not take.
 _DROPPED_KEYS = frozenset({"title", "$defs"})

@@ -59,6 +59,11 @@ Name = Annotated[str, Field(min_length=1, max_length=253)]
 
 #: The most data-parallel ranks one engine pod may run (`dataParallelSize`; the proxy bounds its flag by it).
 MAX_DATA_PARALLEL = 64
+#: The most seconds a stopping proxy keeps serving while it fails readiness (`--drain-seconds`), and the
+#: most its requests in flight get afterwards (`--finish-timeout`): a stopping proxy must not hold its
+#: pod for long. The proxy refuses longer values; the render caps what it passes by them.
+MAX_PROXY_DRAIN_SECONDS = 300.0
+MAX_PROXY_FINISH_SECONDS = 3600.0
 
 
 class EnvVar(APIModel):

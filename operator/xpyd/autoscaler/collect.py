@@ -27,13 +27,12 @@ import urllib.request
 from collections.abc import Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Any, Final
+from typing import Final
 
-from xpyd.cluster.netguard import NonLoopbackAddress, guard_url
-from xpyd.render.naming import ROLE_LABEL, SERVING_LABEL
-from xpyd.sim.policy import Observation, Quantiles, RoleObservation
-
-JSON = dict[str, Any]
+from xpyd.api.naming import ROLE_LABEL, SERVING_LABEL
+from xpyd.autoscaler.observation import Observation, Quantiles, RoleObservation
+from xpyd.common.jsontypes import JSON
+from xpyd.common.netguard import NonLoopbackAddress, guard_url
 
 ENGINE_ROLES: Final = ("prefill", "decode")
 

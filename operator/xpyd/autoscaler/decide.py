@@ -64,6 +64,7 @@ from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING
 
 from xpyd.autoscaler.forecast import Forecaster, HoltForecaster, SeriesState
+from xpyd.autoscaler.observation import Observation, Quantiles, RoleObservation
 from xpyd.autoscaler.sizing import (
     DEFAULT_MAX_NUM_BATCHED_TOKENS,
     DEFAULT_MAX_NUM_SEQS,
@@ -73,8 +74,7 @@ from xpyd.autoscaler.sizing import (
     PrefillSizing,
     PromptMix,
 )
-from xpyd.sim.perf import PerfModel
-from xpyd.sim.policy import Observation, Quantiles, RoleObservation
+from xpyd.perf.model import PerfModel
 
 if TYPE_CHECKING:
     from xpyd.api.models import AutoscalingSpec

@@ -1,6 +1,6 @@
 """The performance model a DisaggregatedServing's autoscaler sizes with, from `spec.autoscaling.profile`.
 
-- `name`: a profile shipped with the operator (`xpyd/sim/profiles/<name>_{prefill,decode}.csv`);
+- `name`: a profile shipped with the operator (`xpyd/perf/profiles/<name>_{prefill,decode}.csv`);
 - `configMap`: a measured profile the user keeps in a ConfigMap (keys `prefill.csv`, `decode.csv`);
 - neither: a roofline estimate from the model's shape and the decode pool's GPU product, when both
   are known to `xpyd plan`; otherwise there is nothing to size with (`ProfileError`).
@@ -14,13 +14,12 @@ from __future__ import annotations
 import tempfile
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Any
 
 from xpyd.api.models import DisaggregatedServingSpec
-from xpyd.sim.perf import BUNDLED_PROFILES, PerfModel
-from xpyd.sim.shapes import lookup_gpu, lookup_model
+from xpyd.common.jsontypes import JSON
+from xpyd.perf.model import BUNDLED_PROFILES, PerfModel
+from xpyd.perf.shapes import lookup_gpu, lookup_model
 
-JSON = dict[str, Any]
 PROFILE_KEYS = ("prefill.csv", "decode.csv")
 
 

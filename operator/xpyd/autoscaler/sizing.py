@@ -27,9 +27,9 @@ import statistics
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from xpyd.sim.perf import PerfModel
-from xpyd.sim.plan import erlang_c
-from xpyd.sim.policy import Quantiles
+from xpyd.autoscaler.observation import Quantiles
+from xpyd.perf.model import PerfModel
+from xpyd.perf.queueing import erlang_c
 
 DEFAULT_MAX_NUM_BATCHED_TOKENS = 8192
 """vLLM V1's default token budget of one engine step."""
@@ -208,24 +208,51 @@ class PoolModel:
             return 0.0
         return missed / expected_requests if expected_requests > 0 else 1.0
 
+    def _wait(self, replicas: int, rate: float, mix: PromptMix, k: float) -> tuple[float, float] | None:
+        """(P(wait), the tail's decay per second) of the M/G/c queue, None when it is saturated:
+        `P(W > t) = P(wait) · exp(-decay · t)` (Erlang C, Allen-Cunneen)."""
+        service = [self.service_seconds(x, k) for x in mix.isl_tokens]
+        mean_service = statistics.fmean(service)
+        offered = rate * mean_service
+        if replicas <= 0 or offered >= replicas:
+            return None
+        cs2 = statistics.pvariance(service) / mean_service**2
+        return erlang_c(replicas, offered), 2.0 * (replicas / mean_service - rate) / (1.0 + cs2)
+
     def prefill_attainment(self, replicas: int, rate: float, mix: PromptMix, decode_itl_s: float,
                            k: float = 1.0) -> float:
         """Predicted share of feasible requests whose TTFT meets the target with `replicas`."""
         if rate <= 0:
             return 1.0
-        service = [self.service_seconds(x, k) for x in mix.isl_tokens]
-        mean_service = statistics.fmean(service)
-        offered = rate * mean_service
-        if replicas <= 0 or offered >= replicas:
+        wait = self._wait(replicas, rate, mix, k)
+        if wait is None:
             return 0.0
-        cs2 = statistics.pvariance(service) / mean_service**2
-        wait_probability = erlang_c(replicas, offered)
-        decay = 2.0 * (replicas / mean_service - rate) / (1.0 + cs2)
+        wait_probability, decay = wait
         slack = [self.ttft_target_s - self.fixed_seconds(x, decode_itl_s, k) for x in mix.isl_tokens]
         feasible = [s for s in slack if s >= 0]
         if not feasible:
             return 1.0
         return 1.0 - statistics.fmean(wait_probability * math.exp(-decay * s) for s in feasible)
+
+    def ttft_quantile(self, replicas: int, rate: float, mix: PromptMix, decode_itl_s: float, k: float = 1.0) -> float:
+        """The TTFT at `quantile` over every request (feasible or not) that the model predicts on
+        `replicas`: the quantile of the M/G/c wait plus each prompt's idle-pool TTFT (inf when saturated)."""
+        fixed = [self.fixed_seconds(x, decode_itl_s, k) for x in mix.isl_tokens]
+        wait = self._wait(replicas, rate, mix, k) if rate > 0 else (0.0, 1.0)
+        if wait is None:
+            return math.inf
+        wait_probability, decay = wait
+        tail = 1.0 - self.quantile
+
+        def exceeding(t: float) -> float:
+            return statistics.fmean(1.0 if t < x else wait_probability * math.exp(-decay * (t - x)) for x in fixed)
+
+        low = min(fixed)
+        high = max(fixed) + (math.log(wait_probability / tail) / decay if wait_probability > tail else 0.0)
+        for _ in range(60):  # bisection to well below a microsecond
+            middle = (low + high) / 2
+            low, high = (middle, high) if exceeding(middle) > tail else (low, middle)
+        return high
 
     def size_prefill(self, rate: float, mix: PromptMix, decode_itl_s: float, k: float = 1.0,
                      max_replicas: int = 1024) -> PrefillSizing:

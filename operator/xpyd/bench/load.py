@@ -1,7 +1,7 @@
 """What `xpyd bench` sends and when: the arrival schedule and the prompts (pure; no I/O).
 
 Arrivals are wall seconds from the run's start. A trace's are its own timestamps (already windowed
-and divided by the speed-up by `xpyd.sim.traces.load_trace`); a synthetic load is a Poisson process
+and divided by the speed-up by `xpyd.traces.load_trace`); a synthetic load is a Poisson process
 with fixed prompt and output lengths.
 
 Prompts are text of about ISL tokens: ISL words from a list of common English words that are one
@@ -22,7 +22,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from xpyd.sim.traces import TraceRequest
+from xpyd.traces import TraceRequest
 
 PROMPT_WORDS = (" the", " and", " for", " are", " but", " not", " you", " all", " any", " can", " had",
                 " her", " was", " one", " our", " out", " day", " get", " has", " him", " his", " how",

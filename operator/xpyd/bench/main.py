@@ -21,7 +21,7 @@ from typing import Any
 
 from xpyd.bench.report import Slo, attainment_message, exit_code, format_summary
 from xpyd.bench.runner import BenchConfig, BenchError, BenchResult, run_bench_sync
-from xpyd.cluster.netguard import LOOPBACK_ONLY_ENV
+from xpyd.common.netguard import LOOPBACK_ONLY_ENV
 
 API_KEY_ENV = "OPENAI_API_KEY"
 """Set to 1 to refuse URLs outside 127.0.0.0/8 (as `--loopback-only`)."""

@@ -20,7 +20,7 @@ from dataclasses import asdict, dataclass
 from typing import Any
 
 # The percentile and millisecond-summary conventions of `xpyd sim`'s report, so both reports compare.
-from xpyd.stats import summary_ms
+from xpyd.common.stats import summary_ms
 
 EXIT_ATTAINMENT = 3
 """Exit code when attainment is below `--min-attainment` (2 is taken by bad arguments)."""

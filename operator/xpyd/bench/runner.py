@@ -26,8 +26,8 @@ import aiohttp
 from xpyd.bench.client import send_completion
 from xpyd.bench.load import Arrival, completion_body, poisson_arrivals, trace_arrivals
 from xpyd.bench.report import RequestRecord, Slo, build_report, summarize
-from xpyd.cluster.netguard import NonLoopbackAddress, require_loopback_url
-from xpyd.sim.traces import TraceError, TraceRequest, load_trace
+from xpyd.common.netguard import NonLoopbackAddress, require_loopback_url
+from xpyd.traces import TraceError, TraceRequest, load_trace
 
 log = logging.getLogger(__name__)
 

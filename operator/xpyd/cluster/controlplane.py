@@ -27,8 +27,8 @@ import yaml
 
 from xpyd.cluster import pki
 from xpyd.cluster.binaries import Binaries, locate_binaries
-from xpyd.cluster.netguard import require_loopback
 from xpyd.cluster.nodes import DEFAULT_NODES, NodeSpec, node_object
+from xpyd.common.netguard import require_loopback
 from xpyd.kube import Kube
 
 HOST = "127.0.0.1"

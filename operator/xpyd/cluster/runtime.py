@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import base64
 import contextlib
-import datetime
 import json
 import logging
 import os
@@ -34,35 +33,23 @@ from pathlib import Path
 from typing import Any
 
 from xpyd.cluster.controlplane import HOST, ClusterState, write_kubeconfig
-from xpyd.cluster.netguard import LOOPBACK_ONLY_ENV, require_loopback
+from xpyd.common.jsontypes import JSON
+from xpyd.common.netguard import LOOPBACK_ONLY_ENV, require_loopback
+from xpyd.common.timefmt import rfc3339
 from xpyd.kube import Kube, KubeError
 
-JSON = dict[str, Any]
 log = logging.getLogger(__name__)
 
 ENGINE_IMAGES = ("vllm/vllm-openai:", "ghcr.io/xpyd-operator/vllm-engine:")
 #: Sub-commands that serve HTTP: inside a pod they would bind all of the pod's own addresses; here
 #: they are told to bind the pod IP (never this machine's other interfaces).
 SERVING_SUBCOMMANDS = frozenset({"proxy", "engine-sim"})
+#: The `xpyd` sub-commands the project's pods run (the operator's, the proxies' and emulated engines');
+#: a pod asking for another runs no process.
+POD_SUBCOMMANDS = frozenset({"operator", *SERVING_SUBCOMMANDS})
 RESTART_BACKOFF_SECONDS = 2.0
 PID_FILE = "pid"
 MAX_GRACE_SECONDS = 30.0  # the harness never waits longer for a process to stop
-
-
-def _now() -> str:
-    return datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
-
-
-def supported_subcommands() -> set[str]:
-    """The `xpyd` sub-commands this build has (a pod asking for a missing one runs as unknown)."""
-    from xpyd.cli import build_parser
-
-    parser = build_parser()
-    for action in parser._actions:  # argparse offers no public accessor for sub-commands
-        choices = getattr(action, "choices", None)
-        if isinstance(choices, dict):
-            return set(choices)
-    return set()
 
 
 @dataclass
@@ -116,7 +103,7 @@ class PodProcess:
     restarts: int = 0
     ready: bool = False
     exited_at: float | None = None
-    started_at: str = field(default_factory=_now)
+    started_at: str = field(default_factory=rfc3339)
     last_status: JSON = field(default_factory=dict)
 
     def start(self) -> None:
@@ -174,7 +161,6 @@ class PodRuntime:
         self.pods: dict[str, PodProcess] = {}
         self.deleting: set[str] = set()
         self._next_host: dict[str, int] = {}
-        self._subcommands = supported_subcommands()
         self._targets = ""
         self.directory = Path(state.state_dir) / "pods"
 
@@ -201,10 +187,10 @@ class PodRuntime:
         container = pod["spec"]["containers"][0]
         command = list(container.get("command") or [])
         args = [_localise(a, ip) for a in container.get("args") or []]
-        if command[:1] == ["xpyd"] and len(command) > 1 and command[1] in self._subcommands:
+        if command[:1] == ["xpyd"] and len(command) > 1 and command[1] in POD_SUBCOMMANDS:
             host = ["--host", ip] if command[1] in SERVING_SUBCOMMANDS else []
             argv = [sys.executable, "-m", "xpyd.cli", *command[1:], *host, *args]
-        elif container.get("image", "").startswith(ENGINE_IMAGES) and "engine-sim" in self._subcommands:
+        elif container.get("image", "").startswith(ENGINE_IMAGES):
             argv = [sys.executable, "-m", "xpyd.cli", "engine-sim", "--host", ip, *args]
         else:
             return None
@@ -286,7 +272,7 @@ class PodRuntime:
         comparable = {k: v for k, v in status.items() if k != "conditions"}, status["conditions"]
         if comparable == (runner.last_status.get("fields"), runner.last_status.get("conditions")):
             return
-        now = _now()
+        now = rfc3339()
         for condition in status["conditions"]:
             condition["lastTransitionTime"] = now
         try:

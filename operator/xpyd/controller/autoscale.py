@@ -21,7 +21,6 @@ stabilisation window of recommendations.
 
 from __future__ import annotations
 
-import datetime
 import logging
 import math
 import threading
@@ -41,15 +40,17 @@ from xpyd.autoscaler.decide import (
     decide,
     hold,
 )
+from xpyd.autoscaler.observation import Observation
 from xpyd.autoscaler.profile import ProfileError, perf_model
 from xpyd.autoscaler.sizing import DEFAULT_MAX_NUM_BATCHED_TOKENS, DEFAULT_MAX_NUM_SEQS
+from xpyd.common.args import last_flag_value
+from xpyd.common.jsontypes import JSON
+from xpyd.common.timefmt import rfc3339
 from xpyd.controller.status import ConditionValue, merge_conditions, status_changed
 from xpyd.kube import Kube
+from xpyd.perf.model import PerfModel
 from xpyd.proxy.metrics import Counter, Gauge, GaugeSample, exposition
-from xpyd.sim.perf import PerfModel
-from xpyd.sim.policy import Observation
 
-JSON = dict[str, Any]
 log = logging.getLogger(__name__)
 
 #: ScalingActive reasons besides decide()'s MetricsUnavailable.
@@ -58,19 +59,10 @@ RECOMMEND_ONLY = "RecommendOnly"
 PROFILE_UNAVAILABLE = "ProfileUnavailable"
 
 
-def _rfc3339(seconds: float) -> str:
-    return datetime.datetime.fromtimestamp(seconds, datetime.UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
-
-
 def _engine_arg(args: list[str], flag: str, default: int) -> int:
     """The last value of `--flag N` or `--flag=N` in vllm serve args, else `default`."""
-    value = default
-    for i, arg in enumerate(args):
-        text = arg.split("=", 1)[1] if arg.startswith(flag + "=") else (
-            args[i + 1] if arg == flag and i + 1 < len(args) else None)
-        if text is not None and text.isdigit():
-            value = int(text)
-    return value
+    value = last_flag_value(args, flag)
+    return int(value) if value is not None and value.isdigit() else default
 
 
 def config_for(serving: DisaggregatedServing, perf: PerfModel) -> AutoscalerConfig:
@@ -224,7 +216,7 @@ class Autoscaler:
         now = self.clock()
         memory.last_run_s, memory.generation = now, meta.get("generation")
         old_status: JSON = body.get("status") or {}
-        stamp = _rfc3339(now)
+        stamp = rfc3339(now)
 
         try:
             perf = self._perf(serving, namespace, memory)

@@ -23,12 +23,12 @@ from typing import Any
 import kopf
 
 from xpyd.api import models
+from xpyd.api.naming import FIELD_MANAGER, SERVING_LABEL
+from xpyd.common.jsontypes import JSON
 from xpyd.controller.autoscale import Autoscaler
 from xpyd.controller.reconcile import InvalidSpec, reconcile
 from xpyd.kube import Kube, KubeError
-from xpyd.render.naming import FIELD_MANAGER, SERVING_LABEL
 
-JSON = dict[str, Any]
 log = logging.getLogger(__name__)
 
 CHILD_SELECTOR = {"app.kubernetes.io/managed-by": FIELD_MANAGER}

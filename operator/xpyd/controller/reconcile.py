@@ -5,24 +5,23 @@ changes of child Deployments and Services, and by the periodic drift sweep.
 
 from __future__ import annotations
 
-import datetime
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
 
 import kopf
 
 from xpyd.api.load import SpecError, parse_serving
 from xpyd.api.models import AutoscalingMode, DisaggregatedServing
+from xpyd.api.naming import ROLES, SERVING_LABEL, Component, child_name
+from xpyd.common.jsontypes import JSON
+from xpyd.common.timefmt import rfc3339
 from xpyd.controller.diff import is_subset
 from xpyd.controller.status import Observed, compute_status, invalid_status, status_changed
 from xpyd.kube import Kube
 from xpyd.render import RenderOptions, endpoint, render
 from xpyd.render.engine import transport
-from xpyd.render.naming import ROLES, SERVING_LABEL, Component, child_name
 
-JSON = dict[str, Any]
 log = logging.getLogger(__name__)
 
 
@@ -43,10 +42,6 @@ class Outcome:
         return len(self.created) + len(self.updated) + int(self.status_written)
 
 
-def utc_now() -> str:
-    return datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
-
-
 def desired_replicas(serving: DisaggregatedServing) -> dict[Component, int]:
     """Replicas per pool. The spec rules, except in Auto mode, where the autoscaler's decision in
     status wins (clamped to the bounds, which the user may just have changed)."""
@@ -65,7 +60,7 @@ def desired_replicas(serving: DisaggregatedServing) -> dict[Component, int]:
     return result
 
 
-def reconcile(kube: Kube, body: JSON, operator_image: str, now: Callable[[], str] = utc_now) -> Outcome:
+def reconcile(kube: Kube, body: JSON, operator_image: str, now: Callable[[], str] = rfc3339) -> Outcome:
     """Bring the children of `body` to their desired state and update its status."""
     meta = body["metadata"]
     name, namespace, generation = meta["name"], meta["namespace"], meta.get("generation")

@@ -8,12 +8,10 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
 
 from xpyd.api.models import AutoscalingMode, ConditionType, DisaggregatedServingSpec
-from xpyd.render.naming import Component
-
-JSON = dict[str, Any]
+from xpyd.api.naming import Component
+from xpyd.common.jsontypes import JSON
 
 
 @dataclass(frozen=True)

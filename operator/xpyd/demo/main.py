@@ -47,12 +47,13 @@ from xpyd.cluster.binaries import (
     read_env_file,
 )
 from xpyd.cluster.controlplane import ClusterError, ClusterState, ControlPlane
-from xpyd.cluster.netguard import LOOPBACK_ONLY_ENV, NonLoopbackAddress, require_loopback, require_loopback_url
+from xpyd.common.jsontypes import JSON
+from xpyd.common.netguard import LOOPBACK_ONLY_ENV, NonLoopbackAddress, require_loopback, require_loopback_url
 from xpyd.demo import view
 from xpyd.demo.manifest import DemoPool, serving_manifest
 from xpyd.demo.plot import write_plot
 from xpyd.demo.timeline import PoolSample, demo_report, latency_so_far, sample_from_status
-from xpyd.kube import JSON, Kube, KubeError
+from xpyd.kube import Kube, KubeError
 
 ROOT = Path(__file__).resolve().parents[3]
 """The source checkout: the chart and the trace fixtures come from it."""

@@ -16,8 +16,8 @@ from typing import Any
 
 from xpyd.bench import RequestRecord, Slo
 from xpyd.bench.report import is_good
+from xpyd.common.stats import finite, percentile
 from xpyd.sim.report import timeline_bin_s
-from xpyd.stats import finite, percentile
 
 ROLES = ("prefill", "decode")
 

@@ -24,7 +24,8 @@ import time
 from collections.abc import Callable, Iterable, Iterator
 from typing import Any, Final
 
-from xpyd.kube import JSON, Kube, KubeError, resource_path
+from xpyd.common.jsontypes import JSON
+from xpyd.kube import Kube, KubeError, resource_path
 from xpyd.proxy.pool import Endpoint
 from xpyd.proxy.protocol import host_port
 

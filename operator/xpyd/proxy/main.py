@@ -30,9 +30,16 @@ import signal
 from collections.abc import Callable
 from typing import Any
 
-from xpyd.api.models import MAX_DATA_PARALLEL, Connector, RoutingPolicy
+from xpyd.api.models import (
+    MAX_DATA_PARALLEL,
+    MAX_PROXY_DRAIN_SECONDS,
+    MAX_PROXY_FINISH_SECONDS,
+    Connector,
+    RoutingPolicy,
+)
 from xpyd.proxy import protocol
-from xpyd.proxy.server import API_KEY_ENV, Proxy, ProxyConfig
+from xpyd.proxy.config import ProxyConfig
+from xpyd.proxy.server import API_KEY_ENV, Proxy
 
 log = logging.getLogger(__name__)
 
@@ -40,9 +47,6 @@ log = logging.getLogger(__name__)
 DRAIN_SECONDS = 5.0
 #: Seconds the requests in flight get to finish once the listener is closed.
 FINISH_SECONDS = 45.0
-#: Upper bounds of the two: a stopping proxy must not hold its pod for long.
-MAX_DRAIN_SECONDS = 300.0
-MAX_FINISH_SECONDS = 3600.0
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -94,10 +98,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                           help="largest request body accepted (larger: 413)")
     failures.add_argument("--drain-seconds", type=float, default=DRAIN_SECONDS,
                           help="after SIGTERM: seconds of serving on with readiness failed, so the pod leaves the "
-                          f"Service first (default {DRAIN_SECONDS:g}, at most {MAX_DRAIN_SECONDS:g})")
+                          f"Service first (default {DRAIN_SECONDS:g}, at most {MAX_PROXY_DRAIN_SECONDS:g})")
     failures.add_argument("--finish-timeout", type=float, default=FINISH_SECONDS,
                           help="after the drain: seconds requests in flight get to finish before they are cut "
-                          f"(default {FINISH_SECONDS:g}, at most {MAX_FINISH_SECONDS:g})")
+                          f"(default {FINISH_SECONDS:g}, at most {MAX_PROXY_FINISH_SECONDS:g})")
     failures.add_argument("--decode-only-fallback", action="store_true",
                           help="when no prefill instance can serve, let decode compute the prompt (counted in "
                           "xpyd_proxy_decode_only_fallbacks_total and logged) instead of answering 503")
@@ -170,10 +174,10 @@ def _check(args: argparse.Namespace) -> str | None:
         return f"--prefill-data-parallel-size must be within 1..{MAX_DATA_PARALLEL}"
     if args.upstream_idle_timeout >= 5.0:
         return "--upstream-idle-timeout must stay below the engines' 5 s keep-alive"
-    if not 0 <= args.drain_seconds <= MAX_DRAIN_SECONDS:
-        return f"--drain-seconds must be within 0..{MAX_DRAIN_SECONDS:g}"
-    if not 0 < args.finish_timeout <= MAX_FINISH_SECONDS:
-        return f"--finish-timeout must be above 0 and at most {MAX_FINISH_SECONDS:g}"
+    if not 0 <= args.drain_seconds <= MAX_PROXY_DRAIN_SECONDS:
+        return f"--drain-seconds must be within 0..{MAX_PROXY_DRAIN_SECONDS:g}"
+    if not 0 < args.finish_timeout <= MAX_PROXY_FINISH_SECONDS:
+        return f"--finish-timeout must be above 0 and at most {MAX_PROXY_FINISH_SECONDS:g}"
     return None
 
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 import bisect
 import math
 from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass, field
 from typing import Final
 
 #: Seconds; vLLM's TTFT buckets with sub-millisecond ones in front (the proxy's own overhead).
@@ -125,3 +126,31 @@ Metric = Counter | Histogram | Gauge
 def exposition(metrics: Iterable[Metric]) -> str:
     """The text format of every metric."""
     return "\n".join(line for metric in metrics for line in metric.render()) + "\n"
+
+
+@dataclass
+class ProxyMetrics:
+    """The metrics `/metrics` exports."""
+
+    requests: Counter = field(default_factory=lambda: Counter(
+        "xpyd_proxy_requests_total", "Client requests by connector, endpoint and outcome.",
+        ("connector", "endpoint", "outcome")))
+    ttft: Histogram = field(default_factory=lambda: Histogram(
+        "xpyd_proxy_time_to_first_byte_seconds", "Client-seen time to the answer's first byte (TTFT when "
+        "streamed).", ("connector", "endpoint")))
+    stream_ttft: Histogram = field(default_factory=lambda: Histogram(
+        "xpyd_proxy_time_to_first_token_seconds", "Client-seen time to the first streamed chunk of streamed "
+        "requests: their TTFT (the autoscaler reads it).", ("connector", "endpoint")))
+    duration: Histogram = field(default_factory=lambda: Histogram(
+        "xpyd_proxy_request_duration_seconds", "Client-seen request duration.", ("connector", "endpoint")))
+    legs: Histogram = field(default_factory=lambda: Histogram(
+        "xpyd_proxy_leg_duration_seconds", "Duration of upstream legs by role and result.", ("role", "result")))
+    retries: Counter = field(default_factory=lambda: Counter(
+        "xpyd_proxy_retries_total", "Legs sent again to another instance, by role.", ("role",)))
+    fallbacks: Counter = field(default_factory=lambda: Counter(
+        "xpyd_proxy_decode_only_fallbacks_total", "Requests served by decode alone because no prefill "
+        "instance could (only with --decode-only-fallback).", ("reason",)))
+    breaker_trips: Counter = field(default_factory=lambda: Counter(
+        "xpyd_proxy_breaker_trips_total", "Circuit breakers opened, by role.", ("role",)))
+    rejected: Counter = field(default_factory=lambda: Counter(
+        "xpyd_proxy_rejected_total", "Requests refused before any upstream call, by HTTP status.", ("status",)))

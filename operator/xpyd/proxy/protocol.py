@@ -35,8 +35,7 @@ from dataclasses import dataclass
 from typing import Any, Final
 
 from xpyd.api.models import Connector
-
-JSON = dict[str, Any]
+from xpyd.common.jsontypes import JSON
 
 #: The prefill leg's `kv_transfer_params` for NIXL (pull and push), exactly as vLLM's proxies send them.
 NIXL_PREFILL_PARAMS: Final[Mapping[str, Any]] = {

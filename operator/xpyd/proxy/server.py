@@ -1,5 +1,6 @@
-"""The proxy's HTTP server (aiohttp): the OpenAI-compatible front, the two legs of each request,
-retries, health probes and metrics.
+"""The proxy's HTTP server (aiohttp): the OpenAI-compatible front, the retry loop around each
+request's attempts, and metrics. The legs of an attempt are `xpyd.proxy.legs`'s (per connector), the
+health of the upstream instances `xpyd.proxy.health`'s.
 
 One request, in order:
 
@@ -34,152 +35,31 @@ from __future__ import annotations
 
 import asyncio
 import hmac
-import json
 import logging
 import random
 import time
 import uuid
 from collections.abc import Awaitable, Iterable
-from dataclasses import dataclass, field
-from typing import Any, Final
+from typing import Final
 
 import aiohttp
 from aiohttp import web
 
-from xpyd.api.models import Connector, RoutingPolicy
+from xpyd.common.jsontypes import JSON
 from xpyd.proxy import protocol
-from xpyd.proxy.metrics import Counter, Gauge, GaugeSample, Histogram, exposition
+from xpyd.proxy.config import ProxyConfig, client_timeouts
+from xpyd.proxy.health import HealthProber
+from xpyd.proxy.legs import Context, DecodeFailed, Legs, PrefillFailed, UpstreamAnswer
+from xpyd.proxy.metrics import Gauge, GaugeSample, ProxyMetrics, exposition
 from xpyd.proxy.pool import ROLES, Endpoint, Instance, Pool, Role
-from xpyd.proxy.validation import ClientRequest, RequestError, error_body, parse
 from xpyd.proxy.validation import Endpoint as ApiEndpoint
+from xpyd.proxy.validation import RequestError, error_body, parse
 
 log = logging.getLogger(__name__)
 
-JSON = dict[str, Any]
 #: Longest client X-Request-Id passed on (longer or non-printable ones are replaced).
 MAX_REQUEST_ID: Final = 256
-#: Upper bound on an upstream error body read into memory.
-MAX_ERROR_BODY: Final = 64 * 1024
 API_KEY_ENV: Final = "XPYD_PROXY_API_KEY"
-
-
-@dataclass(frozen=True)
-class ProxyConfig:
-    """Everything `xpyd proxy` is told on its command line."""
-
-    connector: Connector = Connector.NIXL
-    routing_policy: RoutingPolicy = RoutingPolicy.LEAST_LOADED
-    served_model_name: str | None = None
-    api_key: str | None = None
-    prefill_retries: int = 2
-    decode_retries: int = 1
-    prefill_timeout: float = 300.0
-    decode_timeout: float = 3600.0
-    stream_idle_timeout: float = 300.0
-    connect_timeout: float = 2.0
-    health_interval: float = 2.0
-    health_timeout: float = 2.0
-    breaker_threshold: int = 3
-    breaker_cooldown: float = 2.0
-    #: Idle upstream connections close after this many seconds: below uvicorn's 5 s keep-alive,
-    #: so the proxy never reuses a connection the engine is closing (resets, 502s).
-    upstream_idle_timeout: float = 4.0
-    max_concurrency: int = 2048
-    max_body_bytes: int = 32 * 1024 * 1024
-    decode_only_fallback: bool = False
-    mooncake_bootstrap_port: int = protocol.MOONCAKE_BOOTSTRAP_PORT
-    p2p_nccl_kv_port: int = protocol.P2P_NCCL_KV_PORT
-    #: Data-parallel ranks per prefill server (NixlPushConnector learns and pins each rank's identity;
-    #: Mooncake asks the bootstrap server instead).
-    prefill_data_parallel_size: int = 1
-    seed: int | None = None
-
-
-class PrefillFailed(Exception):
-    """The prefill leg failed in a way another prefill instance may not."""
-
-
-class DecodeFailed(Exception):
-    """The decode leg failed before anything reached the client. `prefill` is the prefill answer
-    when decode may be retried with it: NIXL pull, and the failed decode never got the request."""
-
-    def __init__(self, message: str, prefill: JSON | None = None) -> None:
-        super().__init__(message)
-        self.prefill = prefill
-
-
-class UpstreamAnswer(Exception):
-    """An engine's 4xx for the client's request: returned to the client as is."""
-
-    def __init__(self, status: int, body: bytes, content_type: str) -> None:
-        super().__init__(f"HTTP {status}")
-        self.status = status
-        self.body = body
-        self.content_type = content_type
-
-
-@dataclass
-class Context:
-    """One client request on its way through the proxy."""
-
-    request: web.Request
-    parsed: ClientRequest
-    path: str
-    request_id: str
-    authorization: str | None
-    started: float
-    outcome: str = "success"
-    first_byte_at: float | None = None
-    attempts: int = 0
-
-    @property
-    def upstream_id(self) -> str:
-        """The X-Request-Id of the current attempt's legs: the client's for the first attempt, made
-        unique for later ones (a Mooncake transfer id or a push registration is single-use)."""
-        return self.request_id if self.attempts <= 1 else f"{self.request_id}-attempt{self.attempts}"
-
-
-@dataclass
-class Opened:
-    """A decode leg whose answer has started: the open response and what was read of it (the first
-    chunk of a stream, or the whole of an unstreamed answer)."""
-
-    response: aiohttp.ClientResponse
-    head: bytes
-    #: When the leg was sent (monotonic seconds): its duration runs to the end of the relay.
-    started: float
-
-    def close(self) -> None:
-        """Drop the upstream connection (vLLM aborts the request)."""
-        self.response.close()
-
-
-@dataclass
-class ProxyMetrics:
-    """The metrics `/metrics` exports."""
-
-    requests: Counter = field(default_factory=lambda: Counter(
-        "xpyd_proxy_requests_total", "Client requests by connector, endpoint and outcome.",
-        ("connector", "endpoint", "outcome")))
-    ttft: Histogram = field(default_factory=lambda: Histogram(
-        "xpyd_proxy_time_to_first_byte_seconds", "Client-seen time to the answer's first byte (TTFT when "
-        "streamed).", ("connector", "endpoint")))
-    stream_ttft: Histogram = field(default_factory=lambda: Histogram(
-        "xpyd_proxy_time_to_first_token_seconds", "Client-seen time to the first streamed chunk of streamed "
-        "requests: their TTFT (the autoscaler reads it).", ("connector", "endpoint")))
-    duration: Histogram = field(default_factory=lambda: Histogram(
-        "xpyd_proxy_request_duration_seconds", "Client-seen request duration.", ("connector", "endpoint")))
-    legs: Histogram = field(default_factory=lambda: Histogram(
-        "xpyd_proxy_leg_duration_seconds", "Duration of upstream legs by role and result.", ("role", "result")))
-    retries: Counter = field(default_factory=lambda: Counter(
-        "xpyd_proxy_retries_total", "Legs sent again to another instance, by role.", ("role",)))
-    fallbacks: Counter = field(default_factory=lambda: Counter(
-        "xpyd_proxy_decode_only_fallbacks_total", "Requests served by decode alone because no prefill "
-        "instance could (only with --decode-only-fallback).", ("reason",)))
-    breaker_trips: Counter = field(default_factory=lambda: Counter(
-        "xpyd_proxy_breaker_trips_total", "Circuit breakers opened, by role.", ("role",)))
-    rejected: Counter = field(default_factory=lambda: Counter(
-        "xpyd_proxy_rejected_total", "Requests refused before any upstream call, by HTTP status.", ("status",)))
 
 
 def _printable_id(value: str | None) -> str | None:
@@ -188,21 +68,12 @@ def _printable_id(value: str | None) -> str | None:
     return None
 
 
-def _json_bytes(body: JSON) -> bytes:
-    return json.dumps(body, separators=(",", ":")).encode()
-
-
 def _error_response(status: int, message: str, request_id: str | None = None, param: str | None = None,
                     headers: dict[str, str] | None = None) -> web.Response:
     response = web.json_response(error_body(status, message, param), status=status, headers=headers)
     if request_id:
         response.headers["X-Request-Id"] = request_id
     return response
-
-
-def _sse_error(message: str) -> bytes:
-    """The event vLLM ends a broken stream with (an error object, then [DONE])."""
-    return b"data: " + json.dumps(error_body(502, message)).encode() + b"\n\ndata: [DONE]\n\n"
 
 
 class Proxy:
@@ -215,20 +86,17 @@ class Proxy:
             role: Pool(role, config.routing_policy, self.rng, breaker_threshold=config.breaker_threshold,
                        breaker_cooldown=config.breaker_cooldown) for role in ROLES}
         self.metrics = ProxyMetrics()
-        self._timeouts = {
-            "probe": aiohttp.ClientTimeout(total=config.health_timeout),
-            "models": aiohttp.ClientTimeout(total=config.health_timeout * 5),
-            "prefill": aiohttp.ClientTimeout(total=config.prefill_timeout, sock_connect=config.connect_timeout),
-            "decode": aiohttp.ClientTimeout(total=config.decode_timeout, sock_connect=config.connect_timeout),
-            "stream": aiohttp.ClientTimeout(total=None, sock_connect=config.connect_timeout,
-                                            sock_read=config.stream_idle_timeout),
-        }
+        self._timeouts = client_timeouts(config)
         self._sources: dict[Role, dict[str, list[Endpoint]]] = {role: {} for role in ROLES}
         self.in_flight = 0
         self.draining = False
         self.session: aiohttp.ClientSession | None = None
         self._tasks: set[asyncio.Task[None]] = set()
         self._prober: asyncio.Task[None] | None = None
+        self.health_prober = HealthProber(config, self.pools, self.metrics, lambda: self._session, self._timeouts,
+                                          self._spawn)
+        self.legs = Legs(config, self.pools, self.metrics, lambda: self._session, self._timeouts,
+                         self.health_prober)
         self._gauges = [
             Gauge("xpyd_proxy_in_flight_requests", "Client requests in the proxy.", (), self._in_flight_sample),
             Gauge("xpyd_proxy_upstream_in_flight", "Legs outstanding per upstream instance.", ("role", "upstream"),
@@ -280,7 +148,7 @@ class Proxy:
                                          ttl_dns_cache=10)
         self.session = aiohttp.ClientSession(connector=connector, auto_decompress=False,
                                              skip_auto_headers=("User-Agent",))
-        self._prober = asyncio.create_task(self._probe_forever())
+        self._prober = asyncio.create_task(self.health_prober.run())
 
     async def close(self) -> None:
         """Stop probing and close upstream connections."""
@@ -310,7 +178,7 @@ class Proxy:
                     url=endpoint.url, ready=known.ready and endpoint.ready,
                     zmq_address=endpoint.zmq_address or known.zmq_address)
         for instance in self.pools[role].update(merged.values()):
-            self._spawn(self._probe(instance))
+            self._spawn(self.health_prober.probe(instance))
 
     def _spawn(self, coroutine: Awaitable[None]) -> None:
         task = asyncio.ensure_future(coroutine)
@@ -322,43 +190,6 @@ class Proxy:
         if self.session is None:
             raise RuntimeError("the proxy is not started")
         return self.session
-
-    # -- health --------------------------------------------------------------------------------
-
-    async def _probe_forever(self) -> None:
-        while True:
-            await asyncio.sleep(self.config.health_interval)
-            for pool in self.pools.values():
-                for instance in list(pool.instances.values()):
-                    if instance.listed and not instance.probing:
-                        self._spawn(self._probe(instance))
-
-    async def _probe(self, instance: Instance) -> None:
-        """GET /health: 200 is healthy; 503 (loading, dead), anything else or no answer is not."""
-        instance.probing = True
-        try:
-            async with self._session.get(instance.url + "/health", timeout=self._timeouts["probe"]) as response:
-                await response.read()
-                healthy = response.status == 200
-        except (TimeoutError, aiohttp.ClientError, OSError):
-            healthy = False
-        finally:
-            instance.probing = False
-        if healthy != instance.healthy:
-            log.info("%s %s is %s", instance.role, instance.url, "healthy" if healthy else "unhealthy")
-            if healthy:  # back from a restart or a failure: its engine ids may have changed
-                instance.forget_identity()
-        instance.healthy = healthy
-        instance.breaker.probe(healthy, time.monotonic())
-
-    def _failed(self, instance: Instance, reason: str) -> None:
-        log.warning("%s leg to %s failed: %s", instance.role, instance.url, reason)
-        instance.forget_identity()  # a restarted engine has new ids: ask its bootstrap server again
-        if instance.breaker.failure(time.monotonic()):
-            self.metrics.breaker_trips.inc(instance.role)
-            log.warning("circuit breaker of %s %s opened", instance.role, instance.url)
-        if not instance.probing:
-            self._spawn(self._probe(instance))
 
     # -- front ---------------------------------------------------------------------------------
 
@@ -455,20 +286,20 @@ class Proxy:
             decode.acquire()
             try:
                 if reusable is not None:
-                    return await self._decode_with(context, decode, reusable)
+                    return await self.legs.decode_with(context, decode, reusable)
                 assert prefill is not None
                 context.attempts += 1
-                return await self._attempt(context, prefill, decode)
+                return await self.legs.attempt(context, prefill, decode)
             except PrefillFailed as failure:
                 assert prefill is not None
-                self._failed(prefill, str(failure))
+                self.health_prober.failed(prefill, str(failure))
                 tried_prefill.add(prefill.url)
                 prefill_failures += 1
                 if prefill_failures > self.config.prefill_retries:
                     return await self._without_prefill(context, "prefill_failed", tried_decode)
                 retrying = "prefill"
             except DecodeFailed as failure:
-                self._failed(decode, str(failure))
+                self.health_prober.failed(decode, str(failure))
                 if prefill is not None:
                     prefill.forget_identity()
                 tried_decode.add(decode.url)
@@ -498,295 +329,14 @@ class Proxy:
         try:
             body = protocol.decode_body(context.parsed.body, None)
             try:
-                opened = await self._open_decode(context, decode, body, context.request_id)
+                opened = await self.legs.open_decode(context, decode, body, context.request_id)
             except DecodeFailed as failure:
-                self._failed(decode, str(failure))
+                self.health_prober.failed(decode, str(failure))
                 raise RequestError(503, f"Decode-only fallback failed: {failure}") from None
-            return await self._relay(context, decode, opened)
+            return await self.legs.relay(context, decode, opened)
         finally:
             decode.release()
             self.pools["decode"].forget_if_done(decode)
-
-    async def _attempt(self, context: Context, prefill: Instance, decode: Instance) -> web.StreamResponse:
-        connector = self.config.connector
-        body = context.parsed.body
-        request_id = context.upstream_id
-        if connector == Connector.MOONCAKE:
-            return await self._mooncake(context, prefill, decode, request_id)
-        if connector == Connector.NIXL_PUSH:
-            return await self._push(context, prefill, decode, request_id)
-        # Sequential: prefill, then decode with what prefill answered.
-        if connector == Connector.P2P_NCCL:
-            request_id = protocol.p2p_nccl_request_id(self._zmq_address(prefill), self._zmq_address(decode))
-        kv = protocol.NIXL_PREFILL_PARAMS if connector.is_nixl else None
-        answer = await self._prefill_leg(context, prefill, protocol.prefill_body(body, kv), request_id)
-        decode_params: JSON | None = answer["kv_transfer_params"] if connector == Connector.NIXL else None
-        opened = await self._open_decode(context, decode, protocol.decode_body(body, decode_params), request_id,
-                                         prefill_answer=answer)
-        return await self._relay(context, decode, opened)
-
-    async def _push(self, context: Context, prefill: Instance, decode: Instance,
-                    request_id: str) -> web.StreamResponse:
-        """NixlPushConnector: decode needs the identity of the prefill engine (of the data-parallel
-        rank) that will run the prefill. Known: both legs at once; not yet: prefill first, and its
-        answer teaches the identity. With several ranks, the prefill leg is pinned to one."""
-        dp = self.config.prefill_data_parallel_size
-        rank = prefill.pick_rank(range(dp))
-        headers = {protocol.DP_RANK_HEADER: str(rank)} if dp > 1 else None
-        body = context.parsed.body
-        prefill_body = protocol.prefill_body(body, protocol.NIXL_PREFILL_PARAMS)
-        prefill.acquire_rank(rank)
-        try:
-            identity = prefill.push_identities.get(rank)
-            if identity is not None:
-                return await self._concurrent(
-                    context, prefill, decode, request_id, prefill_body,
-                    protocol.decode_body(body, protocol.push_decode_params(identity, request_id)),
-                    prefill_headers=headers, push_told=(rank, identity))
-            answer = await self._prefill_leg(context, prefill, prefill_body, request_id, headers)
-            identity = self._learn_push_identity(prefill, rank, answer)
-            opened = await self._open_decode(
-                context, decode, protocol.decode_body(body, protocol.push_decode_params(identity, request_id)),
-                request_id)
-            return await self._relay(context, decode, opened)
-        finally:
-            prefill.release_rank(rank)
-
-    @staticmethod
-    def _learn_push_identity(prefill: Instance, rank: int, answer: JSON) -> JSON:
-        """The NixlPushConnector identity a prefill answer reports, remembered for `rank`."""
-        identity = protocol.push_identity(answer.get("kv_transfer_params"))
-        if identity is None:
-            prefill.push_identities.pop(rank, None)
-            raise PrefillFailed("the prefill answer carries no NixlPushConnector identity")
-        prefill.push_identities[rank] = identity
-        return identity
-
-    async def _decode_with(self, context: Context, decode: Instance, answer: JSON) -> web.StreamResponse:
-        """Decode again with an earlier prefill answer (NIXL pull: the KV is still on prefill)."""
-        params = answer.get("kv_transfer_params")
-        body = protocol.decode_body(context.parsed.body, params if isinstance(params, dict) else None)
-        opened = await self._open_decode(context, decode, body, context.upstream_id, prefill_answer=answer)
-        return await self._relay(context, decode, opened)
-
-    async def _concurrent(self, context: Context, prefill: Instance, decode: Instance, request_id: str,
-                          prefill_body: JSON, decode_body: JSON, prefill_headers: dict[str, str] | None = None,
-                          push_told: tuple[int, JSON] | None = None) -> web.StreamResponse:
-        """Both legs at once; decode's answer reaches the client only after prefill answered well."""
-        prefill_task = asyncio.ensure_future(
-            self._prefill_leg(context, prefill, prefill_body, request_id, prefill_headers))
-        decode_task = asyncio.ensure_future(self._open_decode(context, decode, decode_body, request_id))
-        relayed: Opened | None = None
-        try:
-            await asyncio.wait((prefill_task, decode_task), return_when=asyncio.FIRST_COMPLETED)
-            if decode_task.done() and decode_task.exception() is not None:
-                decode_task.result()  # raises DecodeFailed: prefill is cancelled below
-            answer = await prefill_task
-            if push_told is not None:
-                rank, told = push_told
-                answered = self._learn_push_identity(prefill, rank, answer)
-                if answered != told:
-                    # Decode registered with an engine that did not run this prefill (it restarted):
-                    # drop that decode leg and send decode again with the identity just learnt.
-                    log.info("prefill %s has a new NIXL identity; sending decode again", prefill.url)
-                    decode_task.cancel()
-                    body = protocol.decode_body(context.parsed.body, protocol.push_decode_params(answered, request_id))
-                    relayed = await self._open_decode(context, decode, body, request_id)
-                    return await self._relay(context, decode, relayed)
-            relayed = await decode_task
-            return await self._relay(context, decode, relayed)
-        finally:
-            for task in (prefill_task, decode_task):
-                task.cancel()
-            results = await asyncio.gather(prefill_task, decode_task, return_exceptions=True)
-            if isinstance(results[1], Opened) and results[1] is not relayed:
-                results[1].close()
-
-    # -- legs ----------------------------------------------------------------------------------
-
-    def _headers(self, context: Context, request_id: str, extra: dict[str, str] | None = None) -> dict[str, str]:
-        headers = {"Content-Type": "application/json", "X-Request-Id": request_id}
-        if context.authorization:
-            headers["Authorization"] = context.authorization
-        if extra:
-            headers.update(extra)
-        return headers
-
-    async def _prefill_leg(self, context: Context, instance: Instance, body: JSON, request_id: str,
-                           extra_headers: dict[str, str] | None = None) -> JSON:
-        """The prefill leg; its JSON answer, PrefillFailed, or UpstreamAnswer for a 4xx."""
-        tokens = context.parsed.prompt_tokens
-        instance.acquire(tokens)
-        started = time.monotonic()
-        result = "error"
-        try:
-            try:
-                async with self._session.post(instance.url + context.path, data=_json_bytes(body),
-                                              timeout=self._timeouts["prefill"],
-                                              headers=self._headers(context, request_id, extra_headers)) as response:
-                    data = await response.read()
-                    status = response.status
-                    content_type = response.content_type
-            except TimeoutError:
-                raise PrefillFailed(f"no answer within {self.config.prefill_timeout} s") from None
-            except (aiohttp.ClientError, OSError) as error:
-                raise PrefillFailed(f"{type(error).__name__}: {error}") from None
-            if 400 <= status < 500 and status not in (408, 429):
-                result = "client_error"
-                instance.breaker.success()
-                raise UpstreamAnswer(status, data, content_type)
-            if status != 200:
-                raise PrefillFailed(f"HTTP {status}: {data[:200]!r}")
-            try:
-                answer = json.loads(data)
-            except ValueError:
-                raise PrefillFailed("the answer is not JSON") from None
-            if not isinstance(answer, dict):
-                raise PrefillFailed("the answer is not a JSON object")
-            if protocol.TRAITS[self.config.connector].prefill_answer_has_params and \
-                    not isinstance(answer.get("kv_transfer_params"), dict):
-                # An engine not set up as a KV producer answers without them; decode would then
-                # recompute the prompt: that silent decode-only path is refused.
-                raise PrefillFailed("the answer carries no kv_transfer_params (is the engine a kv_producer?)")
-            instance.breaker.success()
-            result = "success"
-            return answer
-        except asyncio.CancelledError:
-            result = "cancelled"
-            raise
-        finally:
-            instance.release(tokens)
-            self.pools["prefill"].forget_if_done(instance)
-            self.metrics.legs.observe(time.monotonic() - started, "prefill", result)
-
-    async def _open_decode(self, context: Context, instance: Instance, body: JSON, request_id: str,
-                           prefill_answer: JSON | None = None) -> Opened:
-        """Send the decode leg and read up to its first chunk (or all of an unstreamed answer)."""
-        stream = context.parsed.stream
-        timeout = self._timeouts["stream" if stream else "decode"]
-        reusable = prefill_answer if protocol.TRAITS[self.config.connector].decode_reuses_prefill else None
-        response: aiohttp.ClientResponse | None = None
-        started = time.monotonic()
-        result = "error"  # how the leg ended, unless it opened (then `_relay` records it)
-        try:
-            response = await self._session.post(instance.url + context.path, data=_json_bytes(body), timeout=timeout,
-                                                headers=self._headers(context, request_id))
-            if 400 <= response.status < 500 and response.status not in (408, 429):
-                data = await response.content.read(MAX_ERROR_BODY)
-                instance.breaker.success()
-                result = "client_error"
-                raise UpstreamAnswer(response.status, data, response.content_type)
-            if response.status != 200:
-                data = await response.content.read(MAX_ERROR_BODY)
-                raise DecodeFailed(f"HTTP {response.status}: {data[:200]!r}")
-            head = await response.content.readany() if stream else await response.read()
-            if stream and not head:
-                raise DecodeFailed("the stream ended before its first byte")
-            opened = Opened(response, head, started)
-            response = None
-            result = ""
-            return opened
-        except TimeoutError:
-            raise DecodeFailed("no first byte in time") from None
-        except aiohttp.ClientConnectorError as error:  # never delivered: the KV is still on prefill
-            raise DecodeFailed(f"{type(error).__name__}: {error}", reusable) from None
-        except (aiohttp.ClientError, OSError) as error:
-            raise DecodeFailed(f"{type(error).__name__}: {error}") from None
-        except asyncio.CancelledError:
-            result = "cancelled"
-            raise
-        finally:
-            if response is not None:
-                response.close()
-            if result:
-                self.metrics.legs.observe(time.monotonic() - started, "decode", result)
-
-    async def _relay(self, context: Context, instance: Instance, opened: Opened) -> web.StreamResponse:
-        """Send decode's answer to the client as it arrives."""
-        upstream = opened.response
-        headers = {"X-Request-Id": context.request_id}
-        result = "success"
-        try:
-            instance.breaker.success()
-            if not context.parsed.stream:
-                context.first_byte_at = time.monotonic()
-                return web.Response(body=opened.head, status=200, headers=headers,
-                                    content_type=upstream.content_type)
-            headers["Content-Type"] = upstream.headers.get("Content-Type", "text/event-stream; charset=utf-8")
-            headers["Cache-Control"] = "no-cache"
-            response = web.StreamResponse(status=200, headers=headers)
-            try:
-                await response.prepare(context.request)
-                await response.write(opened.head)
-                context.first_byte_at = time.monotonic()
-                while True:
-                    try:
-                        chunk = await upstream.content.readany()
-                    except (TimeoutError, aiohttp.ClientError, OSError) as error:
-                        result = context.outcome = "broken_stream"
-                        self._failed(instance, f"the stream broke: {error!r}")
-                        await response.write(_sse_error(f"The decode instance failed mid-stream: {error!r}"))
-                        break
-                    if not chunk:
-                        break
-                    await response.write(chunk)
-                await response.write_eof()
-            except ConnectionResetError:  # the client went away while we wrote to it
-                result = context.outcome = "cancelled"
-            return response
-        except asyncio.CancelledError:
-            result = context.outcome = "cancelled"
-            raise
-        finally:
-            opened.close()
-            self.metrics.legs.observe(time.monotonic() - opened.started, "decode", result)
-
-    # -- connector specifics --------------------------------------------------------------------
-
-    def _zmq_address(self, instance: Instance) -> str:
-        return instance.zmq_address or protocol.host_port(instance.host, self.config.p2p_nccl_kv_port)
-
-    def _mooncake_bootstrap(self, prefill: Instance) -> str:
-        """The base URL of a prefill pod's Mooncake bootstrap server (what decode dials)."""
-        return "http://" + protocol.host_port(prefill.host, self.config.mooncake_bootstrap_port)
-
-    async def _mooncake_engines(self, prefill: Instance) -> dict[int, str]:
-        """Prefill's engine id per data-parallel rank from its bootstrap server (`GET /query`),
-        cached per instance until a failure or a restart."""
-        if prefill.mooncake_engines:
-            return prefill.mooncake_engines
-        url = self._mooncake_bootstrap(prefill) + "/query"
-        try:
-            async with self._session.get(url, timeout=self._timeouts["probe"]) as response:
-                answer = await response.json(content_type=None) if response.status == 200 else None
-        except (TimeoutError, aiohttp.ClientError, OSError, ValueError) as error:
-            raise PrefillFailed(f"bootstrap server {url}: {error!r}") from None
-        engines = protocol.mooncake_engine_ids(answer)
-        if not engines:
-            raise PrefillFailed(f"bootstrap server {url} reports no engine")
-        if len(engines) > 1:
-            log.info("prefill %s: Mooncake data-parallel ranks %s", prefill.url, sorted(engines))
-        prefill.mooncake_engines = engines
-        return engines
-
-    async def _mooncake(self, context: Context, prefill: Instance, decode: Instance,
-                        request_id: str) -> web.StreamResponse:
-        """Both Mooncake legs at once: prefill pinned to one of its data-parallel ranks, decode told
-        that rank's engine id and the pod's bootstrap server."""
-        engines = await self._mooncake_engines(prefill)
-        rank = prefill.pick_rank(engines)
-        transfer_id = protocol.mooncake_transfer_id(request_id)
-        body = context.parsed.body
-        decode_params = protocol.mooncake_decode_params(transfer_id, self._mooncake_bootstrap(prefill), engines[rank])
-        prefill.acquire_rank(rank)
-        try:
-            return await self._concurrent(
-                context, prefill, decode, request_id,
-                protocol.prefill_body(body, protocol.mooncake_prefill_params(transfer_id)),
-                protocol.decode_body(body, decode_params),
-                prefill_headers={protocol.DP_RANK_HEADER: str(rank)})
-        finally:
-            prefill.release_rank(rank)
 
     # -- other endpoints -----------------------------------------------------------------------
 

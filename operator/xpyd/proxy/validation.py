@@ -13,7 +13,8 @@ import math
 from dataclasses import dataclass
 from typing import Any, Final, Literal
 
-JSON = dict[str, Any]
+from xpyd.common.jsontypes import JSON
+
 Endpoint = Literal["completions", "chat"]
 
 #: OpenAI-style error `type` per HTTP status (the shape vLLM's ErrorResponse uses).

@@ -16,12 +16,12 @@ import jinja2
 import yaml
 
 from xpyd import __version__
-from xpyd.api.models import Connector, DisaggregatedServingSpec
-from xpyd.proxy.main import MAX_DRAIN_SECONDS, MAX_FINISH_SECONDS
-from xpyd.render import engine, naming
+from xpyd.api import naming
+from xpyd.api.models import MAX_PROXY_DRAIN_SECONDS, MAX_PROXY_FINISH_SECONDS, Connector, DisaggregatedServingSpec
+from xpyd.common.args import last_flag_value
+from xpyd.common.jsontypes import JSON
+from xpyd.render import engine
 from xpyd.render.kvconfig import Role
-
-JSON = dict[str, Any]
 
 DEFAULT_OPERATOR_IMAGE: Final = f"ghcr.io/xpyd-operator/xpyd-operator:{__version__}"
 #: After SIGTERM the proxy fails readiness and serves on this long, while the pod leaves the Service
@@ -31,9 +31,6 @@ PROXY_DRAIN_SECONDS: Final = 10
 PROXY_FINISH_SECONDS: Final = 45
 #: Between the end of that and SIGKILL: the proxy's own exit.
 PROXY_EXIT_MARGIN_SECONDS: Final = 5
-#: The most each period counts for: the proxy's own bounds (it refuses longer ones).
-PROXY_MAX_DRAIN_SECONDS: Final = MAX_DRAIN_SECONDS
-PROXY_MAX_FINISH_SECONDS: Final = MAX_FINISH_SECONDS
 
 _ENV = jinja2.Environment(
     loader=jinja2.PackageLoader("xpyd", "templates"),
@@ -137,24 +134,13 @@ def proxy_args(name: str, namespace: str, spec: DisaggregatedServingSpec) -> lis
     ]
 
 
-def _last_flag_value(args: list[str], flag: str) -> str | None:
-    """The value argparse would keep for `flag` (`--flag=V` or `--flag V`; the last one wins)."""
-    value = None
-    for index, arg in enumerate(args):
-        if arg.startswith(flag + "="):
-            value = arg.split("=", 1)[1]
-        elif arg == flag and index + 1 < len(args):
-            value = args[index + 1]
-    return value
-
-
 def proxy_termination_grace_seconds(args: list[str]) -> int:
     """terminationGracePeriodSeconds of the proxy pod: its drain period plus the time it gives
     requests in flight plus a margin, from the values its arguments set (the user's included)."""
     total = float(PROXY_EXIT_MARGIN_SECONDS)
-    for flag, default, most in (("--drain-seconds", PROXY_DRAIN_SECONDS, PROXY_MAX_DRAIN_SECONDS),
-                                ("--finish-timeout", PROXY_FINISH_SECONDS, PROXY_MAX_FINISH_SECONDS)):
-        value = _last_flag_value(args, flag)
+    for flag, default, most in (("--drain-seconds", PROXY_DRAIN_SECONDS, MAX_PROXY_DRAIN_SECONDS),
+                                ("--finish-timeout", PROXY_FINISH_SECONDS, MAX_PROXY_FINISH_SECONDS)):
+        value = last_flag_value(args, flag)
         try:
             seconds = float(value) if value is not None else float(default)
         except ValueError:  # the proxy refuses it at start-up; the default keeps the pod spec valid

@@ -9,10 +9,9 @@ from typing import Any, Final
 
 from xpyd import vllm
 from xpyd.api.models import Connector, DisaggregatedServingSpec, EnvVar, RoleSpec
+from xpyd.common.jsontypes import JSON
 from xpyd.render import drain
 from xpyd.render.kvconfig import Role, kv_transfer_config
-
-JSON = dict[str, Any]
 
 MODEL_MOUNT: Final = "/models"
 HF_HOME: Final = "/cache/huggingface"

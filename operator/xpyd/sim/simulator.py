@@ -20,19 +20,14 @@ decode admission, KV transfer, first decode step); TPOT is (e2e - TTFT) / (OSL -
 
 from __future__ import annotations
 
-import argparse
 import heapq
-import json
 import math
 import random
-import sys
-import time as wallclock
 from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from pathlib import Path
-from typing import Any, TextIO
 
+from xpyd.autoscaler.observation import Desired, Observation, Quantiles, RoleObservation, Slo
 from xpyd.sim.core import (
     ITL_BUCKETS,
     TTFT_BUCKETS,
@@ -44,8 +39,8 @@ from xpyd.sim.core import (
     EventKind,
     Histogram,
 )
-from xpyd.sim.policy import POLICIES, Desired, Observation, Policy, PolicyContext, Quantiles, RoleObservation, Slo
-from xpyd.sim.traces import TraceRequest
+from xpyd.sim.policy import Policy, StaticPolicy
+from xpyd.traces import TraceRequest
 
 PREFILL = "prefill"
 DECODE = "decode"
@@ -559,120 +554,11 @@ class Simulator:
             self._samples.append(sample)
 
 
-def simulate(trace: Sequence[TraceRequest], perf: EnginePerf, config: SimConfig, policy: str | Policy = "static",
-             progress: ProgressCallback | None = None) -> SimResult:
-    """Replay `trace` under a policy (a name from POLICIES, built with the config's sizes, or an object)."""
-    if isinstance(policy, str):
-        factory = POLICIES.get(policy)
-        if factory is None:
-            raise ValueError(f"unknown policy {policy!r} (known: {', '.join(sorted(POLICIES))})")
-        context = PolicyContext(initial=Desired(config.prefill, config.decode), slo=config.slo, perf=perf,
-                                interval_s=config.interval_s, startup_delay_s=config.startup_delay_s, trace=trace,
-                                engine=config.engine)
-        return Simulator(trace, perf, factory(context), config, policy, progress).run()
-    return Simulator(trace, perf, policy, config, type(policy).__name__, progress).run()
-
-
-# --- command line ---------------------------------------------------------------------------------
-
-class ProgressBar:
-    """A one-line progress bar on a stream (stderr), redrawn in place."""
-
-    def __init__(self, stream: TextIO, label: str = "xpyd sim", width: int = 30) -> None:
-        self.stream = stream
-        self.label = label
-        self.width = width
-
-    def __call__(self, done: int, total: int, sim_time_s: float) -> None:
-        """Redraw for `done` of `total` arrivals at simulated time `sim_time_s`."""
-        filled = self.width * done // total
-        bar = "#" * filled + "-" * (self.width - filled)
-        self.stream.write(f"\r{self.label} [{bar}] {done}/{total} requests, t={sim_time_s:,.0f} s")
-        if done == total:
-            self.stream.write("\n")
-        self.stream.flush()
-
-
-def add_parser(subparsers: Any) -> None:
-    """Register `xpyd sim` on an argparse sub-parsers object."""
-    sim = subparsers.add_parser("sim", help="replay a request trace through a simulated P/D cluster under an "
-                                "autoscaling policy")
-    sim.add_argument("--trace", required=True, help="trace file: CSV (TIMESTAMP,ContextTokens,GeneratedTokens) or "
-                     "Mooncake JSONL (timestamp ms, input_length, output_length)")
-    sim.add_argument("--profile", required=True, help="performance profile prefix: PREFIX_prefill.csv and "
-                     "PREFIX_decode.csv")
-    sim.add_argument("--model", default="llama-3.1-8b", help="model whose KV shape sizes the P->D transfer "
-                     "(default llama-3.1-8b, the shipped profile's)")
-    sim.add_argument("--kv-dtype", default="bf16", help="KV-cache dtype for the transfer size (default bf16)")
-    sim.add_argument("--link-gbps", type=float, default=100.0, help="prefill-to-decode link in Gb/s (default 100)")
-    sim.add_argument("--policy", default="static", help=f"autoscaling policy ({', '.join(sorted(POLICIES))})")
-    sim.add_argument("--prefill", type=int, default=1, help="prefill replicas (static size, or the starting size)")
-    sim.add_argument("--decode", type=int, default=1, help="decode replicas (static size, or the starting size)")
-    sim.add_argument("--speedup", type=float, default=1.0, help="compress the trace's time K times")
-    sim.add_argument("--start", type=float, default=0.0, help="window start, seconds of trace time")
-    sim.add_argument("--duration", type=float, default=None, help="window length, seconds of trace time")
-    sim.add_argument("--slo-ttft-ms", type=float, default=500.0, help="time-to-first-token target")
-    sim.add_argument("--slo-tpot-ms", type=float, default=50.0, help="time-per-output-token target")
-    sim.add_argument("--startup-delay-s", type=float, default=120.0, help="time a new replica takes to serve")
-    sim.add_argument("--interval-s", type=float, default=30.0, help="seconds between policy decisions")
-    sim.add_argument("--window-s", type=float, default=60.0, help="metrics window the policy sees")
-    sim.add_argument("--max-num-batched-tokens", type=int, default=8192, help="engine token budget per step")
-    sim.add_argument("--max-num-seqs", type=int, default=256, help="engine running-request limit")
-    sim.add_argument("--report", help="write the report JSON here")
-    sim.add_argument("--plot", help="write a PNG of load, replicas, TTFT and TPOT over time here")
-    sim.add_argument("--seed", type=int, default=0, help="seed of the routing tie-breaks")
-    sim.add_argument("--progress", action="store_true", help="show a progress bar even when stderr is no TTY")
-    sim.set_defaults(func=run)
-
-
-def run(args: argparse.Namespace) -> int:
-    """`xpyd sim`: load, simulate, report. Bad input: a message on stderr and exit code 2."""
-    from xpyd.sim.report import build_report, summary
-    from xpyd.sim.traces import TraceError, load_trace
-
-    def fail(message: str) -> int:
-        sys.stderr.write(f"xpyd sim: {message}\n")
-        return 2
-
-    try:
-        for name in ("slo_ttft_ms", "slo_tpot_ms"):
-            if not getattr(args, name) > 0:
-                raise ValueError(f"--{name.replace('_', '-')} must be positive")
-        if args.policy not in POLICIES:
-            raise ValueError(f"unknown policy {args.policy!r} (known: {', '.join(sorted(POLICIES))})")
-        config = SimConfig(
-            prefill=args.prefill, decode=args.decode,
-            slo=Slo(ttft_s=args.slo_ttft_ms / 1000.0, tpot_s=args.slo_tpot_ms / 1000.0),
-            startup_delay_s=args.startup_delay_s, interval_s=args.interval_s, window_s=args.window_s,
-            seed=args.seed, engine=EngineConfig(max_num_batched_tokens=args.max_num_batched_tokens,
-                                                max_num_seqs=args.max_num_seqs))
-        trace = load_trace(args.trace, speedup=args.speedup, start_s=args.start, duration_s=args.duration)
-        perf = _load_profile(args.profile, args.model, args.kv_dtype, args.link_gbps)
-    except (TraceError, OSError, ValueError, KeyError) as error:
-        return fail(str(error))
-    progress = ProgressBar(sys.stderr) if args.progress or sys.stderr.isatty() else None
-    started = wallclock.perf_counter()
-    result = simulate(trace, perf, config, args.policy, progress)
-    wall_s = wallclock.perf_counter() - started
-    report = build_report(result, trace_name=Path(args.trace).name, speedup=args.speedup)
-    try:
-        if args.report:
-            Path(args.report).write_text(json.dumps(report, indent=2) + "\n")
-        if args.plot:
-            from xpyd.sim.report import plot
-            plot(result, args.plot, title=f"{Path(args.trace).name} x{args.speedup:g}")
-    except OSError as error:
-        return fail(f"cannot write: {error}")
-    sys.stdout.write(summary(report, wall_s) + "\n")
-    return 0
-
-
-def _load_profile(prefix: str, model: str, kv_dtype: str, link_gbps: float) -> EnginePerf:
-    from xpyd.sim.perf import PerfModel
-    from xpyd.sim.shapes import lookup_model
-
-    if not link_gbps > 0:
-        raise ValueError("--link-gbps must be positive")
-    kv_bytes_per_token = lookup_model(model).kv_bytes_per_token(kv_dtype)
-    perf: EnginePerf = PerfModel.from_profile(prefix).with_kv_transfer(kv_bytes_per_token, link_gbps)
-    return perf
+def simulate(trace: Sequence[TraceRequest], perf: EnginePerf, config: SimConfig, policy: Policy | None = None,
+             progress: ProgressCallback | None = None, name: str | None = None) -> SimResult:
+    """Replay `trace` under `policy` (default: the config's sizes, static); `name` labels the result
+    (default: the policy's class). `xpyd.sim.policies.simulate_policy` replays a registered policy by name."""
+    if policy is None:
+        policy = StaticPolicy(Desired(config.prefill, config.decode))
+        name = name or "static"
+    return Simulator(trace, perf, policy, config, name or type(policy).__name__, progress).run()

@@ -5,13 +5,11 @@ roofline), a workload (ISL, OSL and rate, or a trace) and the SLOs, it computes:
 
 - the KV arithmetic: bytes per token and per request, transfer time over the link and its ratio to
   the prefill time (the seed's table: the ratio is the same for every prompt length);
-- decode sizing by the ITL frontier (`docs/autoscaling.md`): the largest batch `b*` whose ITL at context
-  `ISL + OSL/2` is under `TPOT target x itl_margin` and whose KV fits `kv_headroom` of the cache, then
-  `D = ceil(rate · OSL · ITL(b*) / b*)`;
-- prefill sizing with queueing headroom: M/G/c with Erlang C and the Allen-Cunneen tail
-  `P(W > t) ≈ C(c, a) · exp(-t · 2 (c/S - rate) / (1 + cs2))`; the smallest `c` whose TTFT percentile
-  (the quantile of wait + prefill + KV transfer + one decode step, over the prompt-length
-  distribution when a trace gives one) meets the target;
+- both pools sized by the autoscaler's own model (`xpyd.autoscaler.sizing.PoolModel`, see
+  `docs/autoscaling.md`): decode by the ITL frontier (the largest batch `b*` whose ITL at context
+  `ISL + OSL/2` is under `TPOT target x itl_margin` and whose KV fits `kv_headroom` of the cache,
+  then `D = ceil(rate · OSL · ITL(b*) / b*)`), prefill as an M/G/c queue of batching engines (Erlang C
+  with the Allen-Cunneen tail) over the prompt-length distribution (a trace's, or a lognormal);
 - the P:D ratio, both from those counts and from the steady-state formula
   `(decode_tput / prefill_tput) · (ISL / OSL)`;
 - a verdict in the spirit of the seed's table: *skip* when prompts are short (one whole prompt's
@@ -28,14 +26,14 @@ import json
 import math
 import statistics
 import sys
-from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
-from xpyd.sim.perf import PerfModel, link_seconds
-from xpyd.sim.shapes import DTYPE_BYTES, ModelShape, lookup_gpu, lookup_model
-from xpyd.sim.traces import read_trace
+from xpyd.autoscaler.sizing import DEFAULT_MAX_NUM_SEQS, PoolModel, PromptMix
+from xpyd.perf.model import PerfModel, link_seconds
+from xpyd.perf.shapes import DTYPE_BYTES, ModelShape, lookup_gpu, lookup_model
+from xpyd.traces import read_trace
 
 SHORT_PROMPT_TPOTS = 1.0
 """A prompt whose whole prefill takes at most this many TPOT targets is short."""
@@ -43,10 +41,6 @@ COSTLY_TRANSFER_RATIO = 0.25
 CHEAP_TRANSFER_RATIO = 0.10
 SMALL_POOL_BUSY = 0.5
 """Single-replica pools busier than this are not "too small to batch"."""
-TAIL_SAMPLES = 256
-"""Prompt lengths from a trace are reduced to this many quantiles for the TTFT tail."""
-INFEASIBLE_TTFT_SLACK = 1.1
-"""When the TTFT target is out of reach, size prefill to within this factor of the no-queue TTFT."""
 REFERENCE_LINKS_GBPS = (100.0, 200.0, 400.0, 800.0)
 
 
@@ -81,7 +75,7 @@ class PlanInputs:
     itl_margin: float = 0.9
     kv_headroom: float = 0.9
     isl_cv2: float = 1.0
-    """Squared coefficient of variation of prefill service time when no trace gives prompt lengths."""
+    """Squared coefficient of variation of prompt lengths when no trace gives them."""
 
 
 @dataclass(frozen=True)
@@ -178,118 +172,50 @@ def _ms(seconds: float | None) -> float | None:
 # --- queueing ----------------------------------------------------------------------------------
 
 
-def erlang_c(servers: int, offered_load: float) -> float:
-    """Probability that an arrival waits in an M/M/c queue with `servers` and load `a = rate · S`."""
-    if offered_load <= 0:
-        return 0.0
-    if offered_load >= servers:
-        return 1.0
-    blocking = 1.0  # Erlang B by its stable recursion
-    for k in range(1, servers + 1):
-        blocking = offered_load * blocking / (k + offered_load * blocking)
-    utilisation = offered_load / servers
-    return blocking / (1.0 - utilisation * (1.0 - blocking))
-
-
-def _quantile_of_wait_plus(fixed_s: Sequence[float], wait_probability: float, decay_per_s: float,
-                           percentile: float) -> float:
-    """The `percentile` quantile of W + X, X uniform over `fixed_s`, W = 0 or Exp(decay) w.p. C."""
-    tail = 1.0 - percentile / 100.0
-
-    def exceed(t: float) -> float:
-        return statistics.fmean(1.0 if t < x else wait_probability * math.exp(-decay_per_s * (t - x))
-                                for x in fixed_s)
-
-    low = min(fixed_s)
-    high = max(fixed_s) + (math.log(wait_probability / tail) / decay_per_s if wait_probability > tail else 0.0)
-    for _ in range(60):
-        middle = (low + high) / 2
-        low, high = (middle, high) if exceed(middle) > tail else (low, middle)
-    return high
-
-
-def _tail_samples(values: Sequence[float]) -> list[float]:
-    ordered = sorted(values)
-    if len(ordered) <= TAIL_SAMPLES:
-        return ordered
-    return [ordered[min(len(ordered) - 1, int((i + 0.5) * len(ordered) / TAIL_SAMPLES))] for i in range(TAIL_SAMPLES)]
-
-
-@dataclass(frozen=True)
-class PrefillSizing:
-    replicas: int
-    utilisation: float
-    ttft_s: float
-    floor_s: float
-    feasible: bool
-
-
-def size_prefill(rate_rps: float, service_s: Sequence[float], after_prefill_s: Sequence[float], cs2: float,
-                 ttft_target_s: float, percentile: float) -> PrefillSizing:
-    """Smallest replica count whose predicted TTFT percentile meets the target (M/G/c, Allen-Cunneen).
-
-    `service_s[i]` is one prompt's prefill time and `after_prefill_s[i]` what follows it before the
-    first token (transfer, one decode step); the prompts are equally likely. When even an idle pool
-    misses the target, it sizes to within `INFEASIBLE_TTFT_SLACK` of that floor instead.
-    """
-    mean_service = statistics.fmean(service_s)
-    offered = rate_rps * mean_service
-    fixed = [s + after for s, after in zip(service_s, after_prefill_s, strict=True)]
-    floor = _quantile_of_wait_plus(fixed, 0.0, 1.0, percentile)
-    target = ttft_target_s if floor <= ttft_target_s else floor * INFEASIBLE_TTFT_SLACK
-    replicas = max(1, math.floor(offered) + 1)
-    while True:
-        wait_probability = erlang_c(replicas, offered)
-        decay = 2.0 * (replicas / mean_service - rate_rps) / (1.0 + cs2)
-        ttft = _quantile_of_wait_plus(fixed, wait_probability, decay, percentile)
-        if ttft <= target:
-            return PrefillSizing(replicas, offered / replicas, ttft, floor, floor <= ttft_target_s)
-        replicas += 1
-
-
 # --- the plan ----------------------------------------------------------------------------------
 
 
+def _pool(inputs: PlanInputs, perf: PerfModel) -> PoolModel:
+    return PoolModel(perf, inputs.slo_ttft_s, inputs.slo_tpot_s, quantile=inputs.percentile / 100.0,
+                     itl_margin=inputs.itl_margin, kv_headroom=inputs.kv_headroom)
+
+
 def plan(inputs: PlanInputs) -> PlanResult:
-    """The KV arithmetic, replica counts and verdict for `inputs` (pure)."""
+    """The KV arithmetic, replica counts and verdict for `inputs` (pure). Both pools are sized by the
+    autoscaler's own model (`xpyd.autoscaler.sizing.PoolModel`), so `xpyd plan` and `decide()` agree
+    on the same inputs."""
     workload, prefill_model, decode_model = inputs.workload, inputs.prefill_model, inputs.decode_model
     kv_per_token = inputs.shape.kv_bytes_per_token(inputs.kv_dtype)
+    prefill_pool = _pool(inputs, prefill_model.with_kv_transfer(kv_per_token, inputs.link_gbps))
+    decode_pool = replace(_pool(inputs, decode_model), max_num_seqs=decode_model.max_num_seqs or DEFAULT_MAX_NUM_SEQS)
     prefill_s = prefill_model.prefill_seconds(workload.isl)
     transfer_s = link_seconds(kv_per_token * workload.isl, inputs.link_gbps)
-    prefill_tput = prefill_model.prefill_tokens_per_second(workload.isl)
+    prefill_tput = prefill_pool.saturated_tokens_per_s()
 
     context = workload.isl + workload.osl / 2
-    fits = decode_model.max_batch_for_kv(context, inputs.kv_headroom)
-    if fits < 1:
+    if decode_model.max_batch_for_kv(context, inputs.kv_headroom) < 1:
         raise PlanError(f"one request ({context:.0f} tokens of context) does not fit {inputs.kv_headroom:.0%} of a "
                         f"decode replica's KV cache ({decode_model.max_kv_tokens} tokens)")
-    best_batch = decode_model.max_batch_for_itl(inputs.slo_tpot_s * inputs.itl_margin, context, inputs.kv_headroom)
-    batch = max(best_batch, 1)
-    itl = decode_model.itl_seconds(batch, context)
-    limit = "ITL" if best_batch < fits else "max_num_seqs" if fits == decode_model.max_num_seqs else "KV"
+    batch, itl, limit = decode_pool.decode_frontier(context)
     decode_tput = batch / itl
     result = PlanResult(
         inputs=inputs, kv_bytes_per_token=kv_per_token, kv_bytes_per_request=kv_per_token * workload.isl,
         prefill_s=prefill_s, transfer_s=transfer_s, prefill_tokens_per_s=prefill_tput, decode_batch=batch,
-        decode_limit=limit, decode_itl_s=itl, decode_tokens_per_s=decode_tput, tpot_feasible=best_batch >= 1,
+        decode_limit=limit, decode_itl_s=itl, decode_tokens_per_s=decode_tput,
+        tpot_feasible=itl <= inputs.slo_tpot_s * inputs.itl_margin,
         pd_ratio_steady_state=(decode_tput / prefill_tput) * (workload.isl / workload.osl))
 
     if workload.rate_rps:
-        isls = _tail_samples(workload.isl_samples) if workload.isl_samples else [workload.isl]
-        service = [prefill_model.prefill_seconds(round(isl)) for isl in isls]
-        after = [link_seconds(kv_per_token * isl, inputs.link_gbps) + itl for isl in isls]
-        if workload.isl_samples:
-            all_service = [prefill_model.prefill_seconds(isl) for isl in workload.isl_samples]
-            cs2 = statistics.pvariance(all_service) / statistics.fmean(all_service) ** 2
-        else:
-            cs2 = inputs.isl_cv2
-        prefill = size_prefill(workload.rate_rps, service, after, cs2, inputs.slo_ttft_s, inputs.percentile)
-        in_flight = workload.rate_rps * workload.osl * itl  # Little's law over the decode pool
-        decode_replicas = max(1, math.ceil(in_flight / batch - 1e-9))
-        result = replace(result, prefill_replicas=prefill.replicas, decode_replicas=decode_replicas,
-                         prefill_utilisation=prefill.utilisation, ttft_at_percentile_s=prefill.ttft_s,
-                         ttft_floor_s=prefill.floor_s, ttft_feasible=prefill.feasible,
-                         decode_batch_in_use=in_flight / decode_replicas)
+        mix = (PromptMix.from_samples(workload.isl_samples) if workload.isl_samples
+               else PromptMix.from_quantiles(workload.isl, default_cs2=inputs.isl_cv2))
+        prefill = prefill_pool.size_prefill(workload.rate_rps, mix, itl)
+        decode = decode_pool.size_decode(workload.rate_rps, workload.isl, workload.osl)
+        floor = prefill_pool.ttft_floor(mix, itl)
+        result = replace(result, prefill_replicas=prefill.replicas, decode_replicas=decode.replicas,
+                         prefill_utilisation=prefill.utilisation,
+                         ttft_at_percentile_s=prefill_pool.ttft_quantile(prefill.replicas, workload.rate_rps, mix, itl),
+                         ttft_floor_s=floor, ttft_feasible=floor <= inputs.slo_ttft_s,
+                         decode_batch_in_use=decode.in_flight / decode.replicas)
     verdict, notes = judge(result)
     return replace(result, verdict=verdict, notes=tuple(notes))
 
@@ -328,7 +254,7 @@ def judge(result: PlanResult) -> tuple[str, list[str]]:
                      f"{result.decode_itl_s * 1e3:.1f} ms per token (sized at batch 1)")
     if result.ttft_feasible is False:
         notes.append(f"TTFT target {inputs.slo_ttft_s * 1e3:.0f} ms is out of reach: an idle pool already takes "
-                     f"{(result.ttft_floor_s or 0.0) * 1e3:.0f} ms at p{inputs.percentile:g} (prefill sized near that)")
+                     f"{(result.ttft_floor_s or 0.0) * 1e3:.0f} ms at p{inputs.percentile:g} (prefill sized for the prompts that can meet it)")
     if result.prefill_replicas is None:
         notes.append("no request rate (--rate or --trace): replica counts not computed")
     if short or small:
@@ -431,7 +357,7 @@ def add_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) 
     workload.add_argument("--rate", type=_positive_float, help="requests per second")
     workload.add_argument("--trace", help="CSV (TIMESTAMP,ContextTokens,GeneratedTokens) or Mooncake JSONL")
     workload.add_argument("--isl-cv2", type=float, default=1.0, help="squared coefficient of variation of "
-                          "prefill time without a trace (default 1)")
+                          "prompt lengths without a trace (default 1)")
     slo = parser.add_argument_group("SLOs")
     slo.add_argument("--slo-ttft-ms", type=_positive_float, default=500.0, help="TTFT target (default 500)")
     slo.add_argument("--slo-tpot-ms", type=_positive_float, default=50.0, help="TPOT target (default 50)")

@@ -18,12 +18,12 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from xpyd.autoscaler.observation import Desired, Observation, Slo
 from xpyd.autoscaler.sizing import PoolModel, PromptMix
+from xpyd.perf.model import PerfModel
 from xpyd.sim.core import EngineConfig
-from xpyd.sim.perf import PerfModel
-from xpyd.sim.policy import Desired, Observation, Slo
 from xpyd.sim.simulator import SimConfig, simulate
-from xpyd.sim.traces import TraceRequest
+from xpyd.traces import TraceRequest
 
 WINDOW_S = 60.0
 WARMUP_S = 60.0

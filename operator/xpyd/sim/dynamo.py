@@ -32,8 +32,8 @@ import itertools
 import math
 from dataclasses import dataclass, field
 
-from xpyd.sim.perf import PerfModel
-from xpyd.sim.policy import Desired, Observation
+from xpyd.autoscaler.observation import Desired, Observation
+from xpyd.perf.model import PerfModel
 
 ADJUSTMENT_INTERVAL_S = 180.0
 MIN_ENDPOINT = 1

@@ -10,7 +10,7 @@ server reports; a NIXL prefill answer carries the identity of the rank that serv
 `X-data-parallel-rank` header names, else the next in turn, as vLLM's internal balancing would),
 with that rank's side-channel port (`side_channel_port` + rank).
 
-    python -m xpyd.proxy.stubengine --host 127.0.0.1 --port 8100 [--port 8101 ...]
+    python -m xpyd.testing.stubengine --host 127.0.0.1 --port 8100 [--port 8101 ...]
 """
 
 from __future__ import annotations
@@ -26,9 +26,9 @@ from typing import Any
 from aiohttp import web
 from multidict import CIMultiDict
 
+from xpyd.common.jsontypes import JSON
 from xpyd.proxy.validation import text_tokens
 
-JSON = dict[str, Any]
 #: Longest answer the stub generates (vLLM refuses more than the context allows with a 400 too).
 MAX_TOKENS = 4096
 
@@ -242,12 +242,12 @@ async def _serve(host: str, ports: list[int]) -> None:
 
 def main() -> int:
     """Serve stub engines until killed."""
-    parser = argparse.ArgumentParser(prog="python -m xpyd.proxy.stubengine", description=__doc__,
+    parser = argparse.ArgumentParser(prog="python -m xpyd.testing.stubengine", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--port", type=int, action="append", required=True, help="a port to serve (repeatable)")
     args = parser.parse_args()
-    from xpyd.cluster.netguard import require_loopback
+    from xpyd.common.netguard import require_loopback
 
     asyncio.run(_serve(require_loopback(args.host, "stub engine address"), args.port))
     return 0

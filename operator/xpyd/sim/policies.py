@@ -13,7 +13,7 @@
 - `dynamo-sla`: NVIDIA Dynamo's throughput planner (`dynamo.DynamoSlaPolicy`).
 - `oracle`: the hindsight bound (`oracle.OraclePolicy`), computed from `PolicyContext.trace`.
 
-`xpyd.sim.policy.POLICIES` merges `POLICIES` below into its registry on first use.
+- `static`: the sizes it is given (`StaticPolicy`).
 """
 
 from __future__ import annotations
@@ -30,12 +30,15 @@ from xpyd.autoscaler.decide import (
     RoleBounds,
     decide,
 )
-from xpyd.autoscaler.dynamo import DynamoSlaPolicy
-from xpyd.autoscaler.oracle import OraclePolicy, oracle_windows
+from xpyd.autoscaler.observation import Desired, Observation
 from xpyd.autoscaler.sizing import DEFAULT_MAX_NUM_BATCHED_TOKENS, DEFAULT_MAX_NUM_SEQS, Burst, PoolModel, PromptMix
-from xpyd.sim.perf import PerfModel
-from xpyd.sim.policy import Desired, Observation, Policy, PolicyContext, PolicyFactory
-from xpyd.sim.traces import TraceRequest
+from xpyd.perf.model import PerfModel
+from xpyd.sim.core import EnginePerf
+from xpyd.sim.dynamo import DynamoSlaPolicy
+from xpyd.sim.oracle import OraclePolicy, oracle_windows
+from xpyd.sim.policy import Policy, PolicyContext, PolicyFactory, StaticPolicy
+from xpyd.sim.simulator import ProgressCallback, SimConfig, SimResult, simulate
+from xpyd.traces import TraceRequest
 
 SIM_PERCENTILE = 95.0
 """The SLO percentile `xpyd` targets in the simulator (the evaluation asks 95% of requests to meet both)."""
@@ -221,6 +224,7 @@ def _oracle(context: PolicyContext) -> Policy:
 
 
 POLICIES: Mapping[str, PolicyFactory] = MappingProxyType({
+    "static": lambda context: StaticPolicy(context.initial),
     "xpyd": _xpyd,
     "static-peak": _static(peak=True),
     "static-mean": _static(peak=False),
@@ -228,3 +232,21 @@ POLICIES: Mapping[str, PolicyFactory] = MappingProxyType({
     "dynamo-sla": _dynamo,
     "oracle": _oracle,
 })
+
+
+def build_policy(name: str, context: PolicyContext) -> Policy:
+    """The policy called `name` (a key of POLICIES). Raises ValueError for an unknown name."""
+    factory = POLICIES.get(name)
+    if factory is None:
+        raise ValueError(f"unknown policy {name!r} (known: {', '.join(sorted(POLICIES))})")
+    return factory(context)
+
+
+def simulate_policy(name: str, trace: Sequence[TraceRequest], perf: EnginePerf, config: SimConfig,
+                    progress: ProgressCallback | None = None) -> SimResult:
+    """Replay `trace` under the registered policy `name`, built with the config's sizes, SLO and timing
+    (the hindsight baselines also get the trace and the engines' arguments)."""
+    context = PolicyContext(initial=Desired(config.prefill, config.decode), slo=config.slo, perf=perf,
+                            interval_s=config.interval_s, startup_delay_s=config.startup_delay_s, trace=trace,
+                            engine=config.engine)
+    return simulate(trace, perf, config, build_policy(name, context), progress, name=name)

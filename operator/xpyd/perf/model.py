@@ -77,7 +77,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Protocol
 
-from xpyd.sim.shapes import GPUSpec, ModelShape, lookup_gpu, lookup_model
+from xpyd.perf.shapes import GPUSpec, ModelShape, lookup_gpu, lookup_model
 
 H200_LLAMA31_8B_MAX_KV_TOKENS = 945_029
 """`max_kv_tokens` of the engine behind `h200_llama31_8b_fp8_tp1` (data/README.md)."""

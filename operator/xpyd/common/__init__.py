@@ -1,0 +1,2 @@
+"""What every layer shares and that depends on nothing else of the package: the loopback guard,
+latency statistics, time formatting, the JSON alias and argument helpers."""

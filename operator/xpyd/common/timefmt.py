@@ -1,0 +1,13 @@
+"""Timestamps as Kubernetes writes them (RFC 3339, UTC, whole seconds: `2026-12-01T13:05:12Z`)."""
+
+from __future__ import annotations
+
+import datetime
+
+
+def rfc3339(seconds: float | None = None) -> str:
+    """`seconds` since the epoch (default: now) as an RFC 3339 UTC timestamp, e.g. for
+    `lastTransitionTime`, Events and status stamps."""
+    moment = (datetime.datetime.now(datetime.UTC) if seconds is None
+              else datetime.datetime.fromtimestamp(seconds, datetime.UTC))
+    return moment.strftime("%Y-%m-%dT%H:%M:%SZ")

@@ -1,0 +1,68 @@
+"""Health of the upstream instances: `GET /health` probes, and what a failed leg does to an instance
+(its circuit breaker, its learnt identities, a probe at once)."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Awaitable, Callable
+
+import aiohttp
+
+from xpyd.proxy.config import ProxyConfig
+from xpyd.proxy.metrics import ProxyMetrics
+from xpyd.proxy.pool import Instance, Pool, Role
+
+log = logging.getLogger(__name__)
+
+
+class HealthProber:
+    """Probes the pools' instances and reacts to failed legs."""
+
+    def __init__(self, config: ProxyConfig, pools: dict[Role, Pool], metrics: ProxyMetrics,
+                 session: Callable[[], aiohttp.ClientSession], timeouts: dict[str, aiohttp.ClientTimeout],
+                 spawn: Callable[[Awaitable[None]], None]) -> None:
+        self.config = config
+        self.pools = pools
+        self.metrics = metrics
+        self.session = session
+        self.timeouts = timeouts
+        self.spawn = spawn
+
+    async def run(self) -> None:
+        """Probe every listed instance each `health_interval` (one probe at a time per instance)."""
+        while True:
+            await asyncio.sleep(self.config.health_interval)
+            for pool in self.pools.values():
+                for instance in list(pool.instances.values()):
+                    if instance.listed and not instance.probing:
+                        self.spawn(self.probe(instance))
+
+    async def probe(self, instance: Instance) -> None:
+        """GET /health: 200 is healthy; 503 (loading, dead), anything else or no answer is not."""
+        instance.probing = True
+        try:
+            async with self.session().get(instance.url + "/health", timeout=self.timeouts["probe"]) as response:
+                await response.read()
+                healthy = response.status == 200
+        except (TimeoutError, aiohttp.ClientError, OSError):
+            healthy = False
+        finally:
+            instance.probing = False
+        if healthy != instance.healthy:
+            log.info("%s %s is %s", instance.role, instance.url, "healthy" if healthy else "unhealthy")
+            if healthy:  # back from a restart or a failure: its engine ids may have changed
+                instance.forget_identity()
+        instance.healthy = healthy
+        instance.breaker.probe(healthy, time.monotonic())
+
+    def failed(self, instance: Instance, reason: str) -> None:
+        """A leg to `instance` failed: count it on its breaker and probe it now."""
+        log.warning("%s leg to %s failed: %s", instance.role, instance.url, reason)
+        instance.forget_identity()  # a restarted engine has new ids: ask its bootstrap server again
+        if instance.breaker.failure(time.monotonic()):
+            self.metrics.breaker_trips.inc(instance.role)
+            log.warning("circuit breaker of %s %s opened", instance.role, instance.url)
+        if not instance.probing:
+            self.spawn(self.probe(instance))

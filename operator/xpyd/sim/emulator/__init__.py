@@ -1,0 +1,86 @@
+"""`xpyd engine-sim`: one process that behaves like one vLLM engine on the wire, in real time.
+
+The engine is an `EngineCore` (the continuous-batching model the cluster simulator uses) driven by
+the wall clock: the loop asks the core for the next step, sleeps through it, applies it and hands
+the tokens to the HTTP handlers. Behind it is an aiohttp server with vLLM 0.33's OpenAI-compatible
+surface: `/v1/completions`, `/v1/chat/completions` (streamed or not), `/v1/models`, `/health`,
+`/ping`, `/version` and `/metrics`.
+
+Time
+====
+
+`--time-scale K` runs the model K times faster than real time: every modelled duration (prefill and
+decode steps, KV transfers, the KV lease, `--startup-delay-s`) is divided by K. The core runs on the
+process's monotonic clock in *wall seconds* with a performance model scaled by 1/K, so everything the
+engine reports -- `/metrics` histograms, rates Prometheus derives from its counters -- is in the wall
+seconds a client experiences; multiply by K for modelled seconds. (`--shutdown-timeout` and HTTP
+keep-alive are real seconds: Kubernetes and clients count them.)
+
+The loop keeps a nominal schedule: a step that ends at `t` starts the next one at `t` even when the
+process woke up late, so wake-up jitter delays when tokens are delivered but never accumulates into
+the modelled timeline. asyncio's timers are up to a millisecond late (epoll counts whole
+milliseconds), so the loop sleeps to within `TIMER_SLACK_S` of a step's end and spins the event loop
+(handlers keep running) for the rest: about 0.5 ms of CPU per step while the engine is busy. Arrivals wait in an inbox
+stamped with their wall time and enter the core at the first step boundary at or after it, as in the
+simulator. If the process falls more than `MAX_LAG_S` behind (CPU starvation, or a time scale the
+process cannot keep up with), the schedule is reset to the wall clock and a warning logged.
+
+Wire behaviour (vLLM 0.33 unless noted)
+=======================================
+
+- Every request generates exactly its `max_tokens` (`max_completion_tokens` wins when both are
+  set) and finishes with `finish_reason: "length"`, as if `ignore_eos` were set. Defaults: 16 for
+  completions, `max_model_len - prompt` for chat. Each token's text is `" tok"`. A streamed response
+  sends one SSE event per token; tokens that are ready together go out in one write.
+- Prompt tokens: a prompt of token ids (`[1, 2, 3]`, or a one-element batch of it) counts exactly;
+  text counts `ceil(characters / 4)` (at least 1); a chat prompt counts like Llama 3's chat template:
+  1 (BOS) + per message (5 framing tokens + its text) + 4 (the assistant header). Batched prompts,
+  `n > 1` and non-text chat content are rejected with 400 (not emulated).
+- Errors use vLLM's envelope `{"error": {"message", "type", "param", "code"}}`: 400
+  `BadRequestError` for bad JSON, bad types, `max_tokens < 1`, prompt + max_tokens over
+  `--max-model-len`, `stream_options` without `stream`; 404 `NotFoundError` ("The model `x` does not
+  exist.") for an unknown model (an absent `model` is the served model, as in vLLM); 503 while loading
+  or draining; 500 `InternalServerError` when a KV load fails under `kv_load_failure_policy: fail` (in a
+  stream: an error event, then `data: [DONE]`).
+- `/health` and `/ping` answer 200 when ready and 503 while "loading" (`--startup-delay-s`) or
+  draining; so do the generation endpoints. Real vLLM refuses connections until loaded; the 503
+  window lets probes and proxies be tested against a loading engine. Idle keep-alive connections are
+  closed after 5 s, as vLLM's uvicorn does.
+- SIGTERM: stop listening for HTTP, answer 503 on connections still open, finish in-flight requests
+  and wait for held KV to be pulled (the NIXL side channel stays up), up to `--shutdown-timeout`
+  (default 0: abort them at once), then exit 0.
+
+P/D (NixlConnector, pull), when a KV connector is configured (`--kv-transfer-config` or `--role`)
+==============================================================================================
+
+Roles follow the request, as in vLLM; `kv_role` only names the engine's intent.
+
+- `kv_transfer_params.do_remote_decode` (the prefill leg): the request stops after its first token and
+  the response carries `kv_transfer_params` `{do_remote_prefill: true, do_remote_decode: false,
+  remote_engine_id, remote_block_ids (synthetic, one per 16 tokens), remote_host, remote_port,
+  remote_request_id, tp_size}`. `remote_host`/`remote_port` are the NIXL side channel:
+  `VLLM_NIXL_SIDE_CHANNEL_HOST` (default `--host`) and `VLLM_NIXL_SIDE_CHANNEL_PORT` (default 5600; 0
+  picks a free port). The engine serves its HTTP API on that address too and holds the request's KV
+  until the consumer releases it or the lease (`kv_lease_duration` from the connector's extra config,
+  or `--kv-lease-s`, default 30 s) expires.
+- `kv_transfer_params.do_remote_prefill` (the decode leg): the request is queued at once; admitted,
+  it waits the modelled KV transfer (`PerfModel.kv_transfer_seconds`), counts its prompt as
+  `external_kv_transfer` and decodes only. Beside the transfer, as NIXL's handshake and read would,
+  the engine asks the producer's side channel (`GET /xpyd/kv/{remote_request_id}`, loopback only)
+  whether it holds the KV and how long its lease has left (until it answers, the lease is taken to
+  start at arrival); a transfer that ends before the answer waits for it (then loads again, which
+  only matters when a round trip outlasts the transfer, i.e. at high time scales). When the KV has
+  arrived the engine tells the producer (`POST /xpyd/kv/{remote_request_id}/release`), which frees
+  the blocks before the lease ends, as NIXL's completion notification does.
+- A KV load that cannot happen -- the producer is unreachable or outside loopback, it holds no such
+  request (unknown, or its lease expired), the parameters are incomplete, or the lease expires while
+  the request waits for admission -- follows `kv_load_failure_policy`: `fail` answers 500 (counted in
+  `vllm:request_success_total{finished_reason="error"}` and `vllm:nixl_num_failed_transfers_total`);
+  `recompute` prefills the prompt locally (`local_compute`, and a failed transfer).
+- No `kv_transfer_params` on any engine: the prompt is computed locally (`local_compute`).
+"""
+
+
+# Modules: `config` (arguments and the scaled performance model), `engine` (the real-time engine),
+# `wire` (request parsing and response bodies), `http` (the aiohttp server), `exposition` (`/metrics`),
+# `main` (the command line; `python -m xpyd.sim.emulator`).

@@ -1,0 +1,499 @@
+"""The real-time engine: an `EngineCore` driven by the wall clock, with the NIXL-style KV hand-off between engines."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import heapq
+import itertools
+import logging
+import math
+import random
+import uuid
+from collections.abc import Coroutine
+from dataclasses import dataclass
+from typing import Any
+from urllib.parse import quote
+
+import aiohttp
+
+from xpyd.common.netguard import NonLoopbackAddress, require_loopback
+from xpyd.sim.core import EngineConfig, EngineCore, EnginePerf, EngineRequest, Event, EventKind, Phase, Step
+from xpyd.sim.emulator.config import (
+    BLOCK_SIZE,
+    KEEPALIVE_TIMEOUT_S,
+    LAG_WARNING_INTERVAL_S,
+    MAX_LAG_S,
+    SIDE_CHANNEL_TIMEOUT_S,
+    TIMER_SLACK_S,
+    EmulatorConfig,
+    ScaledPerf,
+)
+from xpyd.sim.emulator.exposition import ConnectorMetrics, render_metrics
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class RemoteKV:
+    """Where a decode leg's KV is held: the producer's side channel and its request id."""
+
+    host: str
+    port: int
+    request_id: str
+    engine_id: str | None
+
+    def url(self, suffix: str = "") -> str:
+        """A side-channel URL on the producer."""
+        host = f"[{self.host}]" if ":" in self.host else self.host
+        return f"http://{host}:{self.port}/xpyd/kv/{quote(self.request_id, safe='')}{suffix}"
+
+
+class Stream:
+    """One request's progress as its HTTP handler sees it: tokens so far, finished, or an error."""
+
+    __slots__ = ("cancelled", "error", "finished", "parked", "remote", "request", "tokens", "total", "verified",
+                 "waiter")
+
+    def __init__(self, request: EngineRequest, remote: RemoteKV | None = None) -> None:
+        self.request = request
+        self.remote = remote
+        self.total = 1 if request.do_remote_decode else request.max_tokens   # tokens this engine generates
+        self.tokens = 0
+        self.finished = False
+        self.error: str | None = None
+        self.cancelled = False
+        self.verified = True    # a decode leg: its producer has confirmed the KV
+        self.parked = False     # a decode leg whose transfer ended before that confirmation
+        self.waiter: asyncio.Future[None] | None = None
+
+    def notify(self) -> None:
+        """Wake the handler waiting on this stream."""
+        waiter = self.waiter
+        if waiter is not None and not waiter.done():
+            waiter.set_result(None)
+
+    async def wait(self) -> None:
+        """Until the engine has news for this request."""
+        self.waiter = asyncio.get_running_loop().create_future()
+        await self.waiter
+
+
+class KVLoadError(Exception):
+    """A decode leg's remote KV cannot be loaded (the message says why)."""
+
+
+class Engine:
+    """An `EngineCore` driven in real time, with the KV hand-off of vLLM's NixlConnector."""
+
+    def __init__(self, config: EmulatorConfig, perf: EnginePerf) -> None:
+        self.config = config
+        self.core = EngineCore(ScaledPerf(perf, config.time_scale), EngineConfig(
+            max_num_batched_tokens=config.max_num_batched_tokens, max_num_seqs=config.max_num_seqs,
+            max_kv_tokens=config.max_kv_tokens, kv_lease_seconds=config.kv_lease_s / config.time_scale,
+            max_model_len=config.max_model_len))
+        if self.core.capacity < config.max_model_len:
+            raise ValueError(f"the model's max seq len ({config.max_model_len}) is larger than the maximum number "
+                             f"of tokens that can be stored in KV cache ({self.core.capacity}): lower "
+                             "--max-model-len or raise --max-kv-tokens")
+        self.connector = ConnectorMetrics()
+        self._rng = random.Random(config.seed)
+        self.engine_id = config.engine_id or str(uuid.UUID(int=self._rng.getrandbits(128), version=4))
+        self.side_channel: tuple[str, int] = (config.side_channel_host or config.host, config.side_channel_port)
+        self.draining = False
+        self.in_flight = 0                   # generation handlers running
+        self._streams: dict[EngineRequest, Stream] = {}
+        self._held: dict[str, EngineRequest] = {}
+        self._awaiting_kv: set[Stream] = set()
+        self._inbox: list[tuple[float, int, Stream]] = []
+        self._seq = itertools.count()
+        self._next_block = 0
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._t0 = 0.0
+        self._ready_at = 0.0
+        self._wake: asyncio.Future[None] | None = None
+        self._task: asyncio.Task[None] | None = None
+        self._background: set[asyncio.Task[None]] = set()
+        self._session: aiohttp.ClientSession | None = None
+        self._lag_warned_at: float | None = None
+
+    # --- lifecycle ---
+
+    async def start(self) -> None:
+        """Start the clock, the loading period and the scheduling loop."""
+        loop = asyncio.get_running_loop()
+        self._loop = loop
+        self._t0 = loop.time()
+        self._ready_at = self.config.startup_delay_s / self.config.time_scale
+        # Idle connections to producers close before their 5 s server-side keep-alive does.
+        self._session = aiohttp.ClientSession(
+            connector=aiohttp.TCPConnector(keepalive_timeout=KEEPALIVE_TIMEOUT_S / 2),
+            timeout=aiohttp.ClientTimeout(total=SIDE_CHANNEL_TIMEOUT_S))
+        self._task = loop.create_task(self._run(), name="engine-sim loop")
+        self._task.add_done_callback(_report_crash)
+
+    async def stop(self) -> None:
+        """Stop the loop and the side-channel client."""
+        for task in (self._task, *self._background):
+            if task is not None:
+                task.cancel()
+        for task in (self._task, *self._background):
+            if task is not None:
+                with contextlib.suppress(asyncio.CancelledError):
+                    await task
+        if self._session is not None:
+            await self._session.close()
+
+    def now(self) -> float:
+        """Wall seconds since start: the core's clock."""
+        assert self._loop is not None, "the engine has not started"
+        return self._loop.time() - self._t0
+
+    @property
+    def ready(self) -> bool:
+        """Past the loading period."""
+        return self.now() >= self._ready_at
+
+    @property
+    def loading_left_s(self) -> float:
+        """Wall seconds until ready."""
+        return max(0.0, self._ready_at - self.now())
+
+    @property
+    def num_held(self) -> int:
+        """Finished prefill legs whose KV waits for a consumer."""
+        return len(self._held)
+
+    # --- requests ---
+
+    def submit(self, request_id: str, prompt_tokens: int, max_tokens: int,
+               kv_transfer_params: dict[str, Any] | None) -> Stream:
+        """Queue a request (see the module docstring for what `kv_transfer_params` do)."""
+        arrival = self.now()
+        params = kv_transfer_params if self.config.kv_role is not None and kv_transfer_params else {}
+        request = EngineRequest(f"{request_id}-{next(self._seq)}", prompt_tokens, max_tokens,
+                                do_remote_decode=bool(params.get("do_remote_decode")),
+                                do_remote_prefill=bool(params.get("do_remote_prefill")))
+        stream = Stream(request)
+        if request.do_remote_prefill:
+            try:
+                stream.remote = _remote_kv(params)
+            except KVLoadError as error:
+                self._kv_load_failed(stream, error)
+            else:
+                # Until the producer answers, its lease is taken to have started now.
+                stream.verified = False
+                request.remote_kv_deadline = arrival + self.core.config.kv_lease_seconds
+                self._spawn(self._verify(stream))
+        if not stream.finished:
+            self._enqueue(arrival, stream)
+        return stream
+
+    def _enqueue(self, arrival: float, stream: Stream) -> None:
+        heapq.heappush(self._inbox, (arrival, next(self._seq), stream))
+        self._kick()
+
+    async def _verify(self, stream: Stream) -> None:
+        """Ask the producer whether it holds the decode leg's KV and for how long. This runs beside the
+        modelled transfer, as NIXL's handshake and read do; a transfer that ends first waits for it."""
+        assert stream.remote is not None
+        try:
+            remaining = await self._locate(stream.remote)
+        except KVLoadError as error:
+            self._kv_load_failed(stream, error)
+            return
+        stream.verified = True
+        if stream.cancelled:
+            return
+        request = stream.request
+        if stream.parked:   # its KV "arrived" before the answer: load it again, from the original arrival
+            stream.parked = False
+            stream.request = EngineRequest(request.request_id, request.prompt_tokens, request.max_tokens,
+                                           do_remote_prefill=True, remote_kv_deadline=self.now() + remaining)
+            self._enqueue(request.arrival_time, stream)
+        elif request.phase is Phase.WAITING:
+            request.remote_kv_deadline = self.now() + remaining
+
+    def _kv_load_failed(self, stream: Stream, error: KVLoadError) -> None:
+        """Apply `kv_load_failure_policy` to a decode leg whose KV cannot be loaded (before its first token:
+        see `_verify`)."""
+        if stream.cancelled:
+            return
+        request = stream.request
+        in_core = request in self._streams
+        waiting = request.phase is Phase.WAITING   # queued, not admitted yet
+        stream.verified = True
+        stream.parked = False
+        if self.config.kv_load_failure_policy == "fail":
+            log.warning("KV load failed for %s (kv_load_failure_policy=fail): %s", request.request_id, error)
+            self._awaiting_kv.discard(stream)
+            if in_core:
+                del self._streams[request]
+                self.core.abort(request, self.now())
+                self._kick()
+            self._fail(stream, f"KV transfer failed: {error}")
+            return
+        log.warning("KV load failed for %s, recomputing the prompt locally: %s", request.request_id, error)
+        if waiting:
+            request.remote_kv_deadline = -math.inf   # the core prefills it and counts the failed transfer
+            return
+        # The transfer had started: begin again as a local prefill, from the original arrival.
+        if in_core:
+            del self._streams[request]
+            self.core.abort(request, self.now())
+        stream.request = EngineRequest(request.request_id, request.prompt_tokens, request.max_tokens,
+                                       do_remote_prefill=True, remote_kv_deadline=-math.inf)
+        self._enqueue(request.arrival_time, stream)
+
+    def _spawn(self, coroutine: Coroutine[Any, Any, None]) -> None:
+        task = asyncio.get_running_loop().create_task(coroutine)
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
+
+    def abort(self, stream: Stream) -> None:
+        """The client went away before the request finished: drop it and free its KV."""
+        if stream.finished or stream.cancelled:
+            return
+        stream.cancelled = True
+        self.connector.aborted_total += 1
+        self._awaiting_kv.discard(stream)
+        if self._streams.pop(stream.request, None) is not None:
+            self.core.abort(stream.request, self.now())
+            self._kick()   # the freed KV may admit a waiting request
+        # Still in the inbox: skipped when it comes out.
+
+    def held_kv(self, request_id: str) -> tuple[EngineRequest, float] | None:
+        """A held prefill leg and its lease's remaining wall seconds, or None if not held."""
+        request = self._held.get(request_id)
+        if request is None:
+            return None
+        return request, request.lease_expiry - self.now()
+
+    def release_kv(self, request_id: str) -> bool:
+        """The consumer has the KV: free it now. False if it was not held."""
+        if self._held.pop(request_id, None) is None:
+            return False
+        released = self.core.release_kv(request_id, self.now())
+        self._kick()
+        return released
+
+    def kv_transfer_params(self, stream: Stream) -> dict[str, Any]:
+        """What a prefill leg returns for the decode leg (NixlConnector's `request_finished`)."""
+        blocks = -(-stream.request.prompt_tokens // BLOCK_SIZE)
+        pool = max(1, self.core.capacity // BLOCK_SIZE)
+        first = self._next_block
+        self._next_block = (first + blocks) % pool
+        host, port = self.side_channel
+        return {"do_remote_prefill": True, "do_remote_decode": False,
+                "remote_block_ids": [(first + i) % pool for i in range(blocks)],
+                "remote_engine_id": self.engine_id, "remote_request_id": stream.request.request_id,
+                "remote_host": host, "remote_port": port, "tp_size": self.config.tensor_parallel_size}
+
+    def metrics_text(self) -> str:
+        """The `/metrics` exposition."""
+        return render_metrics(self.core, self.connector, self.config.model_name)
+
+    # --- the loop ---
+
+    async def _run(self) -> None:
+        core = self.core
+        t = self.now()
+        while True:
+            self._admit(t)
+            self._on_events(core.poll(t))
+            self._expire_waiting(t)
+            step = core.next_step(t)
+            if step is None:
+                t = await self._idle(t)
+                continue
+            await self._sleep_until(step.end)
+            self._on_events(core.complete(step, step.end))
+            self._deliver(step)
+            t = step.end
+            lag = self.now() - t
+            if lag > MAX_LAG_S:
+                if self._lag_warned_at is None or t - self._lag_warned_at > LAG_WARNING_INTERVAL_S:
+                    log.warning("engine-sim fell %.0f ms behind its schedule (time scale %g): resetting to the "
+                                "wall clock", lag * 1e3, self.config.time_scale)
+                    self._lag_warned_at = t
+                t = self.now()
+
+    async def _sleep_until(self, deadline: float) -> None:
+        remaining = deadline - self.now()
+        if remaining > TIMER_SLACK_S:
+            await asyncio.sleep(remaining - TIMER_SLACK_S)
+        while self.now() < deadline:
+            await asyncio.sleep(0)
+
+    async def _idle(self, t: float) -> float:
+        """Wait for an arrival or the core's next timer; returns the time to go on from."""
+        timer = self.core.next_timer()
+        if not self._inbox:
+            assert self._loop is not None
+            wake: asyncio.Future[None] = self._loop.create_future()
+            self._wake = wake
+            handle = self._loop.call_at(self._t0 + timer, _resolve, wake) if timer is not None else None
+            try:
+                await wake
+            finally:
+                self._wake = None
+                if handle is not None:
+                    handle.cancel()
+        due = [self._inbox[0][0]] if self._inbox else []
+        if timer is not None and timer <= self.now():
+            due.append(timer)
+        return max(t, min(due)) if due else t
+
+    def _kick(self) -> None:
+        """Wake an idle loop: an arrival, or a release that freed KV a waiting request may need."""
+        wake = self._wake
+        if wake is not None and not wake.done():
+            wake.set_result(None)
+
+    def _admit(self, t: float) -> None:
+        """Hand the core the arrivals stamped up to `t`."""
+        inbox = self._inbox
+        fail = self.config.kv_load_failure_policy == "fail"
+        while inbox and inbox[0][0] <= t:
+            arrival, _, stream = heapq.heappop(inbox)
+            if stream.cancelled or stream.finished:
+                continue
+            request = stream.request
+            self.core.add(request, arrival)
+            self._streams[request] = stream
+            if fail and request.do_remote_prefill:
+                self._awaiting_kv.add(stream)
+
+    def _expire_waiting(self, t: float) -> None:
+        """Under `fail`, a decode leg whose producer's lease ended before admission fails (the core,
+        which models `recompute`, would prefill it locally)."""
+        if not self._awaiting_kv:
+            return
+        for stream in list(self._awaiting_kv):
+            request = stream.request
+            if request.phase is not Phase.WAITING:
+                self._awaiting_kv.discard(stream)
+            elif t > request.remote_kv_deadline:
+                self._awaiting_kv.discard(stream)
+                self._streams.pop(request, None)
+                self.core.abort(request, t)
+                log.warning("KV load failed for %s (kv_load_failure_policy=fail): the producer's lease expired "
+                            "before admission", request.request_id)
+                self._fail(stream, "KV transfer failed: the prefill engine's KV lease expired before the request "
+                           "was scheduled")
+
+    def _fail(self, stream: Stream, message: str) -> None:
+        stream.error = message
+        stream.finished = True
+        self.connector.errored_total += 1
+        self.connector.nixl_num_failed_transfers_total += 1
+        stream.notify()
+
+    def _on_events(self, events: list[Event]) -> None:
+        for event in events:
+            request = event.request
+            kind = event.kind
+            if kind is EventKind.KV_RELEASED:
+                if self._held.pop(request.request_id, None) is not None:
+                    self.connector.nixl_num_kv_expired_reqs_total += 1
+                continue
+            stream = self._streams.get(request)
+            if stream is None:
+                continue
+            if kind is EventKind.FIRST_TOKEN:
+                stream.tokens = max(stream.tokens, 1)
+            elif kind is EventKind.FINISHED:
+                stream.tokens = request.limit
+                stream.finished = True
+                del self._streams[request]
+                if request.do_remote_decode:
+                    self._held[request.request_id] = request
+            elif stream.verified:   # KV_LOADED: the pull is done
+                self._on_kv_loaded(stream, event.time)
+                continue
+            else:   # the transfer ended before the producer confirmed the KV: wait for that (see _verify)
+                del self._streams[request]
+                self.core.abort(request, event.time)
+                stream.parked = True
+                continue
+            stream.notify()
+
+    def _on_kv_loaded(self, stream: Stream, time_s: float) -> None:
+        request = stream.request
+        self.connector.nixl_xfer_time_seconds.observe(time_s - request.scheduled_time)
+        if self.config.kv_bytes_per_token:
+            self.connector.nixl_bytes_transferred.observe(request.prompt_tokens * self.config.kv_bytes_per_token)
+        if stream.remote is not None:
+            self._spawn(self._release_remote(stream.remote))
+
+    def _deliver(self, step: Step) -> None:
+        streams = self._streams
+        core = self.core
+        for request in step.decode:
+            stream = streams.get(request)
+            if stream is not None:
+                stream.tokens = core.generated_tokens(request)
+                stream.notify()
+
+    # --- the side channel (client) ---
+
+    async def _locate(self, remote: RemoteKV) -> float:
+        """The producer's remaining lease (wall seconds) for the KV; KVLoadError if there is none."""
+        assert self._session is not None
+        try:
+            async with self._session.get(remote.url()) as response:
+                if response.status == 404:
+                    raise KVLoadError(f"the prefill engine at {remote.host}:{remote.port} holds no KV for "
+                                      f"{remote.request_id} (unknown, released, or its lease expired)")
+                if response.status != 200:
+                    raise KVLoadError(f"the prefill engine at {remote.host}:{remote.port} answered "
+                                      f"HTTP {response.status}")
+                body = await response.json()
+                if not isinstance(body, dict):
+                    raise ValueError("not a JSON object")
+        except (aiohttp.ClientError, TimeoutError, ValueError) as error:
+            raise KVLoadError(f"cannot reach the prefill engine's side channel {remote.host}:{remote.port}: "
+                              f"{error or type(error).__name__}") from error
+        if remote.engine_id is not None and body.get("engine_id") != remote.engine_id:
+            raise KVLoadError(f"engine {remote.engine_id} is gone: {remote.host}:{remote.port} is now engine "
+                              f"{body.get('engine_id')}")
+        remaining = body.get("lease_remaining_s")
+        if not isinstance(remaining, int | float):
+            raise KVLoadError(f"the prefill engine at {remote.host}:{remote.port} sent no lease")
+        return float(remaining)
+
+    async def _release_remote(self, remote: RemoteKV) -> None:
+        assert self._session is not None
+        try:
+            async with self._session.post(remote.url("/release")) as response:
+                if response.status != 200:
+                    log.info("releasing KV %s on %s:%s: HTTP %s (its lease had expired)", remote.request_id,
+                             remote.host, remote.port, response.status)
+        except (aiohttp.ClientError, TimeoutError) as error:
+            log.info("releasing KV %s on %s:%s failed: %s", remote.request_id, remote.host, remote.port, error)
+
+
+def _report_crash(task: asyncio.Task[None]) -> None:
+    if not task.cancelled() and task.exception() is not None:
+        log.error("the engine loop crashed", exc_info=task.exception())
+
+
+def _resolve(future: asyncio.Future[None]) -> None:
+    if not future.done():
+        future.set_result(None)
+
+
+def _remote_kv(params: dict[str, Any]) -> RemoteKV:
+    host, port, request_id = params.get("remote_host"), params.get("remote_port"), params.get("remote_request_id")
+    engine_id = params.get("remote_engine_id")
+    if not isinstance(host, str) or isinstance(port, bool) or not isinstance(port, int) \
+            or not isinstance(request_id, str) or not (engine_id is None or isinstance(engine_id, str)):
+        raise KVLoadError("kv_transfer_params with do_remote_prefill need remote_host, remote_port and "
+                          "remote_request_id (as a prefill engine returns them)")
+    try:
+        require_loopback(host, "NIXL side channel")
+    except NonLoopbackAddress as error:
+        raise KVLoadError(str(error)) from None
+    return RemoteKV(host, port, request_id, engine_id)
+
+

@@ -1,0 +1,280 @@
+"""The emulator's aiohttp server: the OpenAI endpoints, probes, `/metrics` and the KV side channel."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import time
+import uuid
+from typing import Any
+
+from aiohttp import web
+
+from xpyd.sim.core import EnginePerf
+from xpyd.sim.emulator.config import EMULATED_VLLM_VERSION, KEEPALIVE_TIMEOUT_S, TOKEN_TEXT, EmulatorConfig
+from xpyd.sim.emulator.engine import Engine, Stream
+from xpyd.sim.emulator.exposition import CONTENT_TYPE
+from xpyd.sim.emulator.wire import (
+    ApiError,
+    Chunks,
+    Generation,
+    error_body,
+    error_response,
+    parse_generation,
+    sse_event,
+    usage_body,
+)
+
+log = logging.getLogger(__name__)
+
+ENGINE: web.AppKey[Engine] = web.AppKey("engine", Engine)
+
+
+def _not_ready(engine: Engine) -> web.Response | None:
+    if engine.draining:
+        return error_response(503, "The server is shutting down.", "ServiceUnavailableError")
+    if not engine.ready:
+        return error_response(503, f"The model is loading (ready in {engine.loading_left_s:.1f} s).",
+                              "ServiceUnavailableError")
+    return None
+
+
+async def _generate(request: web.Request, chat: bool) -> web.StreamResponse:
+    engine = request.app[ENGINE]
+    unavailable = _not_ready(engine)
+    if unavailable is not None:
+        return unavailable
+    config = engine.config
+    try:
+        if request.content_type != "application/json":
+            raise ApiError(400, "Unsupported Media Type: Only 'application/json' is allowed")
+        try:
+            body = json.loads(await request.read())
+        except ValueError as error:
+            raise ApiError(400, f"Invalid JSON body: {error}") from None
+        generation = parse_generation(body, chat, config)
+    except ApiError as error:
+        return error_response(error.status, error.message, error.error_type)
+    base = request.headers.get("X-Request-Id") or uuid.uuid4().hex
+    response_id = f"{'chatcmpl' if chat else 'cmpl'}-{base}"
+    engine.in_flight += 1
+    stream: Stream | None = None
+    try:
+        if generation.stream:
+            return await _stream(request, engine, generation, response_id)
+        stream = engine.submit(response_id, generation.prompt_tokens, generation.max_tokens,
+                               generation.kv_transfer_params)
+        while not stream.finished:
+            await stream.wait()
+        if stream.error is not None:
+            return error_response(500, stream.error, "InternalServerError")
+        return web.json_response(_full_response(engine, stream, generation, response_id))
+    finally:
+        engine.in_flight -= 1
+        if stream is not None:
+            engine.abort(stream)   # no-op once finished
+
+
+def _full_response(engine: Engine, stream: Stream, generation: Generation, response_id: str) -> dict[str, Any]:
+    text = TOKEN_TEXT * stream.tokens
+    params = engine.kv_transfer_params(stream) if stream.request.do_remote_decode else None
+    head = {"id": response_id, "created": int(time.time()), "model": engine.config.model_name}
+    usage = usage_body(generation.prompt_tokens, stream.tokens)
+    if generation.chat:
+        message: dict[str, Any] = {"role": "assistant", "content": text, "refusal": None, "annotations": None,
+                                   "audio": None, "function_call": None, "tool_calls": [], "reasoning_content": None}
+        return {**head, "object": "chat.completion",
+                "choices": [{"index": 0, "message": message, "logprobs": None, "finish_reason": "length",
+                             "stop_reason": None}],
+                "service_tier": None, "system_fingerprint": None, "usage": usage, "prompt_logprobs": None,
+                "kv_transfer_params": params}
+    return {**head, "object": "text_completion",
+            "choices": [{"index": 0, "text": text, "logprobs": None, "finish_reason": "length", "stop_reason": None,
+                         "prompt_logprobs": None}],
+            "service_tier": None, "system_fingerprint": None, "usage": usage, "kv_transfer_params": params}
+
+
+async def _stream(request: web.Request, engine: Engine, generation: Generation,
+                  response_id: str) -> web.StreamResponse:
+    response = web.StreamResponse(headers={"Content-Type": "text/event-stream; charset=utf-8"})
+    await response.prepare(request)
+    chunks = Chunks(response_id, engine.config.model_name, int(time.time()), generation)
+    if generation.chat:
+        await response.write(sse_event(chunks.event(None, role=True)).encode())
+    stream = engine.submit(response_id, generation.prompt_tokens, generation.max_tokens,
+                           generation.kv_transfer_params)
+    try:
+        sent = 0
+        total = stream.total
+        while True:
+            while stream.tokens == sent and not stream.finished:
+                await stream.wait()
+            if stream.error is not None:
+                await response.write(sse_event(error_body(stream.error, "InternalServerError", 500)).encode())
+                break
+            count = stream.tokens - sent
+            if count:
+                await response.write(chunks.tokens(sent, count, total).encode())
+                sent += count
+            if stream.finished:
+                if generation.include_usage:
+                    await response.write(chunks.usage(sent).encode())
+                break
+        await response.write(b"data: [DONE]\n\n")
+        await response.write_eof()
+    except ConnectionResetError:
+        log.debug("client of %s went away", response_id)
+    finally:
+        engine.abort(stream)   # no-op once finished
+    return response
+
+
+async def completions(request: web.Request) -> web.StreamResponse:
+    """`POST /v1/completions`."""
+    return await _generate(request, chat=False)
+
+
+async def chat_completions(request: web.Request) -> web.StreamResponse:
+    """`POST /v1/chat/completions`."""
+    return await _generate(request, chat=True)
+
+
+async def models(request: web.Request) -> web.Response:
+    """`GET /v1/models`: the served model names."""
+    engine = request.app[ENGINE]
+    unavailable = _not_ready(engine)
+    if unavailable is not None:
+        return unavailable
+    config = engine.config
+    created = int(time.time())
+    cards = [{"id": name, "object": "model", "created": created, "owned_by": "vllm", "root": config.model,
+              "parent": None, "max_model_len": config.max_model_len,
+              "permission": [{"id": f"modelperm-{uuid.uuid4().hex}", "object": "model_permission",
+                              "created": created, "allow_create_engine": False, "allow_sampling": True,
+                              "allow_logprobs": True, "allow_search_indices": False, "allow_view": True,
+                              "allow_fine_tuning": False, "organization": "*", "group": None,
+                              "is_blocking": False}]}
+             for name in (config.served_model_names or (config.model,))]
+    return web.json_response({"object": "list", "data": cards})
+
+
+async def health(request: web.Request) -> web.Response:
+    """`GET /health` and `/ping`: 200 with an empty body when ready, 503 while loading or draining."""
+    unavailable = _not_ready(request.app[ENGINE])
+    return unavailable if unavailable is not None else web.Response(status=200)
+
+
+async def version(request: web.Request) -> web.Response:
+    """`GET /version`: the emulated vLLM release."""
+    return web.json_response({"version": EMULATED_VLLM_VERSION})
+
+
+async def metrics(request: web.Request) -> web.Response:
+    """`GET /metrics`: Prometheus text format 0.0.4."""
+    return web.Response(body=request.app[ENGINE].metrics_text().encode(), headers={"Content-Type": CONTENT_TYPE})
+
+
+async def kv_lookup(request: web.Request) -> web.Response:
+    """`GET /xpyd/kv/{id}` (side channel): whether this engine holds a prefill leg's KV, and for how long."""
+    engine = request.app[ENGINE]
+    request_id = request.match_info["request_id"]
+    held = engine.held_kv(request_id)
+    if held is None:
+        return error_response(404, f"no KV held for {request_id}", "NotFoundError")
+    engine_request, remaining = held
+    return web.json_response({"remote_request_id": request_id, "engine_id": engine.engine_id,
+                              "prompt_tokens": engine_request.prompt_tokens, "lease_remaining_s": remaining})
+
+
+async def kv_release(request: web.Request) -> web.Response:
+    """`POST /xpyd/kv/{id}/release` (side channel): the consumer has pulled the KV; free the blocks."""
+    engine = request.app[ENGINE]
+    request_id = request.match_info["request_id"]
+    if not engine.release_kv(request_id):
+        return error_response(404, f"no KV held for {request_id}", "NotFoundError")
+    return web.json_response({"released": request_id})
+
+
+def build_app(engine: Engine) -> web.Application:
+    """The aiohttp application of one engine (the engine is started and stopped with it)."""
+    app = web.Application(client_max_size=64 * 1024 * 1024)
+    app[ENGINE] = engine
+
+    async def lifecycle(app: web.Application) -> Any:
+        await engine.start()
+        yield
+        await engine.stop()
+
+    app.cleanup_ctx.append(lifecycle)
+    app.router.add_post("/v1/completions", completions)
+    app.router.add_post("/v1/chat/completions", chat_completions)
+    app.router.add_get("/v1/models", models)
+    app.router.add_get("/health", health)
+    app.router.add_get("/ping", health)
+    app.router.add_post("/ping", health)
+    app.router.add_get("/version", version)
+    app.router.add_get("/metrics", metrics)
+    app.router.add_get("/xpyd/kv/{request_id}", kv_lookup)
+    app.router.add_post("/xpyd/kv/{request_id}/release", kv_release)
+    return app
+
+
+
+
+class EmulatorServer:
+    """A running engine: HTTP on (host, port), plus the NIXL side channel when a connector is set."""
+
+    def __init__(self, engine: Engine, runner: web.AppRunner, http_site: web.TCPSite, http_port: int) -> None:
+        self.engine = engine
+        self.runner = runner
+        self.http_site = http_site
+        self.http_port = http_port
+        self._closed = False
+
+    @property
+    def url(self) -> str:
+        """Base URL of the HTTP API."""
+        return f"http://{self.engine.config.host}:{self.http_port}"
+
+    async def drain(self) -> None:
+        """Graceful stop (SIGTERM): stop listening, finish in-flight requests and held KV up to the
+        shutdown timeout, then close everything."""
+        engine = self.engine
+        engine.draining = True
+        deadline = time.monotonic() + engine.config.shutdown_timeout_s
+        await self.http_site.stop()
+        while (engine.in_flight or engine.num_held) and time.monotonic() < deadline:
+            await asyncio.sleep(0.01)
+        if engine.in_flight or engine.num_held:
+            log.warning("shutdown timeout: aborting %d in-flight requests (%d KV leases held)", engine.in_flight,
+                        engine.num_held)
+        await self.close()
+
+    async def close(self) -> None:
+        """Stop at once (in-flight handlers are cancelled); a no-op when already closed."""
+        if not self._closed:
+            self._closed = True
+            await self.runner.cleanup()
+
+
+async def start_server(config: EmulatorConfig, perf: EnginePerf) -> EmulatorServer:
+    """Bind and start one emulated engine (ports 0 pick free ports; see `EmulatorServer`)."""
+    engine = Engine(config, perf)
+    runner = web.AppRunner(build_app(engine), handler_cancellation=True, keepalive_timeout=KEEPALIVE_TIMEOUT_S,
+                           access_log=None, shutdown_timeout=0.0)
+    await runner.setup()
+    try:
+        http_site = web.TCPSite(runner, config.host, config.port)
+        await http_site.start()
+        http_port = int(runner.addresses[0][1])
+        if config.kv_role is not None:
+            side_host, side_port = engine.side_channel
+            await web.TCPSite(runner, side_host, side_port).start()
+            engine.side_channel = (side_host, int(runner.addresses[1][1]))
+    except BaseException:
+        await runner.cleanup()
+        raise
+    return EmulatorServer(engine, runner, http_site, http_port)
+
+

@@ -1,0 +1,225 @@
+"""`xpyd engine-sim`'s command line: a pod's `vllm serve` arguments to an `EmulatorConfig`, then serve."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import json
+import logging
+import os
+import signal
+import sys
+from collections.abc import Sequence
+from typing import Any
+
+from xpyd.common.netguard import NonLoopbackAddress
+from xpyd.perf.model import DEFAULT_PROFILE
+from xpyd.sim.core import EnginePerf
+from xpyd.sim.emulator.config import (
+    DEFAULT_LINK_GBPS,
+    DEFAULT_MODEL,
+    DEFAULT_SIDE_CHANNEL_PORT,
+    EmulatorConfig,
+)
+from xpyd.sim.emulator.http import start_server
+
+log = logging.getLogger(__name__)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """`xpyd engine-sim` options: DESIGN's contract plus the `vllm serve` arguments the operator renders."""
+    parser = argparse.ArgumentParser(
+        prog="xpyd engine-sim", description="Emulate one vLLM engine (OpenAI API, vllm:* metrics, NIXL P/D "
+        "hand-off) in real time. Accepts a pod's `vllm serve` arguments unchanged; other vLLM flags are "
+        "ignored with a warning.")
+    parser.add_argument("model", nargs="?", default=None, help=f"model name or path (default {DEFAULT_MODEL})")
+    parser.add_argument("--model", dest="model_option", default=None, help=argparse.SUPPRESS)
+    parser.add_argument("--role", choices=["prefill", "decode"], help="P/D role (NixlConnector kv_producer or "
+                        "kv_consumer) when no --kv-transfer-config says it")
+    parser.add_argument("--profile", default=str(DEFAULT_PROFILE), help="performance profile prefix "
+                        "(PREFIX_prefill.csv, PREFIX_decode.csv; default: the bundled H200 Llama-3.1-8B FP8 one)")
+    parser.add_argument("--host", default=os.environ.get("POD_IP") or "127.0.0.1",
+                        help="loopback address to bind (default $POD_IP, else 127.0.0.1)")
+    parser.add_argument("--port", type=int, default=8000, help="HTTP port (0: any free port)")
+    parser.add_argument("--served-model-name", nargs="+", default=None, help="names the API accepts and answers "
+                        "with (default: the model)")
+    parser.add_argument("--tensor-parallel-size", "-tp", type=int, default=1, help="reported as tp_size")
+    parser.add_argument("--pipeline-parallel-size", "-pp", type=int, default=1, help="accepted, not modelled")
+    parser.add_argument("--data-parallel-size", "-dp", type=int, default=1, help="accepted; one engine is emulated")
+    parser.add_argument("--max-model-len", type=_token_count, default=131072, help="context limit (e.g. 8192, 32k)")
+    parser.add_argument("--revision", default=None, help="accepted, not used")
+    parser.add_argument("--shutdown-timeout", type=float, default=0.0, help="seconds SIGTERM waits for in-flight "
+                        "requests and held KV (default 0: abort at once)")
+    parser.add_argument("--kv-transfer-config", default=None, help="vLLM KVTransferConfig JSON (kv_role, "
+                        "kv_load_failure_policy, engine_id, kv_connector_extra_config.kv_lease_duration)")
+    parser.add_argument("--kv-cache-dtype", default="auto", help="KV dtype for the transfer size (auto = bf16)")
+    parser.add_argument("--max-num-batched-tokens", type=int, default=8192, help="token budget per step")
+    parser.add_argument("--max-num-seqs", type=int, default=256, help="running-request limit")
+    parser.add_argument("--max-kv-tokens", type=int, default=None, help="KV capacity in tokens (default: the "
+                        "profile's)")
+    parser.add_argument("--kv-lease-s", type=float, default=None, help="modelled seconds a prefill engine holds "
+                        "unclaimed KV (default: the connector's kv_lease_duration, else 30)")
+    parser.add_argument("--link-gbps", type=float, default=DEFAULT_LINK_GBPS, help="prefill-to-decode link in "
+                        f"Gb/s for the KV transfer time (default {DEFAULT_LINK_GBPS:g})")
+    parser.add_argument("--startup-delay-s", type=float, default=0.0, help="modelled seconds of 'loading' "
+                        "(503 on /health) before serving")
+    parser.add_argument("--time-scale", type=float, default=1.0, help="run K times faster than real time: every "
+                        "modelled duration is divided by K")
+    parser.add_argument("--seed", type=int, default=None, help="seed of the engine id and block ids")
+    return parser
+
+
+def _token_count(text: str) -> int:
+    """An integer, or vLLM's human-readable form (32k, 1m; k = 1000, K = 1024)."""
+    factors = {"k": 1000, "m": 1_000_000, "K": 1024, "M": 1024 * 1024}
+    try:
+        if text and text[-1] in factors:
+            return int(float(text[:-1]) * factors[text[-1]])
+        return int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a token count: {text!r}") from None
+
+
+def _split_dotted(argv: Sequence[str]) -> tuple[list[str], dict[str, Any]]:
+    """Take `--kv-transfer-config.KEY VALUE` / `=VALUE` (vLLM's dotted form) out of argv."""
+    rest: list[str] = []
+    dotted: dict[str, Any] = {}
+    items = iter(argv)
+    prefix = "--kv-transfer-config."
+    for arg in items:
+        if not arg.startswith(prefix):
+            rest.append(arg)
+            continue
+        key, _, value = arg[len(prefix):].partition("=")
+        if not _:
+            value = next(items, "")
+        try:
+            dotted[key] = json.loads(value)
+        except ValueError:
+            dotted[key] = value
+    return rest, dotted
+
+
+def config_from_args(argv: Sequence[str]) -> tuple[EmulatorConfig, EnginePerf, list[str]]:
+    """Parse `xpyd engine-sim` arguments: (config, performance model, ignored vLLM arguments).
+
+    Raises ValueError, OSError (profile) or KeyError (KV dtype); argparse exits on --help and bad flags.
+    """
+    from xpyd.perf.model import PerfModel
+
+    argv, dotted = _split_dotted(argv)
+    args, ignored = build_parser().parse_known_args(argv)
+    kv: dict[str, Any] = {}
+    if args.kv_transfer_config:
+        try:
+            kv = json.loads(args.kv_transfer_config)
+        except ValueError as error:
+            raise ValueError(f"--kv-transfer-config is not JSON: {error}") from None
+        if not isinstance(kv, dict):
+            raise ValueError("--kv-transfer-config must be a JSON object")
+    kv.update(dotted)
+    kv_role = kv.get("kv_role")
+    role_of = {"prefill": "kv_producer", "decode": "kv_consumer"}
+    if args.role is not None:
+        if kv_role not in (None, "kv_both", role_of[args.role]):
+            raise ValueError(f"--role {args.role} contradicts kv_role {kv_role} in --kv-transfer-config")
+        kv_role = kv_role or role_of[args.role]
+    elif kv and kv_role is None:
+        raise ValueError("--kv-transfer-config needs kv_role once a connector is set")
+    connector = kv.get("kv_connector", "NixlConnector")
+    if kv_role is not None and connector not in ("NixlConnector", "NixlPullConnector"):
+        log.warning("kv_connector %s: only the NixlConnector pull protocol is emulated", connector)
+    if args.data_parallel_size > 1:
+        log.warning("--data-parallel-size %d: one engine is emulated", args.data_parallel_size)
+    if not args.link_gbps > 0:
+        raise ValueError("--link-gbps must be positive")
+    extra = kv.get("kv_connector_extra_config") or {}
+    lease = args.kv_lease_s if args.kv_lease_s is not None else float(extra.get("kv_lease_duration", 30.0))
+    side_port = os.environ.get("VLLM_NIXL_SIDE_CHANNEL_PORT")
+    model = args.model or args.model_option or DEFAULT_MODEL
+    served = tuple(args.served_model_name or ())
+    kv_bytes = _kv_bytes_per_token(model, served, args.kv_cache_dtype)
+    config = EmulatorConfig(
+        model=model, served_model_names=served, host=args.host, port=args.port, kv_role=kv_role,
+        kv_load_failure_policy=kv.get("kv_load_failure_policy", "fail"), engine_id=kv.get("engine_id"),
+        side_channel_host=os.environ.get("VLLM_NIXL_SIDE_CHANNEL_HOST") or None,
+        side_channel_port=int(side_port) if side_port else DEFAULT_SIDE_CHANNEL_PORT,
+        tensor_parallel_size=args.tensor_parallel_size, max_model_len=args.max_model_len,
+        max_num_batched_tokens=args.max_num_batched_tokens, max_num_seqs=args.max_num_seqs,
+        max_kv_tokens=args.max_kv_tokens, kv_lease_s=lease, kv_bytes_per_token=kv_bytes, time_scale=args.time_scale,
+        startup_delay_s=args.startup_delay_s, shutdown_timeout_s=args.shutdown_timeout, seed=args.seed)
+    perf = PerfModel.from_profile(args.profile).with_kv_transfer(kv_bytes, args.link_gbps)
+    return config, perf, ignored
+
+
+def _kv_bytes_per_token(model: str, served: tuple[str, ...], kv_cache_dtype: str) -> int:
+    """KV bytes per token of the first known name among the model and its served names (else the
+    bundled profile's Llama-3.1-8B), in the KV dtype (`auto`: bf16)."""
+    from xpyd.perf.shapes import lookup_model
+
+    dtype = "fp8" if kv_cache_dtype.startswith("fp8") else {"auto": "bf16", "bfloat16": "bf16",
+                                                             "float16": "fp16"}.get(kv_cache_dtype, kv_cache_dtype)
+    for name in (model, *served):
+        with contextlib.suppress(KeyError):
+            return lookup_model(name).kv_bytes_per_token(dtype)
+    return lookup_model("llama-3.1-8b").kv_bytes_per_token(dtype)
+
+
+async def serve(config: EmulatorConfig, perf: EnginePerf) -> None:
+    """Run one engine until SIGTERM or SIGINT, then drain it (see `EmulatorServer.drain`)."""
+    server = await start_server(config, perf)
+    engine = server.engine
+    host, port = engine.side_channel
+    log.info("engine-sim %s (%s) serving %s on %s; NIXL side channel %s; time scale %g; ready in %.1f s",
+             engine.engine_id, config.role, config.model_name, server.url,
+             f"{host}:{port}" if config.kv_role else "off", config.time_scale, engine.loading_left_s)
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for signum in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(signum, stop.set)
+    try:
+        await stop.wait()
+        log.info("engine-sim draining (shutdown timeout %g s)", config.shutdown_timeout_s)
+        await server.drain()
+    finally:
+        for signum in (signal.SIGTERM, signal.SIGINT):
+            loop.remove_signal_handler(signum)
+        await server.close()
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """`xpyd engine-sim ARGS`: exit 0 after a graceful stop, 2 on a bad configuration, 1 if it cannot bind."""
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    try:
+        config, perf, ignored = config_from_args(sys.argv[1:] if argv is None else argv)
+    except (ValueError, OSError, KeyError, NonLoopbackAddress) as error:
+        sys.stderr.write(f"xpyd engine-sim: {error}\n")
+        return 2
+    if ignored:
+        log.warning("ignoring vLLM arguments the emulator does not model: %s", " ".join(ignored))
+    try:
+        asyncio.run(serve(config, perf))
+    except ValueError as error:   # a configuration the engine cannot run
+        sys.stderr.write(f"xpyd engine-sim: {error}\n")
+        return 2
+    except OSError as error:      # cannot bind
+        sys.stderr.write(f"xpyd engine-sim: {error}\n")
+        return 1
+    return 0
+
+
+def add_parser(subparsers: Any) -> None:
+    """Register `xpyd engine-sim`. Its arguments pass through untouched (a pod's `vllm serve` arguments
+    include flags only vLLM knows) and are parsed by `run`, which prints its own `--help`."""
+    command = subparsers.add_parser("engine-sim", help="emulate one vLLM engine (OpenAI API, vllm:* metrics, "
+                                    "NIXL P/D hand-off) in real time", add_help=False, prefix_chars="\0")
+    command.add_argument("argv", nargs=argparse.REMAINDER, help=argparse.SUPPRESS)
+    command.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    """`xpyd engine-sim`, from `add_parser`'s namespace."""
+    return main(list(args.argv))
+
+
