@@ -26,6 +26,7 @@ tools:
 
 lint: $(BIN)/xpyd
 	$(BIN)/ruff check .
+	$(BIN)/lint-imports
 
 typecheck: $(BIN)/xpyd
 	$(BIN)/mypy

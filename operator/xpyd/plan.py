@@ -254,7 +254,8 @@ def judge(result: PlanResult) -> tuple[str, list[str]]:
                      f"{result.decode_itl_s * 1e3:.1f} ms per token (sized at batch 1)")
     if result.ttft_feasible is False:
         notes.append(f"TTFT target {inputs.slo_ttft_s * 1e3:.0f} ms is out of reach: an idle pool already takes "
-                     f"{(result.ttft_floor_s or 0.0) * 1e3:.0f} ms at p{inputs.percentile:g} (prefill sized for the prompts that can meet it)")
+                     f"{(result.ttft_floor_s or 0.0) * 1e3:.0f} ms at p{inputs.percentile:g} "
+                     "(prefill sized for the prompts that can meet it)")
     if result.prefill_replicas is None:
         notes.append("no request rate (--rate or --trace): replica counts not computed")
     if short or small:

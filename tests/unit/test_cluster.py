@@ -143,7 +143,7 @@ def test_down_kills_pod_processes_a_dead_runtime_left_behind(tmp_path: Path) -> 
     import subprocess
     import sys
 
-    from xpyd.cluster.runtime import PID_FILE, kill_leftover_pods
+    from xpyd.cluster.pidfiles import PID_FILE, kill_leftover_pods
 
     ours = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)  # xpyd pod"],
                             start_new_session=True)

@@ -829,13 +829,6 @@ class DisaggregatedServingSpec(APIModel):
 # Status
 
 
-class ConditionType(StrEnum):
-    READY = "Ready"
-    PROGRESSING = "Progressing"
-    DEGRADED = "Degraded"
-    SCALING_ACTIVE = "ScalingActive"
-
-
 class Condition(StatusModel):
     """A condition in the metav1.Condition shape."""
 

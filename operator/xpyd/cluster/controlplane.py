@@ -28,6 +28,7 @@ import yaml
 from xpyd.cluster import pki
 from xpyd.cluster.binaries import Binaries, locate_binaries
 from xpyd.cluster.nodes import DEFAULT_NODES, NodeSpec, node_object
+from xpyd.cluster.pidfiles import kill_leftover_pods
 from xpyd.common.netguard import require_loopback
 from xpyd.kube import Kube
 
@@ -358,7 +359,6 @@ class ControlPlane:
             for name, pid in reversed(list(state.pids.items())):
                 _terminate(pid)
                 progress(f"stopped {name}")
-        from xpyd.cluster.runtime import kill_leftover_pods  # the runtime imports this module
 
         if self.state_dir.exists() and (killed := kill_leftover_pods(self.state_dir)):
             progress(f"killed {killed} pod process(es) the runtime left behind")

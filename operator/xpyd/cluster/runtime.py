@@ -33,6 +33,7 @@ from pathlib import Path
 from typing import Any
 
 from xpyd.cluster.controlplane import HOST, ClusterState, write_kubeconfig
+from xpyd.cluster.pidfiles import PID_FILE
 from xpyd.common.jsontypes import JSON
 from xpyd.common.netguard import LOOPBACK_ONLY_ENV, require_loopback
 from xpyd.common.timefmt import rfc3339
@@ -48,7 +49,6 @@ SERVING_SUBCOMMANDS = frozenset({"proxy", "engine-sim"})
 #: a pod asking for another runs no process.
 POD_SUBCOMMANDS = frozenset({"operator", *SERVING_SUBCOMMANDS})
 RESTART_BACKOFF_SECONDS = 2.0
-PID_FILE = "pid"
 MAX_GRACE_SECONDS = 30.0  # the harness never waits longer for a process to stop
 
 
@@ -405,24 +405,6 @@ def stop_all(runners: list[PodProcess], grace: float) -> None:
             with contextlib.suppress(ProcessLookupError):
                 os.killpg(process.pid, signal.SIGKILL)
             process.wait()
-
-
-def kill_leftover_pods(state_dir: Path) -> int:
-    """SIGKILL the pod processes a runtime recorded under `state_dir/pods/*/pid` that still run (and are
-    still ours: an xpyd command line), e.g. after the runtime itself was killed. Returns how many."""
-    killed = 0
-    for pid_file in (state_dir / "pods").glob(f"*/{PID_FILE}"):
-        try:
-            pid = int(pid_file.read_text())
-            cmdline = Path(f"/proc/{pid}/cmdline").read_bytes()
-        except (OSError, ValueError):
-            continue
-        if b"xpyd" not in cmdline:
-            continue  # the pid was reused by something else
-        with contextlib.suppress(ProcessLookupError, PermissionError):
-            os.killpg(pid, signal.SIGKILL)
-            killed += 1
-    return killed
 
 
 def main(state_dir: Path) -> int:

@@ -29,8 +29,9 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from xpyd.api.conditions import METRICS_AVAILABLE, PROFILE_UNAVAILABLE, RECOMMEND_ONLY, VALID_METRICS, ConditionType
 from xpyd.api.load import SpecError, parse_serving
-from xpyd.api.models import AutoscalingMode, ConditionType, DisaggregatedServing
+from xpyd.api.models import AutoscalingMode, DisaggregatedServing
 from xpyd.autoscaler import collect
 from xpyd.autoscaler.decide import (
     METRICS_UNAVAILABLE,
@@ -53,10 +54,6 @@ from xpyd.proxy.metrics import Counter, Gauge, GaugeSample, exposition
 
 log = logging.getLogger(__name__)
 
-#: ScalingActive reasons besides decide()'s MetricsUnavailable.
-SCALING = "ScalingActive"
-RECOMMEND_ONLY = "RecommendOnly"
-PROFILE_UNAVAILABLE = "ProfileUnavailable"
 
 
 def _engine_arg(args: list[str], flag: str, default: int) -> int:
@@ -108,7 +105,7 @@ def scaling_condition(mode: AutoscalingMode, decision: Decision | None, problem:
         return ConditionValue(ConditionType.SCALING_ACTIVE, False, RECOMMEND_ONLY,
                               f"recommends prefill {decision.prefill.replicas}, decode {decision.decode.replicas} "
                               "(mode Recommend never scales)")
-    return ConditionValue(ConditionType.SCALING_ACTIVE, True, "ValidMetrics",
+    return ConditionValue(ConditionType.SCALING_ACTIVE, True, VALID_METRICS,
                           f"scaling on the pool's metrics; last decision {decision.reason}")
 
 
@@ -303,7 +300,7 @@ class Autoscaler:
             self.kube.event(body, "Normal", decision.reason,
                             f"recommends prefill {sizes[0]}, decode {sizes[1]}: {decision.message}")
         elif held_before:
-            self.kube.event(body, "Normal", "MetricsAvailable", f"metrics are back: {decision.message}")
+            self.kube.event(body, "Normal", METRICS_AVAILABLE, f"metrics are back: {decision.message}")
 
 
 def old_status_reason(status: JSON) -> str | None:

@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 
 import kopf
 
+from xpyd.api.conditions import INVALID_SPEC, ConditionType
 from xpyd.api.load import SpecError, parse_serving
 from xpyd.api.models import AutoscalingMode, DisaggregatedServing
 from xpyd.api.naming import ROLES, SERVING_LABEL, Component, child_name
@@ -73,7 +74,7 @@ def reconcile(kube: Kube, body: JSON, operator_image: str, now: Callable[[], str
         status = invalid_status(old_status, generation, message, now())
         if status_changed(old_status, status):
             kube.patch_status(namespace, name, status)
-            kube.event(body, "Warning", "InvalidSpec", message)
+            kube.event(body, "Warning", INVALID_SPEC, message)
             outcome.status_written = True
         raise InvalidSpec(message) from None
 
@@ -119,8 +120,8 @@ def _report_transitions(kube: Kube, body: JSON, old: JSON, new: JSON) -> None:
     for condition in new.get("conditions", []):
         if before.get(condition["type"]) == condition["status"]:
             continue
-        bad = (condition["type"] == "Ready" and condition["status"] == "False") or (
-            condition["type"] == "Degraded" and condition["status"] == "True")
-        if condition["type"] in ("Ready", "Degraded") and (bad or condition["type"] in before):
+        bad = (condition["type"] == ConditionType.READY and condition["status"] == "False") or (
+            condition["type"] == ConditionType.DEGRADED and condition["status"] == "True")
+        if condition["type"] in (ConditionType.READY, ConditionType.DEGRADED) and (bad or condition["type"] in before):
             kube.event(body, "Warning" if bad else "Normal", condition["reason"],
                        f"{condition['type']}={condition['status']}: {condition['message']}")

@@ -9,7 +9,9 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
-from xpyd.api.models import AutoscalingMode, ConditionType, DisaggregatedServingSpec
+from xpyd.api import conditions as reasons
+from xpyd.api.conditions import ConditionType
+from xpyd.api.models import AutoscalingMode, DisaggregatedServingSpec
 from xpyd.api.naming import Component
 from xpyd.common.jsontypes import JSON
 
@@ -79,14 +81,14 @@ def pending_problem(pods: Sequence[JSON], gpu_resources: set[str]) -> ConditionV
         name, message = unschedulable[0]
         gpus = any(f"Insufficient {resource}" in msg for _, msg in unschedulable for resource in gpu_resources)
         return ConditionValue(
-            ConditionType.DEGRADED, True, "InsufficientGPUs" if gpus else "Unschedulable",
+            ConditionType.DEGRADED, True, reasons.INSUFFICIENT_GPUS if gpus else reasons.UNSCHEDULABLE,
             f"{len(unschedulable)} pod(s) cannot be scheduled; {name}: {message}",
         )
     for pod in pods:
         for status in pod.get("status", {}).get("containerStatuses", []):
             waiting = status.get("state", {}).get("waiting", {})
             if waiting.get("reason") == "CrashLoopBackOff":
-                return ConditionValue(ConditionType.DEGRADED, True, "EngineCrashLoop",
+                return ConditionValue(ConditionType.DEGRADED, True, reasons.ENGINE_CRASH_LOOP,
                                       f"{pod['metadata']['name']}: {waiting.get('message', 'CrashLoopBackOff')}")
     return None
 
@@ -115,34 +117,35 @@ def compute_status(spec: DisaggregatedServingSpec, observed: Observed, old_statu
     }
     missing = [c for c, n in ready_counts.items() if n == 0]
     if all(observed.desired[c] == 0 for c in ready_counts):
-        ready = ConditionValue(ConditionType.READY, False, "ScaledToZero", "every pool has 0 replicas")
+        ready = ConditionValue(ConditionType.READY, False, reasons.SCALED_TO_ZERO, "every pool has 0 replicas")
     elif missing:
-        ready = ConditionValue(ConditionType.READY, False, f"{missing[0].capitalize()}Unavailable",
+        ready = ConditionValue(ConditionType.READY, False, reasons.role_unavailable(missing[0]),
                                "no ready pod in: " + ", ".join(missing))
     else:
         complete = all(ready_counts[c] >= observed.desired[c] for c in ready_counts)
-        ready = ConditionValue(ConditionType.READY, True, "AllReplicasReady" if complete else "PartiallyReady",
+        reason = reasons.ALL_REPLICAS_READY if complete else reasons.PARTIALLY_READY
+        ready = ConditionValue(ConditionType.READY, True, reason,
                                "prefill {prefill}, decode {decode}, proxy {proxy} ready".format(**ready_counts))
 
     rolling = [c for c in ("prefill", "decode", "proxy")
                if not _rolled_out(observed.deployments.get(c), observed.desired[c])]
-    progressing = (ConditionValue(ConditionType.PROGRESSING, True, "RollingOut",
+    progressing = (ConditionValue(ConditionType.PROGRESSING, True, reasons.ROLLING_OUT,
                                   "waiting for " + ", ".join(rolling) + " to reach the desired state")
-                   if rolling else ConditionValue(ConditionType.PROGRESSING, False, "Converged",
+                   if rolling else ConditionValue(ConditionType.PROGRESSING, False, reasons.CONVERGED,
                                                   "every pool runs the desired template and replicas"))
 
     gpu_resources = {spec.prefill.gpu.resource_name, spec.decode.gpu.resource_name}
     if spec.kv_transfer.rdma:
         gpu_resources.add(spec.kv_transfer.rdma.resource_name)
     degraded = pending_problem(observed.pods, gpu_resources) or ConditionValue(
-        ConditionType.DEGRADED, False, "AsExpected", "")
+        ConditionType.DEGRADED, False, reasons.AS_EXPECTED, "")
 
     if spec.autoscaling.mode == AutoscalingMode.OFF:
-        scaling = ConditionValue(ConditionType.SCALING_ACTIVE, False, "AutoscalingOff",
+        scaling = ConditionValue(ConditionType.SCALING_ACTIVE, False, reasons.AUTOSCALING_OFF,
                                  "spec replicas rule (autoscaling.mode is Off)")
     else:  # the autoscaler owns the condition once it has decided anything
         scaling = _autoscaler_condition(old_status) or ConditionValue(
-            ConditionType.SCALING_ACTIVE, None, "AutoscalerNotRunning",
+            ConditionType.SCALING_ACTIVE, None, reasons.AUTOSCALER_NOT_RUNNING,
             f"autoscaling.mode is {spec.autoscaling.mode.value}; no decision has been made yet")
 
     conditions = merge_conditions(old_status.get("conditions", []), [ready, progressing, degraded, scaling],
@@ -162,7 +165,7 @@ def _autoscaler_condition(old_status: JSON) -> ConditionValue | None:
     """The ScalingActive condition the autoscaler wrote, if any (not the reconcile's own)."""
     for condition in old_status.get("conditions", []):
         if condition.get("type") == ConditionType.SCALING_ACTIVE.value and condition.get("reason") not in (
-                "AutoscalingOff", "AutoscalerNotRunning"):
+                reasons.AUTOSCALING_OFF, reasons.AUTOSCALER_NOT_RUNNING):
             value = {"True": True, "False": False}.get(condition.get("status", ""))
             return ConditionValue(ConditionType.SCALING_ACTIVE, value, condition["reason"],
                                   condition.get("message", ""))
@@ -172,8 +175,8 @@ def _autoscaler_condition(old_status: JSON) -> ConditionValue | None:
 def invalid_status(old_status: JSON, generation: int | None, message: str, now: str) -> JSON:
     """Status of a spec that got past the schema but not the models: nothing is touched."""
     conditions = merge_conditions(old_status.get("conditions", []), [
-        ConditionValue(ConditionType.READY, False, "InvalidSpec", message),
-        ConditionValue(ConditionType.PROGRESSING, False, "InvalidSpec", "fix the spec to continue"),
+        ConditionValue(ConditionType.READY, False, reasons.INVALID_SPEC, message),
+        ConditionValue(ConditionType.PROGRESSING, False, reasons.INVALID_SPEC, "fix the spec to continue"),
     ], generation, now)
     return {"observedGeneration": generation, "conditions": conditions}
 

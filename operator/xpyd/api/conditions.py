@@ -1,0 +1,63 @@
+"""The vocabulary of a DisaggregatedServing's `status.conditions`: the condition types, who owns each
+(the only code that sets it) and every reason it can carry. Events use the same reasons.
+
+- `Ready`, owned by the reconcile (`controller.status.compute_status`): `AllReplicasReady`,
+  `PartiallyReady`, `PrefillUnavailable`, `DecodeUnavailable`, `ProxyUnavailable`, `ScaledToZero`,
+  `InvalidSpec`.
+- `Progressing`, owned by the reconcile: `RollingOut`, `Converged`, `InvalidSpec`.
+- `Degraded`, owned by the reconcile: `AsExpected`, `InsufficientGPUs`, `Unschedulable`,
+  `EngineCrashLoop`.
+- `ScalingActive`, owned by the autoscaler loop (`controller.autoscale`; the reconcile sets only
+  `AutoscalingOff` and `AutoscalerNotRunning`): `ValidMetrics`, `RecommendOnly`,
+  `ProfileUnavailable`, `AutoscalingOff`, `AutoscalerNotRunning`, and `decide()`'s
+  `MetricsUnavailable`.
+
+The reasons of the autoscaler's decisions (`status.autoscaler.lastDecision.reason`: `PrefillQueueing`,
+`TpotOverTarget`, `DemandFell`, ...) are `xpyd.autoscaler.decide`'s.
+"""
+
+from __future__ import annotations
+
+from enum import StrEnum
+from typing import Final
+
+
+class ConditionType(StrEnum):
+    """The condition types the operator writes."""
+
+    READY = "Ready"
+    PROGRESSING = "Progressing"
+    DEGRADED = "Degraded"
+    SCALING_ACTIVE = "ScalingActive"
+
+
+# Ready
+ALL_REPLICAS_READY: Final = "AllReplicasReady"
+PARTIALLY_READY: Final = "PartiallyReady"
+SCALED_TO_ZERO: Final = "ScaledToZero"
+INVALID_SPEC: Final = "InvalidSpec"            # Ready and Progressing, and the Event
+
+
+def role_unavailable(role: str) -> str:
+    """`PrefillUnavailable`, `DecodeUnavailable`, `ProxyUnavailable`: no ready pod of `role`."""
+    return f"{role.capitalize()}Unavailable"
+
+
+# Progressing
+ROLLING_OUT: Final = "RollingOut"
+CONVERGED: Final = "Converged"
+
+# Degraded
+AS_EXPECTED: Final = "AsExpected"
+INSUFFICIENT_GPUS: Final = "InsufficientGPUs"
+UNSCHEDULABLE: Final = "Unschedulable"
+ENGINE_CRASH_LOOP: Final = "EngineCrashLoop"
+
+# ScalingActive (besides decide()'s MetricsUnavailable)
+VALID_METRICS: Final = "ValidMetrics"
+RECOMMEND_ONLY: Final = "RecommendOnly"
+PROFILE_UNAVAILABLE: Final = "ProfileUnavailable"
+AUTOSCALING_OFF: Final = "AutoscalingOff"
+AUTOSCALER_NOT_RUNNING: Final = "AutoscalerNotRunning"
+#: The Event when metrics are readable again after MetricsUnavailable.
+METRICS_AVAILABLE: Final = "MetricsAvailable"
