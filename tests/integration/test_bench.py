@@ -20,7 +20,7 @@ from pathlib import Path
 
 import pytest
 
-from xpyd.bench import BenchConfig, RequestRecord, Slo, run_bench
+from xpyd.bench import BenchConfig, RequestRecord, SloMs, run_bench
 from xpyd.cli import main as xpyd_main
 from xpyd.cluster.controlplane import free_ports
 from xpyd.common.netguard import LOOPBACK_ONLY_ENV, require_loopback
@@ -149,7 +149,7 @@ def test_an_impossible_slo_exits_3_with_one_line(cluster: Cluster) -> None:
 async def test_library_run_with_a_live_callback_and_a_mooncake_trace(cluster: Cluster) -> None:
     seen: list[RequestRecord] = []
     config = BenchConfig(url=cluster.proxy, trace=MOONCAKE, speedup=1000.0, max_requests=3,
-                         slo=Slo(ttft_ms=60_000.0, tpot_ms=1000.0), loopback_only=True)
+                         slo=SloMs(ttft_ms=60_000.0, tpot_ms=1000.0), loopback_only=True)
     result = await run_bench(config, on_result=seen.append)
     assert sorted(r.index for r in seen) == [0, 1, 2] and tuple(sorted(seen, key=lambda r: r.index)) == result.records
     assert result.model == DEFAULT_MODEL and result.attainment == 1.0

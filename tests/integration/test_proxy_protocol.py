@@ -20,11 +20,11 @@ import pytest
 from aiohttp import web
 
 from xpyd.api.models import Connector
+from xpyd.api.naming import Role
 from xpyd.common.netguard import require_loopback
 from xpyd.proxy import protocol
 from xpyd.proxy.config import ProxyConfig
 from xpyd.proxy.discovery import static_endpoints
-from xpyd.proxy.pool import Role
 from xpyd.proxy.server import Proxy
 from xpyd.testing.stubengine import StubEngine
 

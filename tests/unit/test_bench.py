@@ -23,7 +23,7 @@ from xpyd.bench.load import (
 from xpyd.bench.report import (
     EXIT_ATTAINMENT,
     RequestRecord,
-    Slo,
+    SloMs,
     build_report,
     exit_code,
     format_summary,
@@ -155,7 +155,7 @@ def test_tpot_is_the_mean_interval_after_the_first_token(rec: RequestRecord, tpo
         assert rec.tpot_s == pytest.approx(tpot_ms / 1000.0)
 
 
-SLO = Slo(ttft_ms=200.0, tpot_ms=20.0)
+SLO = SloMs(ttft_ms=200.0, tpot_ms=20.0)
 
 
 @pytest.mark.parametrize(("rec", "good"), [
@@ -176,7 +176,7 @@ def test_a_request_is_good_when_it_succeeded_within_both_targets(rec: RequestRec
                                                   (1.0, math.inf)])
 def test_slo_targets_must_be_positive(ttft_ms: float, tpot_ms: float) -> None:
     with pytest.raises(ValueError, match="target"):
-        Slo(ttft_ms, tpot_ms)
+        SloMs(ttft_ms, tpot_ms)
 
 
 def test_summary_counts_attainment_goodput_and_errors() -> None:

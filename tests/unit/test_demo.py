@@ -9,14 +9,14 @@ from typing import Any
 
 import pytest
 
-from xpyd.bench import RequestRecord, Slo
+from xpyd.bench import RequestRecord, SloMs
 from xpyd.cli import build_parser
 from xpyd.demo import view
 from xpyd.demo.main import DemoFailed, proxy_url, serving_events
 from xpyd.demo.manifest import DemoPool, serving_manifest
 from xpyd.demo.plot import write_plot
 from xpyd.demo.timeline import (
-    Decision,
+    DecisionSample,
     PoolSample,
     decision_runs,
     demo_report,
@@ -30,7 +30,7 @@ from xpyd.demo.timeline import (
 
 pytestmark = pytest.mark.unit
 
-SLO = Slo(ttft_ms=500, tpot_ms=15)
+SLO = SloMs(ttft_ms=500, tpot_ms=15)
 
 
 def record(index: int, sent_s: float, ttft_s: float | None = 0.1, e2e_s: float = 0.5, tokens: int = 11,
@@ -43,13 +43,13 @@ def record(index: int, sent_s: float, ttft_s: float | None = 0.1, e2e_s: float =
 
 
 def sample(t_s: float, p: tuple[int, int] = (1, 1), d: tuple[int, int] = (1, 1),
-           decision: Decision | None = None) -> PoolSample:
+           decision: DecisionSample | None = None) -> PoolSample:
     """A sample with (ready, desired) per role."""
     return PoolSample(t_s, p[0], p[1], d[0], d[1], decision=decision)
 
 
-def decision(time: str, p: int, d: int, reason: str, message: str = "") -> Decision:
-    return Decision(time, p, d, reason, message)
+def decision(time: str, p: int, d: int, reason: str, message: str = "") -> DecisionSample:
+    return DecisionSample(time, p, d, reason, message)
 
 
 # -- sampling the status ----------------------------------------------------------------------
@@ -64,7 +64,7 @@ def test_a_sample_reads_ready_desired_queue_and_the_last_decision() -> None:
                                         "reason": "PrefillQueueing", "message": "P 1->3"}},
     }}
     assert sample_from_status(obj, 4.5) == PoolSample(
-        4.5, 1, 3, 1, 1, 12.0, Decision("2025-01-01T00:00:05Z", 3, 1, "PrefillQueueing", "P 1->3"))
+        4.5, 1, 3, 1, 1, 12.0, DecisionSample("2025-01-01T00:00:05Z", 3, 1, "PrefillQueueing", "P 1->3"))
 
 
 @pytest.mark.parametrize("obj", [{}, {"status": {}}, {"status": {"prefill": None, "autoscaler": {}}}])
@@ -139,7 +139,7 @@ def test_decisions_are_deduplicated_by_time_and_folded_when_they_repeat() -> Non
 def test_the_load_timeline_bins_requests_by_send_time() -> None:
     records = [record(0, 0.5), record(1, 1.0, ttft_s=0.9), record(2, 6.0), record(3, 7.0, ok=False),
                record(4, 19.9)]
-    line = load_timeline(records, duration_s=20.0, slo=Slo(ttft_ms=500, tpot_ms=50), bins=4)
+    line = load_timeline(records, duration_s=20.0, slo=SloMs(ttft_ms=500, tpot_ms=50), bins=4)
     assert line["bin_s"] == 5 and line["t_s"] == [0, 5, 10, 15]
     assert line["requests_rps"] == [0.4, 0.4, 0.0, 0.2]
     assert line["good_rps"] == [0.2, 0.2, 0.0, 0.2]     # TTFT 900 ms and a dropped request miss

@@ -856,7 +856,7 @@ class RoleStatus(StatusModel):
     ready: str = Field(default="0/0", description="ready/desired, for kubectl get.")
 
 
-class Decision(StatusModel):
+class DecisionStatus(StatusModel):
     """An autoscaler decision."""
 
     time: str = Field(description="When it was made (RFC 3339).")
@@ -882,7 +882,7 @@ class ObservedLoad(StatusModel):
 class AutoscalerStatus(StatusModel):
     """What the autoscaler saw and decided."""
 
-    last_decision: Decision | None = Field(default=None, description="The latest decision.")
+    last_decision: DecisionStatus | None = Field(default=None, description="The latest decision.")
     observed: ObservedLoad | None = Field(default=None, description="The latest observation.")
     recommended_ratio: str | None = Field(default=None, description="Recommended P:D, e.g. 1:3.")
     profile: str | None = Field(default=None, description="The performance model the sizing uses.")

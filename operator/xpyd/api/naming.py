@@ -4,8 +4,10 @@ from __future__ import annotations
 
 from typing import Final, Literal
 
+#: An engine pool's role (one definition for rendering, the proxy and the autoscaler).
+Role = Literal["prefill", "decode"]
 Component = Literal["prefill", "decode", "proxy"]
-ROLES: Final[tuple[Literal["prefill", "decode"], ...]] = ("prefill", "decode")
+ROLES: Final[tuple[Role, ...]] = ("prefill", "decode")
 
 FIELD_MANAGER: Final = "xpyd-operator"
 SERVING_LABEL: Final = "xpyd.io/serving"

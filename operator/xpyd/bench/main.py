@@ -19,7 +19,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from xpyd.bench.report import Slo, attainment_message, exit_code, format_summary
+from xpyd.bench.report import SloMs, attainment_message, exit_code, format_summary
 from xpyd.bench.runner import BenchConfig, BenchError, BenchResult, run_bench_sync
 from xpyd.common.netguard import LOOPBACK_ONLY_ENV
 
@@ -75,7 +75,7 @@ def add_parser(subparsers: Any) -> None:
 def config_from_args(args: argparse.Namespace) -> BenchConfig:
     """The run's configuration from parsed flags; BenchError on bad values."""
     try:
-        slo = Slo(args.slo_ttft_ms, args.slo_tpot_ms)
+        slo = SloMs(args.slo_ttft_ms, args.slo_tpot_ms)
     except ValueError as error:
         raise BenchError(str(error)) from None
     return BenchConfig(url=args.url, model=args.model, trace=args.trace, rate_rps=args.rate, isl=args.isl,

@@ -29,7 +29,7 @@ SEND_LAG_WARNING_MS = 100.0
 
 
 @dataclass(frozen=True, slots=True)
-class Slo:
+class SloMs:
     """Latency targets of one request, in milliseconds."""
 
     ttft_ms: float = 500.0
@@ -79,18 +79,18 @@ class RequestRecord:
         return record
 
 
-def meets_ttft(record: RequestRecord, slo: Slo) -> bool:
+def meets_ttft(record: RequestRecord, slo: SloMs) -> bool:
     """Succeeded with a first token within the TTFT target."""
     return record.ok and record.ttft_s is not None and record.ttft_s * 1000.0 <= slo.ttft_ms
 
 
-def meets_tpot(record: RequestRecord, slo: Slo) -> bool:
+def meets_tpot(record: RequestRecord, slo: SloMs) -> bool:
     """Succeeded with a TPOT within the target (vacuously true for one-token answers)."""
     tpot = record.tpot_s
     return record.ok and (tpot is None or tpot * 1000.0 <= slo.tpot_ms)
 
 
-def is_good(record: RequestRecord, slo: Slo) -> bool:
+def is_good(record: RequestRecord, slo: SloMs) -> bool:
     """Succeeded and meets both targets."""
     return meets_ttft(record, slo) and meets_tpot(record, slo)
 
@@ -99,7 +99,7 @@ def _share(count: int, total: int) -> float:
     return round(count / total, 6) if total else 0.0
 
 
-def summarize(records: Sequence[RequestRecord], slo: Slo, wall_s: float) -> dict[str, Any]:
+def summarize(records: Sequence[RequestRecord], slo: SloMs, wall_s: float) -> dict[str, Any]:
     """The summary as a JSON-ready dict (DESIGN.md's keys first). `wall_s`: the run's length."""
     total = len(records)
     succeeded = [r for r in records if r.ok]

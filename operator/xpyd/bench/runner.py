@@ -25,7 +25,7 @@ import aiohttp
 
 from xpyd.bench.client import send_completion
 from xpyd.bench.load import Arrival, completion_body, poisson_arrivals, trace_arrivals
-from xpyd.bench.report import RequestRecord, Slo, build_report, summarize
+from xpyd.bench.report import RequestRecord, SloMs, build_report, summarize
 from xpyd.common.netguard import NonLoopbackAddress, require_loopback_url
 from xpyd.traces import TraceError, TraceRequest, load_trace
 
@@ -71,7 +71,7 @@ class BenchConfig:
     max_concurrency: int = 1024
     timeout_s: float = 600.0
     api_key: str | None = None
-    slo: Slo = field(default_factory=Slo)
+    slo: SloMs = field(default_factory=SloMs)
     seed: int = 0
     loopback_only: bool = False
 

@@ -34,7 +34,7 @@ from types import FrameType
 from typing import Any, TextIO
 
 from xpyd.api import models
-from xpyd.bench import BenchConfig, BenchError, BenchResult, RequestRecord, Slo, run_bench
+from xpyd.bench import BenchConfig, BenchError, BenchResult, RequestRecord, SloMs, run_bench
 from xpyd.bench.runner import plan_arrivals
 from xpyd.cluster.binaries import (
     Binaries,
@@ -306,7 +306,7 @@ class Demo:
         os.environ[LOOPBACK_ONLY_ENV] = "1"  # this process dials only loopback from here on
         config = BenchConfig(url=proxy, model=pool.served_model, trace=options.trace, speedup=options.speedup,
                              duration_s=options.duration_s, max_concurrency=MAX_CONCURRENCY, timeout_s=BENCH_TIMEOUT_S,
-                             slo=Slo(ttft_ms=pool.ttft_ms, tpot_ms=pool.tpot_ms), loopback_only=True)
+                             slo=SloMs(ttft_ms=pool.ttft_ms, tpot_ms=pool.tpot_ms), loopback_only=True)
         arrivals = plan_arrivals(config)
         load_s = arrivals[-1].at_s if arrivals else 0.0
         self.begin(f"replaying {len(arrivals):,} requests of {options.trace.name} at x{options.speedup:g} "

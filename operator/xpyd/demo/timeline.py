@@ -14,16 +14,15 @@ from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass
 from typing import Any
 
-from xpyd.bench import RequestRecord, Slo
+from xpyd.api.naming import ROLES
+from xpyd.bench import RequestRecord, SloMs
 from xpyd.bench.report import is_good
 from xpyd.common.stats import finite, percentile
 from xpyd.sim.report import timeline_bin_s
 
-ROLES = ("prefill", "decode")
-
 
 @dataclass(frozen=True, slots=True)
-class Decision:
+class DecisionSample:
     """`status.autoscaler.lastDecision`: the sizes decided, why, and when (RFC 3339)."""
 
     time: str
@@ -43,7 +42,7 @@ class PoolSample:
     decode_ready: int
     decode_desired: int
     prefill_queue: float | None = None
-    decision: Decision | None = None
+    decision: DecisionSample | None = None
 
     def ready(self, role: str) -> int:
         """Ready replicas of `role` ("prefill" or "decode")."""
@@ -63,7 +62,7 @@ def sample_from_status(obj: Mapping[str, Any], t_s: float) -> PoolSample:
     last = autoscaler.get("lastDecision")
     decision = None
     if isinstance(last, Mapping):
-        decision = Decision(time=str(last.get("time", "")), prefill=int(last.get("prefill", 0)),
+        decision = DecisionSample(time=str(last.get("time", "")), prefill=int(last.get("prefill", 0)),
                             decode=int(last.get("decode", 0)), reason=str(last.get("reason", "")),
                             message=str(last.get("message", "")))
     queue = observed.get("prefillQueue")
@@ -162,7 +161,7 @@ def decision_runs(samples: Sequence[PoolSample]) -> list[DecisionRun]:
     return runs
 
 
-def load_timeline(records: Sequence[RequestRecord], duration_s: float, slo: Slo, bins: int = 20) -> dict[str, Any]:
+def load_timeline(records: Sequence[RequestRecord], duration_s: float, slo: SloMs, bins: int = 20) -> dict[str, Any]:
     """Per bin of send time: requests sent per second, those of them that met both SLOs per second,
     and the TTFT / TPOT p90 (ms) of the succeeded ones (None for a bin without any)."""
     width = timeline_bin_s(max(duration_s, 1.0), bins)
@@ -195,7 +194,7 @@ def replica_timeline(samples: Sequence[PoolSample]) -> dict[str, list[float] | l
 
 
 def demo_report(bench_summary: Mapping[str, Any], samples: Sequence[PoolSample], records: Sequence[RequestRecord],
-                events: Sequence[Mapping[str, Any]], settings: Mapping[str, Any], slo: Slo) -> dict[str, Any]:
+                events: Sequence[Mapping[str, Any]], settings: Mapping[str, Any], slo: SloMs) -> dict[str, Any]:
     """The JSON summary: the bench summary with the cluster-side keys filled in (GPU-hours of ready
     engines, good requests per GPU-hour, scaling actions), the replicas before/peak/after, the
     decisions, the Events and the timelines behind the plot."""

@@ -77,7 +77,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Protocol
 
-from xpyd.perf.shapes import GPUSpec, ModelShape, lookup_gpu, lookup_model
+from xpyd.perf.shapes import GpuDatasheet, ModelShape, lookup_gpu, lookup_model
 
 H200_LLAMA31_8B_MAX_KV_TOKENS = 945_029
 """`max_kv_tokens` of the engine behind `h200_llama31_8b_fp8_tp1` (data/README.md)."""
@@ -303,7 +303,7 @@ def _curve(points: dict[float, list[float]], what: str) -> PiecewiseLinear:
     return PiecewiseLinear(tuple(xs), tuple(statistics.median(points[x]) for x in xs))
 
 
-def kv_capacity_tokens(shape: ModelShape, gpu: GPUSpec, gpus: int, *, weight_dtype: str = "bf16",
+def kv_capacity_tokens(shape: ModelShape, gpu: GpuDatasheet, gpus: int, *, weight_dtype: str = "bf16",
                        kv_dtype: str = "bf16", gpu_memory_utilization: float = 0.9) -> int:
     """KV tokens that fit in `gpus` GPUs after the weights, at vLLM's memory-utilisation fraction."""
     free = gpus * gpu.memory_bytes * gpu_memory_utilization - shape.weight_bytes(weight_dtype)
@@ -474,7 +474,7 @@ class PerfModel:
                    description=f"splitwise {model} {hardware} TP{tp}")
 
     @classmethod
-    def roofline(cls, shape: ModelShape, gpu: GPUSpec, tp: int = 1, *, weight_dtype: str = "bf16",
+    def roofline(cls, shape: ModelShape, gpu: GpuDatasheet, tp: int = 1, *, weight_dtype: str = "bf16",
                  kv_dtype: str = "bf16", mfu: float = 0.5, mbu: float = 0.7, effective_tflops: float | None = None,
                  gpu_memory_utilization: float = 0.9, step_overhead_s: float = 0.0, max_kv_tokens: int | None = None,
                  link_gbps: float | None = None) -> PerfModel:

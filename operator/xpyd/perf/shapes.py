@@ -143,7 +143,7 @@ def lookup_model(name: str) -> ModelShape:
 
 
 @dataclass(frozen=True)
-class GPUSpec:
+class GpuDatasheet:
     """Datasheet figures of one GPU: dense Tensor Core FLOP/s, HBM bandwidth and memory."""
 
     name: str
@@ -161,25 +161,25 @@ class GPUSpec:
         return self.bf16_flops
 
 
-GPUS: dict[str, GPUSpec] = {
+GPUS: dict[str, GpuDatasheet] = {
     gpu.name.lower(): gpu
     for gpu in (
         # H100 SXM datasheet: BF16 1,979 / FP8 3,958 TFLOPS "with sparsity" (dense: half), 80 GB HBM3,
         # 3.35 TB/s (resources.nvidia.com/en-us-tensor-core/nvidia-tensor-core-gpu-datasheet).
-        GPUSpec("H100", bf16_flops=989.4e12, fp8_flops=1978.9e12, hbm_bytes_per_s=3.35e12, memory_bytes=80e9,
+        GpuDatasheet("H100", bf16_flops=989.4e12, fp8_flops=1978.9e12, hbm_bytes_per_s=3.35e12, memory_bytes=80e9,
                 source="https://resources.nvidia.com/en-us-tensor-core/nvidia-tensor-core-gpu-datasheet"),
         # H200 SXM: the H100's compute (BF16 1,979 / FP8 3,958 TFLOPS with sparsity), 141 GB HBM3e at
         # 4.8 TB/s (nvidia.com/en-us/data-center/h200).
-        GPUSpec("H200", bf16_flops=989.4e12, fp8_flops=1978.9e12, hbm_bytes_per_s=4.8e12, memory_bytes=141e9,
+        GpuDatasheet("H200", bf16_flops=989.4e12, fp8_flops=1978.9e12, hbm_bytes_per_s=4.8e12, memory_bytes=141e9,
                 source="https://www.nvidia.com/en-us/data-center/h200/"),
         # A100 80GB SXM datasheet: BF16 312 TFLOPS dense (624 with sparsity), no FP8, 80 GB HBM2e at
         # 2,039 GB/s.
-        GPUSpec("A100-80GB", bf16_flops=312e12, fp8_flops=None, hbm_bytes_per_s=2.039e12, memory_bytes=80e9,
+        GpuDatasheet("A100-80GB", bf16_flops=312e12, fp8_flops=None, hbm_bytes_per_s=2.039e12, memory_bytes=80e9,
                 source="https://www.nvidia.com/content/dam/en-zz/Solutions/Data-Center/a100/pdf/"
                 "nvidia-a100-datasheet-us-nvidia-1758950-r4-web.pdf"),
         # L40S datasheet: BF16 362.05 / FP8 733 TFLOPS dense (733 / 1,466 with sparsity), 48 GB GDDR6 at
         # 864 GB/s.
-        GPUSpec("L40S", bf16_flops=362.05e12, fp8_flops=733e12, hbm_bytes_per_s=864e9, memory_bytes=48e9,
+        GpuDatasheet("L40S", bf16_flops=362.05e12, fp8_flops=733e12, hbm_bytes_per_s=864e9, memory_bytes=48e9,
                 source="https://resources.nvidia.com/en-us-l40s/l40s-datasheet-28413"),
     )
 }
@@ -189,7 +189,7 @@ _GPU_ALIASES = {"h100-80gb": "h100", "h100-sxm": "h100", "h100-80gb-pcap": "h100
                 "nvidia-h200": "h200", "nvidia-l40s": "l40s"}
 
 
-def lookup_gpu(name: str) -> GPUSpec:
+def lookup_gpu(name: str) -> GpuDatasheet:
     """The datasheet figures of `name` ("H100", "h200", "a100-80gb", "L40S", splitwise's "h100-80gb");
     raises KeyError with the known names otherwise."""
     key = name.strip().lower()

@@ -10,9 +10,10 @@ from collections.abc import Awaitable, Callable
 
 import aiohttp
 
+from xpyd.api.naming import Role
 from xpyd.proxy.config import ProxyConfig
 from xpyd.proxy.metrics import ProxyMetrics
-from xpyd.proxy.pool import Instance, Pool, Role
+from xpyd.proxy.pool import Instance, Pool
 
 log = logging.getLogger(__name__)
 

@@ -18,12 +18,13 @@ import aiohttp
 from aiohttp import web
 
 from xpyd.api.models import Connector
+from xpyd.api.naming import Role
 from xpyd.common.jsontypes import JSON
 from xpyd.proxy import protocol
 from xpyd.proxy.config import ProxyConfig
 from xpyd.proxy.health import HealthProber
 from xpyd.proxy.metrics import ProxyMetrics
-from xpyd.proxy.pool import Instance, Pool, Role
+from xpyd.proxy.pool import Instance, Pool
 from xpyd.proxy.validation import ClientRequest, error_body
 
 log = logging.getLogger(__name__)

@@ -22,7 +22,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Final
 
-from xpyd.proxy.pool import Endpoint, Role
+from xpyd.api.naming import Role
+from xpyd.proxy.pool import Endpoint
 
 log = logging.getLogger(__name__)
 

@@ -13,15 +13,13 @@ from __future__ import annotations
 import random
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Any
 from urllib.parse import urlsplit
 
 from xpyd.api.models import RoutingPolicy
+from xpyd.api.naming import Role
 from xpyd.proxy.breaker import Breaker
 from xpyd.proxy.picking import pick
-
-Role = Literal["prefill", "decode"]
-ROLES: tuple[Role, Role] = ("prefill", "decode")
 
 
 @dataclass(frozen=True)

@@ -45,15 +45,15 @@ from typing import Final
 import aiohttp
 from aiohttp import web
 
+from xpyd.api.naming import ROLES, Role
 from xpyd.common.jsontypes import JSON
 from xpyd.proxy import protocol
 from xpyd.proxy.config import ProxyConfig, client_timeouts
 from xpyd.proxy.health import HealthProber
 from xpyd.proxy.legs import Context, DecodeFailed, Legs, PrefillFailed, UpstreamAnswer
 from xpyd.proxy.metrics import Gauge, GaugeSample, ProxyMetrics, exposition
-from xpyd.proxy.pool import ROLES, Endpoint, Instance, Pool, Role
-from xpyd.proxy.validation import Endpoint as ApiEndpoint
-from xpyd.proxy.validation import RequestError, error_body, parse
+from xpyd.proxy.pool import Endpoint, Instance, Pool
+from xpyd.proxy.validation import ApiEndpoint, RequestError, error_body, parse
 
 log = logging.getLogger(__name__)
 

@@ -15,7 +15,7 @@ from typing import Any, Final, Literal
 
 from xpyd.common.jsontypes import JSON
 
-Endpoint = Literal["completions", "chat"]
+ApiEndpoint = Literal["completions", "chat"]
 
 #: OpenAI-style error `type` per HTTP status (the shape vLLM's ErrorResponse uses).
 ERROR_TYPES: Final = {
@@ -76,7 +76,7 @@ class ClientRequest:
     """A checked completion or chat request."""
 
     body: JSON
-    endpoint: Endpoint
+    endpoint: ApiEndpoint
     model: str
     stream: bool
     prompt_tokens: int
@@ -95,7 +95,7 @@ def _is_number(value: Any) -> bool:
             and math.isfinite(value))
 
 
-def parse(raw: bytes, endpoint: Endpoint, served_model: str | None = None) -> ClientRequest:
+def parse(raw: bytes, endpoint: ApiEndpoint, served_model: str | None = None) -> ClientRequest:
     """Parse and check a request body; RequestError (400, or 404 for another model) otherwise."""
     try:
         body = json.loads(raw, parse_constant=_reject_constant)

@@ -18,10 +18,10 @@ import yaml
 from xpyd import __version__
 from xpyd.api import naming
 from xpyd.api.models import MAX_PROXY_DRAIN_SECONDS, MAX_PROXY_FINISH_SECONDS, Connector, DisaggregatedServingSpec
+from xpyd.api.naming import Role
 from xpyd.common.args import last_flag_value
 from xpyd.common.jsontypes import JSON
 from xpyd.render import engine
-from xpyd.render.kvconfig import Role
 
 DEFAULT_OPERATOR_IMAGE: Final = f"ghcr.io/xpyd-operator/xpyd-operator:{__version__}"
 #: After SIGTERM the proxy fails readiness and serves on this long, while the pod leaves the Service

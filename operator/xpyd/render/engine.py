@@ -9,9 +9,10 @@ from typing import Any, Final
 
 from xpyd import vllm
 from xpyd.api.models import Connector, DisaggregatedServingSpec, EnvVar, RoleSpec
+from xpyd.api.naming import Role
 from xpyd.common.jsontypes import JSON
 from xpyd.render import drain
-from xpyd.render.kvconfig import Role, kv_transfer_config
+from xpyd.render.kvconfig import kv_transfer_config
 
 MODEL_MOUNT: Final = "/models"
 HF_HOME: Final = "/cache/huggingface"

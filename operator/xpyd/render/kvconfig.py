@@ -15,8 +15,7 @@ from pydantic import BaseModel, ConfigDict, model_validator
 
 from xpyd import vllm
 from xpyd.api.models import Connector, DisaggregatedServingSpec
-
-Role = Literal["prefill", "decode"]
+from xpyd.api.naming import Role
 
 KV_ROLE: dict[Role, Literal["kv_producer", "kv_consumer"]] = {"prefill": "kv_producer", "decode": "kv_consumer"}
 

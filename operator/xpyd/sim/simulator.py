@@ -88,7 +88,7 @@ class ReplicaSample:
 
 
 @dataclass(frozen=True)
-class Decision:
+class PolicyCall:
     """One policy call: when, what it saw of the sizes, what it asked for."""
 
     time_s: float
@@ -113,7 +113,7 @@ class SimResult:
     end_s: float                   # when the last request finished
     gpu_seconds: dict[str, float]  # per role
     replicas: list[ReplicaSample]
-    decisions: list[Decision]
+    decisions: list[PolicyCall]
     scaling_actions: int           # policy decisions that changed a role's size (per role)
     replicas_started: int
     replicas_stopped: int
@@ -184,7 +184,7 @@ class Simulator:
         self._done = 0
         self._rejected = 0
         self._samples: list[ReplicaSample] = []
-        self._decisions: list[Decision] = []
+        self._decisions: list[PolicyCall] = []
         self._scaling_actions = 0
         self._started = 0
         self._stopped = 0
@@ -450,7 +450,7 @@ class Simulator:
         desired = self.policy.decide(observation)
         wanted = {PREFILL: max(1, int(desired.prefill)), DECODE: max(1, int(desired.decode))}
         before = {PREFILL: observation.prefill.replicas, DECODE: observation.decode.replicas}
-        self._decisions.append(Decision(now, before[PREFILL], before[DECODE], wanted[PREFILL], wanted[DECODE]))
+        self._decisions.append(PolicyCall(now, before[PREFILL], before[DECODE], wanted[PREFILL], wanted[DECODE]))
         changed = False
         for role in ROLES:
             if wanted[role] != before[role]:
