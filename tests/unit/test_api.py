@@ -51,6 +51,16 @@ VALID = {
                                        "lmcache": {"configMapRef": {"name": "cfg"}}}}),
     "mooncake block": serving({"kvTransfer": {"connector": "MooncakeConnector", "mooncake": {"protocol": "tcp"}}}),
     "auto": serving({"autoscaling": {"mode": "Auto", "prometheus": {"url": "http://p:9090"}, "gpuBudget": 2}}),
+    "prometheus token and ca secret": serving({"autoscaling": {"mode": "Auto", "prometheus": {
+        "url": "https://thanos-querier.openshift-monitoring:9091", "bearerTokenSecretRef": {"name": "reader"},
+        "tls": {"caSecretRef": {"name": "prom-ca", "key": "tls.ca"}}}}}),
+    "prometheus ca configmap": serving({"autoscaling": {"prometheus": {
+        "url": "https://p:9090", "tls": {"caConfigMapRef": {"name": "kube-root-ca.crt"}}}}}),
+    "prometheus insecure": serving({"autoscaling": {"prometheus": {"url": "https://p:9090",
+                                                                   "tls": {"insecureSkipVerify": True}}}}),
+    "prometheus empty tls": serving({"autoscaling": {"prometheus": {"url": "https://p:9090", "tls": {}}}}),
+    "prometheus token over http": serving({"autoscaling": {"prometheus": {
+        "url": "http://p:9090", "bearerTokenSecretRef": {"name": "reader", "key": "t"}}}}),
     "pvc": serving({"model": {"name": "m", "source": {"pvc": {"claimName": "models"}}}}),
     "env valueFrom": serving({"engine": {"env": [{"name": "A", "valueFrom": {"secretKeyRef": {"name": "s",
                                                                                           "key": "k"}}}]}}),
@@ -92,6 +102,15 @@ INVALID = [
      "bufferDevice cpu (host-buffer mode) is supported only by the NIXL connectors"),
     ("auto without prometheus", serving({"autoscaling": {"mode": "Auto"}}),
      "autoscaling.prometheus.url is required when mode is Recommend or Auto"),
+    ("prometheus two CAs", serving({"autoscaling": {"prometheus": {"url": "https://p:9090", "tls": {
+        "caSecretRef": {"name": "a"}, "caConfigMapRef": {"name": "b"}}}}}),
+     "autoscaling.prometheus.tls takes at most one of caSecretRef, caConfigMapRef and insecureSkipVerify"),
+    ("prometheus CA and insecure", serving({"autoscaling": {"prometheus": {"url": "https://p:9090", "tls": {
+        "caConfigMapRef": {"name": "b"}, "insecureSkipVerify": True}}}}),
+     "autoscaling.prometheus.tls takes at most one of caSecretRef, caConfigMapRef and insecureSkipVerify"),
+    ("prometheus tls over http", serving({"autoscaling": {"prometheus": {"url": "http://p:9090", "tls": {
+        "insecureSkipVerify": True}}}}),
+     "autoscaling.prometheus.tls needs an https:// url"),
     ("budget below minimum", serving({"prefill": {"tensorParallelSize": 2}, "decode": {"tensorParallelSize": 2},
                                       "autoscaling": {"gpuBudget": 3}}),
      "autoscaling.gpuBudget is below the GPUs the minimum replicas of both roles need"),
@@ -130,6 +149,16 @@ SCHEMA_INVALID = [
     ("bad quantity", serving({"prefill": {"shmSize": "lots"}}), "spec.prefill.shmSize"),
     ("bad percentile", serving({"autoscaling": {"slo": {"percentile": 42}}}), "spec.autoscaling.slo.percentile"),
     ("missing model", {**serving(), "spec": {}}, "spec.model"),
+    ("token ref without name", serving({"autoscaling": {"prometheus": {"bearerTokenSecretRef": {"key": "t"}}}}),
+     "spec.autoscaling.prometheus.bearerTokenSecretRef.name"),
+    ("empty token key", serving({"autoscaling": {"prometheus": {"bearerTokenSecretRef": {"name": "s", "key": ""}}}}),
+     "spec.autoscaling.prometheus.bearerTokenSecretRef.key"),
+    ("ca ref without name", serving({"autoscaling": {"prometheus": {"url": "https://p", "tls": {
+        "caSecretRef": {}}}}}), "spec.autoscaling.prometheus.tls.caSecretRef.name"),
+    ("unknown tls field", serving({"autoscaling": {"prometheus": {"url": "https://p", "tls": {"caFile": "/ca"}}}}),
+     "spec.autoscaling.prometheus.tls.caFile"),
+    ("insecure not a bool", serving({"autoscaling": {"prometheus": {"url": "https://p", "tls": {
+        "insecureSkipVerify": "maybe"}}}}), "spec.autoscaling.prometheus.tls.insecureSkipVerify"),
 ]
 
 

@@ -3,19 +3,36 @@ Prometheus client's error handling."""
 
 from __future__ import annotations
 
+import contextlib
 import http.server
 import json
 import math
+import ssl
 import threading
 import time
+import urllib.parse
 from collections.abc import Iterator
+from dataclasses import dataclass, field
 from typing import Any
 
 import pytest
+import urllib3
 
 from xpyd.autoscaler import collect
-from xpyd.autoscaler.collect import MetricsError, PodCounts, Prometheus, Scope, count_pods, observation, parse_vector
+from xpyd.autoscaler.collect import (
+    Access,
+    MetricsError,
+    PodCounts,
+    Prometheus,
+    Scope,
+    count_pods,
+    observation,
+    parse_result,
+    parse_vector,
+)
+from xpyd.cluster import pki
 from xpyd.cluster.controlplane import free_port
+from xpyd.common.netguard import LOOPBACK_ONLY_ENV
 
 pytestmark = pytest.mark.unit
 
@@ -79,6 +96,13 @@ def test_parse_vector_by_role_keeps_nan() -> None:
     assert samples["prefill"] == 3.0 and math.isnan(samples["decode"])
     assert parse_vector(vector(("", "0.25"))) == {"": 0.25}
     assert parse_vector({"status": "success", "data": {"resultType": "vector", "result": []}}) == {}
+
+
+def test_parse_result_reads_what_custom_query_returns() -> None:
+    assert parse_result(vector(("prefill", "3"), ("decode", "4"))["data"]["result"]) == {"prefill": 3.0,
+                                                                                          "decode": 4.0}
+    assert parse_result([1.0, "0.5"]) == {"": 0.5}     # a scalar
+    assert parse_result([]) == {}
 
 
 def test_parse_vector_error_says_why() -> None:
@@ -176,33 +200,49 @@ def test_a_pool_without_ready_pods_needs_no_series() -> None:
 IN_FLIGHT: dict[str, int] = {}
 
 
-@pytest.fixture
-def fake_prometheus() -> Iterator[tuple[str, list[dict[str, list[str]]]]]:
-    """A loopback HTTP server answering /api/v1/query like Prometheus: queries containing "bad" get
-    a 400 with Prometheus' error body; the others one sample, after a short wait (so that queries
+@dataclass
+class Seen:
+    """What the fake Prometheus received: each request's query parameters and Authorization header."""
+
+    queries: list[dict[str, list[str]]] = field(default_factory=list)
+    authorization: list[str | None] = field(default_factory=list)
+
+
+@contextlib.contextmanager
+def serve_prometheus(tls: ssl.SSLContext | None = None, token: str | None = None) -> Iterator[tuple[str, Seen]]:
+    """A loopback HTTP(S) server answering /api/v1/query like Prometheus: queries containing "bad" get
+    a 400 with Prometheus' error body; requests without `Bearer <token>` (when `token` is set) a 401
+    from "an authenticating proxy"; the others one sample, after a short wait (so that queries
     sent at once are in flight together: the most at once is `IN_FLIGHT["max"]`)."""
-    seen: list[dict[str, list[str]]] = []
+    seen = Seen()
     lock = threading.Lock()
     IN_FLIGHT.update(now=0, max=0)
 
     class Handler(http.server.BaseHTTPRequestHandler):
-        def do_POST(self) -> None:
-            import urllib.parse
-            form = urllib.parse.parse_qs(self.rfile.read(int(self.headers["Content-Length"])).decode())
+        def do_GET(self) -> None:
+            url = urllib.parse.urlsplit(self.path)
+            form = urllib.parse.parse_qs(url.query)
             with lock:
-                seen.append(form)
+                seen.queries.append(form)
+                seen.authorization.append(self.headers.get("Authorization"))
                 IN_FLIGHT["now"] += 1
                 IN_FLIGHT["max"] = max(IN_FLIGHT["max"], IN_FLIGHT["now"])
             time.sleep(0.02)
             with lock:
                 IN_FLIGHT["now"] -= 1
-            if "bad" in form["query"][0]:
-                body, code = {"status": "error", "errorType": "bad_data", "error": "unexpected identifier"}, 400
+            if token is not None and self.headers.get("Authorization") != f"Bearer {token}":
+                self.answer(b"Unauthorized\n", 401, "text/plain")
+            elif url.path != "/api/v1/query":
+                self.answer(b"404 page not found\n", 404, "text/plain")
+            elif "bad" in form["query"][0]:
+                self.answer({"status": "error", "errorType": "bad_data", "error": "unexpected identifier"}, 400)
             else:
-                body, code = vector(("prefill", "2")), 200
-            data = json.dumps(body).encode()
+                self.answer(vector(("prefill", "2")), 200)
+
+        def answer(self, body: dict[str, Any] | bytes, code: int, content_type: str = "application/json") -> None:
+            data = body if isinstance(body, bytes) else json.dumps(body).encode()
             self.send_response(code)
-            self.send_header("Content-Type", "application/json")
+            self.send_header("Content-Type", content_type)
             self.send_header("Content-Length", str(len(data)))
             self.end_headers()
             self.wfile.write(data)
@@ -211,27 +251,36 @@ def fake_prometheus() -> Iterator[tuple[str, list[dict[str, list[str]]]]]:
             pass
 
     server = http.server.ThreadingHTTPServer(("127.0.0.1", free_port()), Handler)
+    if tls is not None:
+        server.socket = tls.wrap_socket(server.socket, server_side=True)
     thread = threading.Thread(target=server.serve_forever, daemon=True)
     thread.start()
     try:
-        yield f"http://127.0.0.1:{server.server_address[1]}/", seen
+        yield f"{'https' if tls else 'http'}://127.0.0.1:{server.server_address[1]}/", seen
     finally:
         server.shutdown()
         server.server_close()
 
 
-def test_client_sends_the_query_at_the_decision_time(fake_prometheus: tuple[str, list[dict[str, list[str]]]]) -> None:
+@pytest.fixture
+def fake_prometheus() -> Iterator[tuple[str, Seen]]:
+    with serve_prometheus() as served:
+        yield served
+
+
+def test_client_sends_the_query_at_the_decision_time(fake_prometheus: tuple[str, Seen]) -> None:
     url, seen = fake_prometheus
     assert Prometheus(url).query("up", 1234.5) == {"prefill": 2.0}
-    assert seen[-1] == {"query": ["up"], "time": ["1234.500"]}
+    assert seen.queries[-1] == {"query": ["up"], "time": ["1234.500"]}
+    assert seen.authorization == [None]
     results = Prometheus(url).collect(SCOPE, 10.0)
     assert set(results) == set(collect.queries(SCOPE))
     assert all(samples == {"prefill": 2.0} for samples in results.values())
-    assert {form["query"][0] for form in seen[1:]} == set(collect.queries(SCOPE).values())
+    assert {form["query"][0] for form in seen.queries[1:]} == set(collect.queries(SCOPE).values())
     assert 1 < IN_FLIGHT["max"] <= collect.PARALLEL_QUERIES     # queries run side by side, bounded
 
 
-def test_one_failed_query_fails_the_collection(fake_prometheus: tuple[str, list[dict[str, list[str]]]],
+def test_one_failed_query_fails_the_collection(fake_prometheus: tuple[str, Seen],
                                                monkeypatch: pytest.MonkeyPatch) -> None:
     url, _ = fake_prometheus
     monkeypatch.setattr(collect, "queries", lambda scope: {f"q{n}": "up" for n in range(20)} | {"broken": "bad("})
@@ -239,9 +288,60 @@ def test_one_failed_query_fails_the_collection(fake_prometheus: tuple[str, list[
         Prometheus(url).collect(SCOPE, 1.0)
 
 
-def test_client_errors_are_metrics_errors(fake_prometheus: tuple[str, list[dict[str, list[str]]]]) -> None:
-    url, _ = fake_prometheus
+def test_client_errors_are_metrics_errors(fake_prometheus: tuple[str, Seen]) -> None:
+    url, seen = fake_prometheus
     with pytest.raises(MetricsError, match="bad_data: unexpected identifier"):
         Prometheus(url).query("bad(", 1.0)
+    with pytest.raises(MetricsError, match=r"answered HTTP 404 Not Found$"):
+        Prometheus(url + "not-prometheus").query("up", 1.0)
     with pytest.raises(MetricsError, match="cannot be read"):
         Prometheus(f"http://127.0.0.1:{free_port()}", timeout_s=2).query("up", 1.0)
+    assert len(seen.queries) == 2      # no retries
+
+
+def test_the_loopback_guard_refuses_other_addresses(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv(LOOPBACK_ONLY_ENV, "1")
+    with pytest.raises(MetricsError, match=r"refusing URL http://10\.0\.0\.1:9090"):
+        Prometheus("http://10.0.0.1:9090").collect(SCOPE, 1.0)
+
+
+def test_the_bearer_token_is_sent() -> None:
+    with serve_prometheus(token="s3cret") as (url, seen):
+        assert Prometheus(url, Access(bearer_token="s3cret")).query("up", 1.0) == {"prefill": 2.0}
+        assert seen.authorization == ["Bearer s3cret"]
+        with pytest.raises(MetricsError, match=r"answered HTTP 401 Unauthorized \(check autoscaling\.prometheus\."
+                                               r"bearerTokenSecretRef\)"):
+            Prometheus(url).query("up", 1.0)
+    assert "s3cret" not in repr(Access(bearer_token="s3cret"))
+
+
+@pytest.fixture(scope="module")
+def pki_dirs(tmp_path_factory: pytest.TempPathFactory) -> tuple[pki.Files, pki.Files]:
+    """The server's CA and certificate (for 127.0.0.1), and another CA."""
+    return pki.generate(tmp_path_factory.mktemp("ca")), pki.generate(tmp_path_factory.mktemp("other-ca"))
+
+
+@pytest.fixture
+def https_prometheus(pki_dirs: tuple[pki.Files, pki.Files]) -> Iterator[tuple[str, Seen]]:
+    files, _ = pki_dirs
+    context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+    context.load_cert_chain(files.server_cert, files.server_key)
+    with serve_prometheus(context) as served:
+        yield served
+
+
+def test_https_is_verified_against_the_given_ca(https_prometheus: tuple[str, Seen],
+                                                pki_dirs: tuple[pki.Files, pki.Files]) -> None:
+    url, seen = https_prometheus
+    ours, other = (files.ca_cert.read_text() for files in pki_dirs)
+    results = Prometheus(url, Access(bearer_token="t", ca_pem=ours)).collect(SCOPE, 1.0)
+    assert all(samples == {"prefill": 2.0} for samples in results.values())
+    assert set(seen.authorization) == {"Bearer t"}
+    with pytest.raises(MetricsError, match=r"TLS verification failed \(autoscaling\.prometheus\.tls\).*"
+                                           r"CERTIFICATE_VERIFY_FAILED"):
+        Prometheus(url, Access(ca_pem=other)).collect(SCOPE, 1.0)
+    with pytest.raises(MetricsError, match="CERTIFICATE_VERIFY_FAILED"):
+        Prometheus(url).query("up", 1.0)      # the public CAs do not know the test's CA
+    with pytest.warns(urllib3.exceptions.InsecureRequestWarning):
+        assert Prometheus(url, Access(insecure_skip_verify=True)).query("up", 1.0) == {"prefill": 2.0}
+    assert len(seen.queries) == len(collect.queries(SCOPE)) + 1    # failed handshakes send nothing

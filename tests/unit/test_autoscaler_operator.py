@@ -4,6 +4,7 @@ the decision."""
 
 from __future__ import annotations
 
+import base64
 import copy
 import math
 from pathlib import Path
@@ -13,11 +14,12 @@ import pytest
 import yaml
 
 from xpyd.api.load import parse_serving
-from xpyd.autoscaler.collect import MetricsError, Samples, Scope
+from xpyd.autoscaler.collect import Access, MetricsError, Samples, Scope
 from xpyd.autoscaler.profile import ProfileError, perf_model
 from xpyd.controller.autoscale import Autoscaler, config_for
 from xpyd.controller.reconcile import desired_replicas
 from xpyd.controller.status import Observed, compute_status
+from xpyd.kube import KubeError
 
 pytestmark = pytest.mark.unit
 
@@ -30,9 +32,11 @@ JSON = dict[str, Any]
 class FakeKube:
     """The Kube calls the autoscaler makes, in memory, with a log of writes."""
 
-    def __init__(self, pods: list[JSON], config_maps: dict[str, JSON] | None = None) -> None:
+    def __init__(self, pods: list[JSON], config_maps: dict[str, JSON] | None = None,
+                 secrets: dict[str, JSON] | None = None) -> None:
         self.pods = pods
-        self.config_maps = config_maps or {}
+        self.objects = {"ConfigMap": config_maps or {}, "Secret": secrets or {}}
+        self.reads: list[tuple[str, str | None, str]] = []
         self.status_patches: list[JSON] = []
         self.events: list[tuple[str, str, str]] = []
 
@@ -41,8 +45,11 @@ class FakeKube:
         return self.pods
 
     def get(self, api_version: str, kind: str, namespace: str | None, name: str) -> JSON | None:
-        assert kind == "ConfigMap"
-        return self.config_maps.get(name)
+        self.reads.append((kind, namespace, name))
+        if kind == "Secret" and name == "forbidden":
+            raise KubeError(403, f'GET /api/v1/namespaces/{namespace}/secrets/{name}: secrets "{name}" is '
+                                 'forbidden')
+        return self.objects[kind].get(name)
 
     def patch_status(self, namespace: str, name: str, status: JSON) -> None:
         self.status_patches.append(copy.deepcopy(status))
@@ -57,6 +64,11 @@ class FakePrometheus:
     def __init__(self, results: dict[str, Samples] | None) -> None:
         self.results = results
         self.scopes: list[Scope] = []
+        self.connections: list[tuple[str, Access]] = []
+
+    def connect(self, url: str, access: Access) -> FakePrometheus:
+        self.connections.append((url, access))
+        return self
 
     def collect(self, scope: Scope, at: float) -> dict[str, Samples]:
         self.scopes.append(scope)
@@ -106,7 +118,7 @@ def body(mode: str = "Auto", **autoscaling: Any) -> JSON:
 
 
 def autoscaler(kube: FakeKube, prometheus: FakePrometheus, now: list[float]) -> Autoscaler:
-    return Autoscaler(kube, prometheus=lambda url: prometheus, clock=lambda: now[0])  # type: ignore[arg-type]
+    return Autoscaler(kube, prometheus=prometheus.connect, clock=lambda: now[0])  # type: ignore[arg-type]
 
 
 def condition(patch: JSON) -> JSON:
@@ -234,6 +246,69 @@ def test_config_map_profile_through_the_shell() -> None:
     kube = FakeKube(PODS, {"measured": {"metadata": {"resourceVersion": "7"}, "data": data}})
     autoscaler(kube, FakePrometheus(busy_results()), [1000.0]).step(body(profile={"configMap": "measured"}))
     assert kube.status_patches[0]["autoscaler"]["profile"] == "profile measured"
+
+
+CA = "-----BEGIN CERTIFICATE-----\nMIIB...\n-----END CERTIFICATE-----\n"
+
+
+def b64(text: str) -> str:
+    return base64.b64encode(text.encode()).decode()
+
+
+def test_the_token_and_ca_are_read_from_the_namespace_and_passed_to_the_client() -> None:
+    kube = FakeKube(PODS, config_maps={"prom-ca": {"data": {"service-ca.crt": CA}}},
+                    secrets={"prom-reader": {"data": {"token": b64("tok-123\n")}},
+                             "prom-tls": {"data": {"ca.crt": b64(CA)}}})
+    prom, now = FakePrometheus(busy_results()), [1000.0]
+    scaler = autoscaler(kube, prom, now)
+    https = {"url": "https://thanos.monitoring:9091", "bearerTokenSecretRef": {"name": "prom-reader"}}
+    for prometheus, access in [
+        ({**https, "tls": {"caSecretRef": {"name": "prom-tls"}}}, Access("tok-123", CA, False)),
+        ({**https, "tls": {"caConfigMapRef": {"name": "prom-ca", "key": "service-ca.crt"}}},
+         Access("tok-123", CA, False)),
+        ({"url": "https://p:9091", "tls": {"insecureSkipVerify": True}}, Access(None, None, True)),
+        ({"url": "http://prometheus.monitoring:9090"}, Access()),
+    ]:
+        now[0] += 30
+        scaler.step(body(prometheus=prometheus))
+        assert prom.connections[-1] == (prometheus["url"], access)
+        assert condition(kube.status_patches[-1])["reason"] == "ValidMetrics"
+    assert kube.reads == [("Secret", "team-a", "prom-reader"), ("Secret", "team-a", "prom-tls"),
+                          ("Secret", "team-a", "prom-reader"), ("ConfigMap", "team-a", "prom-ca")]
+
+
+@pytest.mark.parametrize(("prometheus", "message"), [
+    ({"bearerTokenSecretRef": {"name": "absent"}},
+     "Secret absent (autoscaling.prometheus.bearerTokenSecretRef) not found"),
+    ({"bearerTokenSecretRef": {"name": "prom-reader", "key": "password"}},
+     "Secret prom-reader (autoscaling.prometheus.bearerTokenSecretRef) has no key password"),
+    ({"bearerTokenSecretRef": {"name": "blank"}},
+     "Secret blank (autoscaling.prometheus.bearerTokenSecretRef): key token is empty"),
+    ({"bearerTokenSecretRef": {"name": "forbidden"}},
+     'Secret forbidden cannot be read: HTTP 403: GET /api/v1/namespaces/team-a/secrets/forbidden: secrets '
+     '"forbidden" is forbidden'),
+    ({"tls": {"caSecretRef": {"name": "prom-reader"}}},
+     "Secret prom-reader (autoscaling.prometheus.tls.caSecretRef) has no key ca.crt"),
+    ({"tls": {"caSecretRef": {"name": "prom-reader", "key": "token"}}},
+     "Secret prom-reader (autoscaling.prometheus.tls.caSecretRef): key token holds no PEM certificate"),
+    ({"tls": {"caConfigMapRef": {"name": "absent"}}},
+     "ConfigMap absent (autoscaling.prometheus.tls.caConfigMapRef) not found"),
+    ({"tls": {"caSecretRef": {"name": "garbled"}}},
+     "Secret garbled (autoscaling.prometheus.tls.caSecretRef): key ca.crt is not UTF-8 text"),
+])
+def test_missing_credentials_hold_and_say_why(prometheus: JSON, message: str) -> None:
+    kube = FakeKube(PODS, secrets={"prom-reader": {"data": {"token": b64("tok")}},
+                                   "blank": {"data": {"token": b64(" \n")}},
+                                   "garbled": {"data": {"ca.crt": "not base64!"}}})
+    prom = FakePrometheus(busy_results())
+    assert autoscaler(kube, prom, [1000.0]).step(body(prometheus={"url": "https://p:9091", **prometheus})) is False
+    (patch,) = kube.status_patches
+    assert (patch["prefill"]["desiredReplicas"], patch["decode"]["desiredReplicas"]) == (1, 2)
+    assert condition(patch)["status"] == "False" and condition(patch)["reason"] == "MetricsUnavailable"
+    assert condition(patch)["message"] == patch["autoscaler"]["lastDecision"]["message"]
+    assert condition(patch)["message"].endswith(f": {message}")
+    assert kube.events == [("Warning", "MetricsUnavailable", condition(patch)["message"])]
+    assert prom.connections == []      # nothing was sent without the credentials
 
 
 def test_engine_limits_come_from_the_engine_args() -> None:

@@ -70,7 +70,8 @@ The operator image; the operator runs its proxy pods from the same image.
 What the operator does, as RBAC rules (the same in a ClusterRole and in per-namespace Roles).
 No delete: children are garbage-collected through their ownerReferences. Pods are read for the
 status, and because the operator grants its proxies pods get/list/watch in a Role, which RBAC
-allows only to a holder of the same permissions.
+allows only to a holder of the same permissions. Secrets: get only, of the ones an autoscaled
+object names for its Prometheus (bearer token, CA); never listed or watched.
 */}}
 {{- define "xpyd-operator.rules" -}}
 - apiGroups: ["xpyd.io"]
@@ -96,6 +97,9 @@ allows only to a holder of the same permissions.
   verbs: ["create"]
 - apiGroups: [""]
   resources: ["configmaps"]
+  verbs: ["get"]
+- apiGroups: [""]
+  resources: ["secrets"]
   verbs: ["get"]
 - apiGroups: ["policy"]
   resources: ["poddisruptionbudgets"]

@@ -601,8 +601,48 @@ class AutoscalingMode(StrEnum):
     AUTO = "Auto"
 
 
+class CABundleRef(APIModel):
+    """A key of a Secret or ConfigMap in the same namespace holding PEM-encoded CA certificates."""
+
+    name: Name = Field(description="Name of the Secret (caSecretRef) or ConfigMap (caConfigMapRef).")
+    key: str = Field(
+        default="ca.crt",
+        min_length=1,
+        description="Key holding the PEM bundle (ca.crt in cert-manager Secrets and in the kube-root-ca.crt "
+        "ConfigMap).",
+    )
+
+
+class PrometheusTLS(APIModel):
+    """How the autoscaler verifies the certificate of an https Prometheus; without a CA, against the
+    public CAs the operator ships (the Mozilla bundle of certifi). At most one of caSecretRef,
+    caConfigMapRef and insecureSkipVerify."""
+
+    ca_secret_ref: CABundleRef | None = Field(
+        default=None, description="Secret key with the CA certificates the server's certificate must chain to."
+    )
+    ca_config_map_ref: CABundleRef | None = Field(
+        default=None, description="ConfigMap key with the CA certificates the server's certificate must chain to."
+    )
+    insecure_skip_verify: bool = Field(
+        default=False, description="Accept any server certificate (no verification): for testing only."
+    )
+
+    rules = (
+        Rule(
+            cel="(has(self.caSecretRef) ? 1 : 0) + (has(self.caConfigMapRef) ? 1 : 0) + "
+            "(self.insecureSkipVerify ? 1 : 0) <= 1",
+            message="autoscaling.prometheus.tls takes at most one of caSecretRef, caConfigMapRef and "
+            "insecureSkipVerify",
+            check=lambda t: sum((t.ca_secret_ref is not None, t.ca_config_map_ref is not None,
+                                 t.insecure_skip_verify)) <= 1,
+        ),
+    )
+
+
 class PrometheusSpec(APIModel):
-    """Where the autoscaler reads engine metrics."""
+    """Where the autoscaler reads engine metrics, and how it authenticates (Prometheus behind an
+    authenticating proxy, Thanos Querier, a managed Prometheus)."""
 
     url: str = Field(
         default="",
@@ -615,6 +655,25 @@ class PrometheusSpec(APIModel):
         le=3600,
         description="Range of the rate() and histogram_quantile() windows the autoscaler reads; at least four "
         "scrape intervals.",
+    )
+    bearer_token_secret_ref: SecretKeyRef | None = Field(
+        default=None,
+        description="Secret key holding a token the autoscaler sends in an `Authorization: Bearer` header "
+        "(surrounding whitespace is trimmed). The operator reads the Secret at every decision.",
+    )
+    tls: PrometheusTLS | None = Field(
+        default=None,
+        description="Verification of the server's certificate (only with an https url); without it, the "
+        "certificate must chain to a public CA.",
+    )
+
+    rules = (
+        Rule(
+            cel="!has(self.tls) || self.url.startsWith('https://')",
+            message="autoscaling.prometheus.tls needs an https:// url",
+            check=lambda p: p.tls is None or p.url.startswith("https://"),
+            field_path=".tls",
+        ),
     )
 
 

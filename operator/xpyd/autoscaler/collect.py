@@ -5,8 +5,9 @@ Pure core, thin I/O:
 - `queries(scope)` is every PromQL query one decision needs (table-tested);
 - `observation(results, pods, now, scope)` turns their answers and the pool's pods into the
   `Observation` that `decide()` reads, or says why the metrics cannot be trusted (`MetricsError`);
-- `Prometheus` runs the queries over HTTP (`/api/v1/query`), synchronously: the operator calls it
-  in a worker thread, off the event loop.
+- `Prometheus` runs the queries through prometheus-api-client's `PrometheusConnect` (instant
+  queries, `/api/v1/query`), with the pool's bearer token and CA bundle (`Access`), synchronously:
+  the operator calls it in a worker thread, off the event loop.
 
 Series are selected by the labels every scrape of the pool carries: `namespace`, `xpyd_io_serving`
 and `xpyd_io_role` (the chart's PodMonitor relabels the pod labels `xpyd.io/serving` and
@@ -18,16 +19,19 @@ prefill engines' request count and TTFT is unknown (decide() then steers by the 
 
 from __future__ import annotations
 
+import contextlib
 import datetime
-import json
 import math
-import urllib.error
-import urllib.parse
-import urllib.request
-from collections.abc import Mapping, Sequence
+import tempfile
+from collections.abc import Iterator, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
-from typing import Final
+from dataclasses import dataclass, field
+from typing import Any, Final
+
+import requests
+from prometheus_api_client.exceptions import PrometheusApiClientException
+from prometheus_api_client.prometheus_connect import PrometheusConnect
+from urllib3.util.retry import Retry
 
 from xpyd.api.naming import ROLE_LABEL, SERVING_LABEL
 from xpyd.autoscaler.observation import Observation, Quantiles, RoleObservation
@@ -138,11 +142,16 @@ def parse_vector(answer: JSON) -> Samples:
     if answer.get("status") != "success":
         raise MetricsError(f"Prometheus answered {answer.get('errorType', 'an error')}: "
                            f"{answer.get('error', 'no detail')}")
-    data = answer.get("data") or {}
-    if data.get("resultType") == "scalar":
-        return {"": float(data["result"][1])}
+    return parse_result((answer.get("data") or {}).get("result") or [])
+
+
+def parse_result(result: Sequence[Any]) -> Samples:
+    """The samples of an answer's `data.result` (what `PrometheusConnect.custom_query` returns), as
+    `parse_vector`: an instant vector's samples, or a scalar's `[time, value]` pair as one sample."""
+    if len(result) == 2 and not isinstance(result[0], dict):
+        return {"": float(result[1])}
     samples: Samples = {}
-    for sample in data.get("result") or []:
+    for sample in result:
         role = (sample.get("metric") or {}).get("xpyd_io_role", "")
         samples[role] = float(sample["value"][1])
     return samples
@@ -282,43 +291,99 @@ def pods_only(pods: Sequence[JSON], now: float, window_s: float) -> Observation:
 #: Queries of one observation in flight at once (a decision makes about 40).
 PARALLEL_QUERIES = 8
 
+#: No retries: a query fails at once and the decision holds; the next interval tries again.
+#: (PrometheusConnect's default retries 5xx and connection errors three times with backoff.)
+NO_RETRIES: Final = Retry(total=0, read=False)
+
+
+@dataclass(frozen=True)
+class Access:
+    """What reaching one Prometheus takes besides its URL: the bearer token (None: no
+    Authorization header) and how its certificate is verified: against `ca_pem` (PEM CA
+    certificates), else against the public CAs (certifi), or not at all (`insecure_skip_verify`)."""
+
+    bearer_token: str | None = field(default=None, repr=False)
+    ca_pem: str | None = None
+    insecure_skip_verify: bool = False
+
 
 class Prometheus:
-    """A minimal Prometheus HTTP API client: instant queries, each with a timeout."""
+    """Instant queries of one Prometheus (or Thanos Querier), each with a timeout, through
+    prometheus-api-client's `PrometheusConnect`."""
 
-    def __init__(self, url: str, timeout_s: float = 10.0) -> None:
+    def __init__(self, url: str, access: Access | None = None, timeout_s: int = 10) -> None:
         self.url = url.rstrip("/")
+        self.access = access or Access()
         self.timeout_s = timeout_s
 
-    def query(self, promql: str, at: float) -> Samples:
+    @contextlib.contextmanager
+    def _connect(self) -> Iterator[PrometheusConnect]:
+        """A client for the queries of one collection; its session (and the CA file requests reads
+        the bundle from) last as long as the collection."""
         try:
             guard_url(self.url)
         except NonLoopbackAddress as error:
             raise MetricsError(str(error)) from None
-        body = urllib.parse.urlencode({"query": promql, "time": f"{at:.3f}"}).encode()
-        request = urllib.request.Request(f"{self.url}/api/v1/query", data=body, method="POST",
-                                         headers={"Content-Type": "application/x-www-form-urlencoded"})
+        with contextlib.ExitStack() as stack:
+            session = stack.enter_context(requests.Session())
+            session.hooks["response"].append(self._refusal)
+            session.verify = not self.access.insecure_skip_verify
+            if self.access.ca_pem is not None:
+                ca_file = stack.enter_context(tempfile.NamedTemporaryFile("w", prefix="xpyd-prometheus-ca-",
+                                                                          suffix=".pem"))
+                ca_file.write(self.access.ca_pem)
+                ca_file.flush()
+                session.verify = ca_file.name
+            token = self.access.bearer_token
+            yield PrometheusConnect(self.url, headers={"Authorization": f"Bearer {token}"} if token else {},
+                                    session=session, retry=NO_RETRIES, timeout=self.timeout_s)
+
+    def _refusal(self, response: requests.Response, *_: Any, **__: Any) -> None:
+        """A response hook: an answer other than 200 raises a MetricsError that says why, from
+        Prometheus' JSON error (400 bad_data, 422 execution, 503 timeout) or from the HTTP status
+        (e.g. 401 from an authenticating proxy). PrometheusConnect's own exception carries the body
+        only as a bytes repr."""
+        if response.status_code == 200 or response.is_redirect:
+            return
         try:
-            with urllib.request.urlopen(request, timeout=self.timeout_s) as response:
-                answer = json.load(response)
-        except urllib.error.HTTPError as error:  # 400/422/503 carry a JSON error body
-            try:
-                answer = json.load(error)
-            except (ValueError, OSError):
-                raise MetricsError(f"Prometheus at {self.url} answered HTTP {error.code}") from None
-        except (OSError, ValueError) as error:
+            answer = response.json()
+        except ValueError:
+            answer = None
+        if isinstance(answer, dict) and answer.get("status") == "error":
+            parse_vector(answer)  # raises with Prometheus' errorType and error
+        hint = " (check autoscaling.prometheus.bearerTokenSecretRef)" if response.status_code in (401, 403) else ""
+        raise MetricsError(f"Prometheus at {self.url} answered HTTP {response.status_code} "
+                           f"{response.reason}{hint}")
+
+    def _query(self, client: PrometheusConnect, promql: str, at: float) -> Samples:
+        try:
+            return parse_result(client.custom_query(promql, params={"time": f"{at:.3f}"}))
+        except requests.exceptions.SSLError as error:
+            raise MetricsError(f"Prometheus at {self.url}: TLS verification failed (autoscaling.prometheus.tls): "
+                               f"{error}") from None
+        except (requests.exceptions.InvalidJSONError, KeyError, IndexError, TypeError, ValueError,
+                AttributeError) as error:
+            raise MetricsError(f"Prometheus at {self.url} answered something other than an instant query "
+                               f"result: {type(error).__name__}: {error}") from None
+        except (requests.RequestException, PrometheusApiClientException) as error:
             raise MetricsError(f"Prometheus at {self.url} cannot be read: {error}") from None
-        return parse_vector(answer)
+
+    def query(self, promql: str, at: float) -> Samples:
+        """One query evaluated at `at` (Unix seconds)."""
+        with self._connect() as client:
+            return self._query(client, promql, at)
 
     def collect(self, scope: Scope, at: float) -> dict[str, Samples]:
         """Every query of `scope` evaluated at `at` (Unix seconds), up to `PARALLEL_QUERIES` at a
         time; the first failure is raised and the queries not yet sent are dropped."""
         named = queries(scope)
-        pool = ThreadPoolExecutor(max_workers=min(PARALLEL_QUERIES, len(named)), thread_name_prefix="promql")
-        try:
-            return dict(zip(named, pool.map(lambda promql: self.query(promql, at), named.values()), strict=True))
-        finally:
-            pool.shutdown(wait=False, cancel_futures=True)
+        with self._connect() as client:
+            pool = ThreadPoolExecutor(max_workers=min(PARALLEL_QUERIES, len(named)), thread_name_prefix="promql")
+            try:
+                return dict(zip(named, pool.map(lambda promql: self._query(client, promql, at), named.values()),
+                                strict=True))
+            finally:
+                pool.shutdown(wait=False, cancel_futures=True)
 
 
 def pool_selector(serving: str) -> str:

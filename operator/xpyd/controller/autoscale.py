@@ -4,9 +4,11 @@ Once per `autoscaling.intervalSeconds` (at once after the spec changed) for ever
 DisaggregatedServing whose mode is not Off, under the object's reconcile lock:
 
 1. build the decision's config from the spec and the engines' profile (`autoscaler.profile`);
-2. read the pool's pods (Kubernetes) and its series (Prometheus) into an `Observation`; when
-   Prometheus cannot be read or its series are missing or stale, hold every role at its current
-   size and say why (`ScalingActive=False`, reason `MetricsUnavailable`): never scale on missing data;
+2. read the pool's pods (Kubernetes) and its series (Prometheus, with the bearer token and CA
+   bundle the spec names from the object's namespace) into an `Observation`; when Prometheus cannot
+   be read (its Secret or ConfigMap missing too) or its series are missing or stale, hold every role
+   at its current size and say why (`ScalingActive=False`, reason `MetricsUnavailable`): never
+   scale on missing data;
 3. `decide()` (the same pure function the simulator runs) with the state it returned last time;
 4. record: `status.autoscaler` (the decision, its reason and message, the observed load), the
    `ScalingActive` condition, an Event when the decision changes replicas (or, in Recommend mode,
@@ -21,6 +23,8 @@ stabilisation window of recommendations.
 
 from __future__ import annotations
 
+import base64
+import binascii
 import logging
 import math
 import threading
@@ -31,7 +35,7 @@ from typing import Any
 
 from xpyd.api.conditions import METRICS_AVAILABLE, PROFILE_UNAVAILABLE, RECOMMEND_ONLY, VALID_METRICS, ConditionType
 from xpyd.api.load import SpecError, parse_serving
-from xpyd.api.models import AutoscalingMode, DisaggregatedServing
+from xpyd.api.models import AutoscalingMode, CABundleRef, DisaggregatedServing, PrometheusSpec, SecretKeyRef
 from xpyd.autoscaler import collect
 from xpyd.autoscaler.decide import (
     METRICS_UNAVAILABLE,
@@ -48,7 +52,7 @@ from xpyd.common.args import last_flag_value
 from xpyd.common.jsontypes import JSON
 from xpyd.common.timefmt import rfc3339
 from xpyd.controller.status import ConditionValue, merge_conditions, status_changed
-from xpyd.kube import Kube
+from xpyd.kube import Kube, KubeError
 from xpyd.perf.model import PerfModel
 from xpyd.proxy.metrics import Counter, Gauge, GaugeSample, exposition
 
@@ -92,6 +96,52 @@ def observed_load(observation: Observation, percentile: float) -> JSON:
         "decodeQueue": number(observation.decode.num_requests_waiting, 1),
         "kvCacheUsage": number(observation.decode.kv_cache_usage_perc),
     }
+
+
+#: Reads an object of the serving's namespace by kind and name (None when it does not exist).
+Reader = Callable[[str, str], JSON | None]
+
+
+def _key_of(read: Reader, kind: str, ref: SecretKeyRef | CABundleRef, field: str) -> str:
+    """The text of key `ref.key` of the Secret or ConfigMap `ref.name`; MetricsError when either is missing."""
+    obj = read(kind, ref.name)
+    if obj is None:
+        raise collect.MetricsError(f"{kind} {ref.name} ({field}) not found")
+    data = obj.get("data") or {}
+    if kind == "ConfigMap" and ref.key in data:
+        return str(data[ref.key])
+    # Secret data, and ConfigMap binaryData, are base64.
+    encoded = data.get(ref.key) if kind == "Secret" else (obj.get("binaryData") or {}).get(ref.key)
+    if encoded is None:
+        raise collect.MetricsError(f"{kind} {ref.name} ({field}) has no key {ref.key}")
+    try:
+        return base64.b64decode(encoded, validate=True).decode()
+    except (binascii.Error, UnicodeDecodeError):
+        raise collect.MetricsError(f"{kind} {ref.name} ({field}): key {ref.key} is not UTF-8 text") from None
+
+
+def prometheus_access(spec: PrometheusSpec, read: Reader) -> collect.Access:
+    """The bearer token and CA bundle `spec` names, read with `read`; MetricsError naming the field
+    when a Secret, a ConfigMap or a key is missing."""
+    field = "autoscaling.prometheus"
+    token = None
+    if (token_ref := spec.bearer_token_secret_ref) is not None:
+        token = _key_of(read, "Secret", token_ref, f"{field}.bearerTokenSecretRef").strip()
+        if not token:
+            raise collect.MetricsError(f"Secret {token_ref.name} ({field}.bearerTokenSecretRef): key "
+                                       f"{token_ref.key} is empty")
+    tls = spec.tls
+    ca = None
+    if tls is not None:  # at most one CA source (the API's rule)
+        for kind, ref, name in (("Secret", tls.ca_secret_ref, "caSecretRef"),
+                                ("ConfigMap", tls.ca_config_map_ref, "caConfigMapRef")):
+            if ref is not None:
+                ca = _key_of(read, kind, ref, f"{field}.tls.{name}")
+                if "-----BEGIN CERTIFICATE-----" not in ca:
+                    raise collect.MetricsError(f"{kind} {ref.name} ({field}.tls.{name}): key {ref.key} holds no "
+                                               "PEM certificate")
+    return collect.Access(bearer_token=token, ca_pem=ca,
+                          insecure_skip_verify=tls is not None and tls.insecure_skip_verify)
 
 
 def scaling_condition(mode: AutoscalingMode, decision: Decision | None, problem: str | None) -> ConditionValue:
@@ -144,7 +194,8 @@ class AutoscalerMetrics:
 class Autoscaler:
     """Runs decisions for every autoscaled object the operator serves (one instance per operator)."""
 
-    def __init__(self, kube: Kube, prometheus: Callable[[str], collect.Prometheus] = collect.Prometheus,
+    def __init__(self, kube: Kube,
+                 prometheus: Callable[[str, collect.Access], collect.Prometheus] = collect.Prometheus,
                  clock: Callable[[], float] = time.time) -> None:
         self.kube = kube
         self.prometheus = prometheus
@@ -228,7 +279,8 @@ class Autoscaler:
         pods = self.kube.list_objects("v1", "Pod", namespace, collect.pool_selector(name))
         scope = collect.Scope(namespace, name, autoscaling.prometheus.window_seconds)
         try:
-            results = self.prometheus(autoscaling.prometheus.url).collect(scope, now)
+            access = prometheus_access(autoscaling.prometheus, lambda kind, ref: self._read(kind, namespace, ref))
+            results = self.prometheus(autoscaling.prometheus.url, access).collect(scope, now)
             observation = collect.observation(results, pods, now, scope)
             decision = decide(observation, config, memory.state)
         except collect.MetricsError as error:
@@ -274,6 +326,14 @@ class Autoscaler:
         if memory.perf is None or memory.profile_key != key:
             memory.perf, memory.profile_key = perf_model(serving.spec, config_map), key
         return memory.perf
+
+    def _read(self, kind: str, namespace: str, name: str) -> JSON | None:
+        """A Secret or ConfigMap of the object's namespace; an API error (e.g. 403 without the
+        operator's `get` on secrets) is a metrics problem, reported like one."""
+        try:
+            return self.kube.get("v1", kind, namespace, name)
+        except KubeError as error:
+            raise collect.MetricsError(f"{kind} {name} cannot be read: {error}") from None
 
     def _write(self, body: JSON, patch: JSON) -> None:
         old: JSON = body.get("status") or {}
