@@ -13,7 +13,7 @@ from typing import Any
 
 import pytest
 
-from tests.integration.test_proxy_protocol import HOST, Rig, rig
+from tests.integration.rig import HOST, Rig, rig
 
 hypothesis = pytest.importorskip("hypothesis")
 st = hypothesis.strategies

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import asyncio
 import copy
-import socket
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -15,7 +14,7 @@ import kubernetes
 import pytest
 
 from tests.integration.fakekube import FakeKube
-from tests.integration.test_proxy_protocol import COMPLETION, Rig, eventually, rig
+from tests.integration.rig import COMPLETION, Rig, common_port, eventually, rig
 from xpyd.cluster.netguard import require_loopback
 from xpyd.kube import Kube
 from xpyd.proxy.discovery import PodWatcher
@@ -27,23 +26,6 @@ pytestmark = pytest.mark.integration
 NS = "inference"
 SELECTORS = {"prefill": "xpyd.io/serving=llama,xpyd.io/role=prefill",
              "decode": "xpyd.io/serving=llama,xpyd.io/role=decode"}
-
-
-def _common_port(hosts: list[str]) -> int:
-    """A port free on every one of these loopback addresses."""
-    for _ in range(50):
-        probe = socket.socket()
-        probe.bind((hosts[0], 0))
-        port: int = probe.getsockname()[1]
-        probe.close()
-        try:
-            for host in hosts:
-                with socket.socket() as s:
-                    s.bind((host, port))
-            return port
-        except OSError:
-            continue
-    raise AssertionError("no common free port")
 
 
 def _pod(name: str, role: str, ip: str, ready: bool = True) -> dict[str, Any]:
@@ -61,7 +43,7 @@ async def fake() -> AsyncIterator[FakeKube]:
 
 async def test_routing_follows_the_pools_pods(fake: FakeKube) -> None:
     hosts = [require_loopback(f"127.0.0.{n}") for n in (2, 3, 4, 5)]
-    port = _common_port(hosts)
+    port = common_port(hosts)
     engines = [StubEngine(name=f"e{n}") for n in range(4)]
     for engine, host in zip(engines, hosts, strict=True):
         await engine.start(host, port)
