@@ -6,10 +6,8 @@ from __future__ import annotations
 
 import asyncio
 import copy
-from collections.abc import AsyncIterator
 from typing import Any
 
-import kmock
 import kubernetes
 import pytest
 
@@ -33,12 +31,6 @@ def _pod(name: str, role: str, ip: str, ready: bool = True) -> dict[str, Any]:
             "metadata": {"name": name, "namespace": NS, "labels": {"xpyd.io/serving": "llama", "xpyd.io/role": role}},
             "spec": {"containers": [{"name": "vllm", "image": "vllm"}]},
             "status": {"podIP": ip, "conditions": [{"type": "Ready", "status": "True" if ready else "False"}]}}
-
-
-@pytest.fixture
-async def fake() -> AsyncIterator[FakeKube]:
-    async with FakeKube() as handler, kmock.Server(handler):
-        yield handler
 
 
 async def test_routing_follows_the_pools_pods(fake: FakeKube) -> None:
