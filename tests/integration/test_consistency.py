@@ -35,7 +35,7 @@ from typing import Any
 import aiohttp
 import pytest
 
-from tests.integration.test_engine_sim import PERF, client_session, engine_process, prefill_leg, token_prompt
+from tests.integration.enginesim import PERF, client_session, engine_process, prefill_leg, token_prompt
 from xpyd.sim.policy import Desired, StaticPolicy
 from xpyd.sim.simulator import SimConfig, simulate
 from xpyd.sim.traces import TraceRequest, load_trace
