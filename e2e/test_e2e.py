@@ -14,7 +14,7 @@ from typing import Any
 import pytest
 import yaml
 
-from e2e.conftest import OPERATOR_NAMESPACE, RELEASE, ROOT, Cluster, condition, eventually, serving_of, wait_ready
+from e2e.cluster import OPERATOR_NAMESPACE, RELEASE, ROOT, Cluster, condition, eventually, serving_of, wait_ready
 from tests.servings import INVALID, SCHEMA_INVALID, TRANSITIONS, serving
 from xpyd.api.load import load_servings
 from xpyd.cluster.controlplane import ControlPlane
