@@ -27,7 +27,7 @@ from typing import Any
 import pytest
 import yaml
 
-from e2e.conftest import OPERATOR_NAMESPACE, ROOT, Cluster, condition, eventually, serving_of, wait_ready
+from e2e.cluster import OPERATOR_NAMESPACE, ROOT, Cluster, condition, eventually, serving_of, wait_ready
 from xpyd.cluster.controlplane import ControlPlane
 from xpyd.common.netguard import LOOPBACK_ONLY_ENV, require_loopback, require_loopback_url
 

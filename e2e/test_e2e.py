@@ -14,8 +14,8 @@ from typing import Any
 import pytest
 import yaml
 
-from e2e.conftest import OPERATOR_NAMESPACE, RELEASE, ROOT, Cluster, condition, eventually, serving_of, wait_ready
-from tests.unit.test_api import INVALID, SCHEMA_INVALID, TRANSITIONS, serving
+from e2e.cluster import OPERATOR_NAMESPACE, RELEASE, ROOT, Cluster, condition, eventually, serving_of, wait_ready
+from tests.servings import INVALID, SCHEMA_INVALID, TRANSITIONS, serving
 from xpyd.api.load import load_servings
 from xpyd.cluster.controlplane import ControlPlane
 from xpyd.common.netguard import NonLoopbackAddress, require_loopback, require_loopback_url

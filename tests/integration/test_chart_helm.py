@@ -19,7 +19,7 @@ import kubernetes_validate
 import pytest
 import yaml
 
-from tests.unit.test_chart import (
+from tests.chart import (
     CHART,
     DASHBOARD,
     IMAGE,

@@ -35,7 +35,7 @@ from typing import Any
 import aiohttp
 import pytest
 
-from tests.integration.test_engine_sim import PERF, client_session, engine_process, prefill_leg, token_prompt
+from tests.integration.enginesim import PERF, client_session, engine_process, prefill_leg, token_prompt
 from xpyd.autoscaler.observation import Desired
 from xpyd.common.stats import percentile
 from xpyd.sim.policy import StaticPolicy

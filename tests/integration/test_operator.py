@@ -10,7 +10,6 @@ from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 import aiohttp
-import kmock
 import kopf
 import kubernetes
 import pytest
@@ -39,12 +38,6 @@ SERVING = {
     "metadata": {"name": "llama", "namespace": NS},
     "spec": {"model": {"name": "meta-llama/Llama-3.1-8B-Instruct"}, "decode": {"replicas": 2}},
 }
-
-
-@pytest.fixture
-async def fake() -> AsyncIterator[FakeKube]:
-    async with FakeKube() as handler, kmock.Server(handler):
-        yield handler
 
 
 class Operator:

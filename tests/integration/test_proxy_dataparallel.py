@@ -15,7 +15,7 @@ from typing import Any
 
 import pytest
 
-from tests.integration.test_proxy_protocol import COMPLETION, HOST, eventually, rig
+from tests.integration.rig import COMPLETION, HOST, eventually, rig
 from xpyd.api.models import Connector
 from xpyd.proxy import protocol
 from xpyd.testing.stubengine import StubEngine

@@ -17,7 +17,7 @@ from typing import Any
 import aiohttp
 import pytest
 
-from tests.integration.test_proxy_protocol import COMPLETION, HOST, Rig, eventually, rig
+from tests.integration.rig import COMPLETION, HOST, Rig, common_port, eventually, rig
 from xpyd.api.models import Connector, RoutingPolicy
 from xpyd.cluster.controlplane import free_port, free_ports
 from xpyd.proxy.discovery import static_endpoints
@@ -251,10 +251,8 @@ async def test_connector_with_concurrent_legs_survives_a_failing_prefill() -> No
 
 
 async def test_a_retried_mooncake_attempt_gets_a_fresh_transfer_id() -> None:
-    from tests.integration.test_proxy_kube import _common_port
-
     hosts = [HOST, "127.0.0.2", "127.0.0.3"]
-    port = _common_port(hosts)
+    port = common_port(hosts)
     failing, healthy, decode = StubEngine(name="p0", fail_status=500), StubEngine(name="p1"), StubEngine(name="d0")
     for engine, host in zip((failing, healthy, decode), hosts, strict=True):
         await engine.start(host, port)

@@ -1,6 +1,6 @@
 """Fuzzing the running proxy (real HTTP on loopback, stub engines behind it): whatever a client
 sends, the proxy answers with a 2xx or a JSON 4xx, never a 500, and keeps serving. Bounded: a
-fixed number of examples, each with a short timeout. Skipped when hypothesis is not installed."""
+fixed number of examples, each with a short timeout."""
 
 from __future__ import annotations
 
@@ -12,12 +12,10 @@ from collections.abc import Iterator
 from typing import Any
 
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
-from tests.integration.test_proxy_protocol import HOST, Rig, rig
-
-hypothesis = pytest.importorskip("hypothesis")
-st = hypothesis.strategies
-HealthCheck, given, settings = hypothesis.HealthCheck, hypothesis.given, hypothesis.settings
+from tests.integration.rig import HOST, Rig, rig
 
 pytestmark = pytest.mark.integration
 

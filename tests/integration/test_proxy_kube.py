@@ -6,16 +6,13 @@ from __future__ import annotations
 
 import asyncio
 import copy
-import socket
-from collections.abc import AsyncIterator
 from typing import Any
 
-import kmock
 import kubernetes
 import pytest
 
 from tests.integration.fakekube import FakeKube
-from tests.integration.test_proxy_protocol import COMPLETION, Rig, eventually, rig
+from tests.integration.rig import COMPLETION, Rig, common_port, eventually, rig
 from xpyd.common.netguard import require_loopback
 from xpyd.kube import Kube
 from xpyd.proxy.discovery import PodWatcher
@@ -29,23 +26,6 @@ SELECTORS = {"prefill": "xpyd.io/serving=llama,xpyd.io/role=prefill",
              "decode": "xpyd.io/serving=llama,xpyd.io/role=decode"}
 
 
-def _common_port(hosts: list[str]) -> int:
-    """A port free on every one of these loopback addresses."""
-    for _ in range(50):
-        probe = socket.socket()
-        probe.bind((hosts[0], 0))
-        port: int = probe.getsockname()[1]
-        probe.close()
-        try:
-            for host in hosts:
-                with socket.socket() as s:
-                    s.bind((host, port))
-            return port
-        except OSError:
-            continue
-    raise AssertionError("no common free port")
-
-
 def _pod(name: str, role: str, ip: str, ready: bool = True) -> dict[str, Any]:
     return {"apiVersion": "v1", "kind": "Pod",
             "metadata": {"name": name, "namespace": NS, "labels": {"xpyd.io/serving": "llama", "xpyd.io/role": role}},
@@ -53,15 +33,9 @@ def _pod(name: str, role: str, ip: str, ready: bool = True) -> dict[str, Any]:
             "status": {"podIP": ip, "conditions": [{"type": "Ready", "status": "True" if ready else "False"}]}}
 
 
-@pytest.fixture
-async def fake() -> AsyncIterator[FakeKube]:
-    async with FakeKube() as handler, kmock.Server(handler):
-        yield handler
-
-
 async def test_routing_follows_the_pools_pods(fake: FakeKube) -> None:
     hosts = [require_loopback(f"127.0.0.{n}") for n in (2, 3, 4, 5)]
-    port = _common_port(hosts)
+    port = common_port(hosts)
     engines = [StubEngine(name=f"e{n}") for n in range(4)]
     for engine, host in zip(engines, hosts, strict=True):
         await engine.start(host, port)

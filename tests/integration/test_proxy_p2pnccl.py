@@ -1,6 +1,5 @@
 """P2pNcclConnector registration over real ZMQ (loopback): engines that register with the proxy
-join its pools, and the request id tells each leg its peer's registered ZMQ address. Skipped when
-pyzmq or msgpack is not installed (they are optional)."""
+join its pools, and the request id tells each leg its peer's registered ZMQ address."""
 
 from __future__ import annotations
 
@@ -9,15 +8,14 @@ import re
 import socket
 from typing import Any
 
+import msgpack
 import pytest
+import zmq
 
-from tests.integration.test_proxy_protocol import COMPLETION, HOST, eventually, rig
+from tests.integration.rig import COMPLETION, HOST, eventually, rig
 from xpyd.api.models import Connector
 from xpyd.proxy.p2pnccl import Registrations
 from xpyd.testing.stubengine import StubEngine
-
-zmq = pytest.importorskip("zmq")
-msgpack = pytest.importorskip("msgpack")
 
 pytestmark = pytest.mark.integration
 

@@ -19,8 +19,6 @@ import pytest
 from tests.integration.processes import HOST, kill, start_engine, start_proxy, wait_eligible, wait_for
 from xpyd.cluster.controlplane import free_ports
 
-pytest.importorskip("xpyd.sim.emulator")
-
 pytestmark = pytest.mark.integration
 
 MODEL = "meta-llama/Llama-3.1-8B-Instruct"

@@ -1,17 +1,16 @@
 """Property test of the request checks: no JSON body makes `parse` fail other than with a 4xx
-RequestError. Skipped when hypothesis is not installed."""
+RequestError."""
 
 from __future__ import annotations
 
 import json
 from typing import Any
 
+import hypothesis
 import pytest
+from hypothesis import strategies as st
 
 from xpyd.proxy.validation import RequestError, parse
-
-hypothesis = pytest.importorskip("hypothesis")
-st = hypothesis.strategies
 
 pytestmark = pytest.mark.unit
 

@@ -15,7 +15,7 @@ import kubernetes_validate
 import pytest
 import yaml
 
-from tests.unit.test_api import serving
+from tests.servings import serving
 from xpyd.api.load import load_servings, parse_serving
 from xpyd.cli import main
 from xpyd.render import RenderOptions, render

@@ -258,7 +258,6 @@ def test_cli_bad_input_exits_2(argv: list[str], message: str, capsys: pytest.Cap
 
 
 def test_plot_writes_a_png(tmp_path: Path) -> None:
-    pytest.importorskip("matplotlib")
     from xpyd.sim.report import plot
 
     policy = Recorder([(0.0, Desired(1, 1)), (10.0, Desired(2, 2))])

@@ -1,0 +1,89 @@
+"""The local control plane as the e2e tests drive it: kubectl and helm against it, polling until
+something holds, and a DisaggregatedServing's conditions. The fixtures are in e2e/conftest.py."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from xpyd.cluster.binaries import Binaries
+from xpyd.cluster.controlplane import ClusterState
+
+ROOT = Path(__file__).resolve().parents[1]
+OPERATOR_NAMESPACE = "xpyd-system"
+RELEASE = "xpyd-operator"
+
+
+@dataclass
+class Cluster:
+    state: ClusterState
+    binaries: Binaries
+
+    @property
+    def env(self) -> dict[str, str]:
+        return {**os.environ, "KUBECONFIG": str(self.state.kubeconfig)}
+
+    def run(self, tool: str, *args: str, check: bool = True, stdin: str | None = None,
+            timeout: float = 120) -> subprocess.CompletedProcess[str]:
+        binary = {"kubectl": self.binaries.kubectl, "helm": self.binaries.helm}[tool]
+        result = subprocess.run([str(binary), *args], capture_output=True, text=True, env=self.env,
+                                input=stdin, timeout=timeout, check=False)
+        if check and result.returncode != 0:
+            raise AssertionError(f"{tool} {' '.join(args)} failed ({result.returncode}):\n{result.stderr}")
+        return result
+
+    def kubectl(self, *args: str, **kwargs: Any) -> subprocess.CompletedProcess[str]:
+        return self.run("kubectl", *args, **kwargs)
+
+    def get(self, *args: str) -> Any:
+        """`kubectl get ... -o json`, parsed (None when not found)."""
+        result = self.kubectl("get", *args, "-o", "json", check=False)
+        if result.returncode != 0:
+            if "NotFound" in result.stderr or "not found" in result.stderr:
+                return None
+            raise AssertionError(result.stderr)
+        return json.loads(result.stdout)
+
+    def apply(self, manifest: str | Path, namespace: str) -> None:
+        if isinstance(manifest, Path):
+            self.kubectl("apply", "-n", namespace, "-f", str(manifest))
+        else:
+            self.kubectl("apply", "-n", namespace, "-f", "-", stdin=manifest)
+
+
+def eventually(check: Callable[[], Any], timeout: float = 60.0, interval: float = 0.5, what: str = "") -> Any:
+    """Poll `check` until it returns something truthy; fail with `what` after `timeout`."""
+    deadline = time.monotonic() + timeout
+    last: Any = None
+    while time.monotonic() < deadline:
+        last = check()
+        if last:
+            return last
+        time.sleep(interval)
+    raise AssertionError(f"timed out after {timeout:.0f}s waiting for {what or check} (last: {last!r})")
+
+
+def condition(obj: Any, kind: str) -> dict[str, Any]:
+    for item in (obj or {}).get("status", {}).get("conditions", []):
+        if item["type"] == kind:
+            return dict(item)
+    return {}
+
+
+def serving_of(cluster: Cluster, namespace: str, name: str) -> Any:
+    return cluster.get("disaggregatedserving", "-n", namespace, name)
+
+
+def wait_ready(cluster: Cluster, namespace: str, name: str, timeout: float = 90) -> Any:
+    """Every replica ready (Ready=True alone also covers PartiallyReady: one pod per role serving)."""
+    def complete(obj: Any) -> Any:
+        ready = condition(obj, "Ready")
+        return obj if (ready.get("status"), ready.get("reason")) == ("True", "AllReplicasReady") else None
+    return eventually(lambda: complete(serving_of(cluster, namespace, name)), timeout=timeout,
+                      what=f"{name} Ready=True, AllReplicasReady")

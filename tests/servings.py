@@ -1,0 +1,132 @@
+"""DisaggregatedServing objects for the tests: `serving()`, a minimal valid object, and the API's
+cases, which tests/unit/test_api.py checks against the models and the CRD's CEL rules and
+e2e/test_e2e.py against a real API server."""
+
+from __future__ import annotations
+
+from typing import Any
+
+
+def serving(spec: dict[str, Any] | None = None, name: str = "llama") -> dict[str, Any]:
+    """A minimal valid object with `spec` merged over it (one level deep per top-level key)."""
+    base: dict[str, Any] = {"model": {"name": "meta-llama/Llama-3.1-8B-Instruct"}}
+    for key, value in (spec or {}).items():
+        base[key] = {**base.get(key, {}), **value} if isinstance(value, dict) else value
+    return {"apiVersion": "xpyd.io/v1alpha1", "kind": "DisaggregatedServing",
+            "metadata": {"name": name, "namespace": "default"}, "spec": base}
+
+
+VALID = {
+    "minimal": serving(),
+    "nixl hetero tp": serving({"prefill": {"tensorParallelSize": 2}, "decode": {"tensorParallelSize": 4}}),
+    "nixl push 0.24": serving({"kvTransfer": {"connector": "NixlPushConnector"}, "engine": {"vllmVersion": "0.24"}}),
+    "p2pnccl 0.23": serving({"kvTransfer": {"connector": "P2pNcclConnector"}, "engine": {"vllmVersion": "0.23.1"}}),
+    "oldest version 0.10": serving({"engine": {"vllmVersion": "0.10"}}),
+    "gpu count explicit": serving({"prefill": {"tensorParallelSize": 4, "dataParallelSize": 2,
+                                               "gpu": {"count": 8}}}),
+    "lmcache": serving({"kvTransfer": {"connector": "LMCacheConnectorV1",
+                                       "lmcache": {"configMapRef": {"name": "cfg"}}}}),
+    "mooncake block": serving({"kvTransfer": {"connector": "MooncakeConnector", "mooncake": {"protocol": "tcp"}}}),
+    "auto": serving({"autoscaling": {"mode": "Auto", "prometheus": {"url": "http://p:9090"}, "gpuBudget": 2}}),
+    "prometheus token and ca secret": serving({"autoscaling": {"mode": "Auto", "prometheus": {
+        "url": "https://thanos-querier.openshift-monitoring:9091", "bearerTokenSecretRef": {"name": "reader"},
+        "tls": {"caSecretRef": {"name": "prom-ca", "key": "tls.ca"}}}}}),
+    "prometheus ca configmap": serving({"autoscaling": {"prometheus": {
+        "url": "https://p:9090", "tls": {"caConfigMapRef": {"name": "kube-root-ca.crt"}}}}}),
+    "prometheus insecure": serving({"autoscaling": {"prometheus": {"url": "https://p:9090",
+                                                                   "tls": {"insecureSkipVerify": True}}}}),
+    "prometheus empty tls": serving({"autoscaling": {"prometheus": {"url": "https://p:9090", "tls": {}}}}),
+    "prometheus token over http": serving({"autoscaling": {"prometheus": {
+        "url": "http://p:9090", "bearerTokenSecretRef": {"name": "reader", "key": "t"}}}}),
+    "pvc": serving({"model": {"name": "m", "source": {"pvc": {"claimName": "models"}}}}),
+    "env valueFrom": serving({"engine": {"env": [{"name": "A", "valueFrom": {"secretKeyRef": {"name": "s",
+                                                                                          "key": "k"}}}]}}),
+    "name 55": serving(name="a" * 55),
+}
+
+# (case, object, message the models and the CRD's CEL rule both give)
+INVALID = [
+    ("gpu count mismatch", serving({"prefill": {"tensorParallelSize": 2, "gpu": {"count": 4}}}),
+     "gpu.count must equal tensorParallelSize x pipelineParallelSize x dataParallelSize"),
+    ("nixl tp not dividing", serving({"prefill": {"tensorParallelSize": 2}, "decode": {"tensorParallelSize": 3}}),
+     "prefill and decode tensorParallelSize are incompatible with the connector"),
+    ("mooncake tp not dividing", serving({"kvTransfer": {"connector": "MooncakeConnector"},
+                                          "prefill": {"tensorParallelSize": 4}, "decode": {"tensorParallelSize": 6}}),
+     "prefill and decode tensorParallelSize are incompatible with the connector"),
+    ("p2pnccl tp unequal", serving({"kvTransfer": {"connector": "P2pNcclConnector"}, "engine": {"vllmVersion": "0.23"},
+                                    "prefill": {"tensorParallelSize": 2}, "decode": {"tensorParallelSize": 4}}),
+     "prefill and decode tensorParallelSize are incompatible with the connector"),
+    ("p2pnccl on 0.24", serving({"kvTransfer": {"connector": "P2pNcclConnector"}, "engine": {"vllmVersion": "0.24"}}),
+     "P2pNcclConnector was removed in vLLM 0.24"),
+    ("p2pnccl on 1.0", serving({"kvTransfer": {"connector": "P2pNcclConnector"}, "engine": {"vllmVersion": "1.0"}}),
+     "P2pNcclConnector was removed in vLLM 0.24"),
+    ("nixl push on 0.23",
+     serving({"kvTransfer": {"connector": "NixlPushConnector"}, "engine": {"vllmVersion": "0.23"}}),
+     "NixlPushConnector needs engine.vllmVersion >= 0.24"),
+    ("version too old", serving({"engine": {"vllmVersion": "0.9.2"}}),
+     "engine.vllmVersion must be at least 0.10"),
+    ("min above max", serving({"autoscaling": {"decode": {"minReplicas": 5, "maxReplicas": 2}}}),
+     "minReplicas must not exceed maxReplicas"),
+    ("lmcache without settings", serving({"kvTransfer": {"connector": "LMCacheConnectorV1"}}),
+     "LMCacheConnectorV1 needs kvTransfer.lmcache.configMapRef"),
+    ("mooncake block with nixl", serving({"kvTransfer": {"mooncake": {}}}),
+     "kvTransfer.mooncake applies only to MooncakeConnector"),
+    ("nixl block with mooncake", serving({"kvTransfer": {"connector": "MooncakeConnector", "nixl": {}}}),
+     "kvTransfer.nixl applies only to NixlConnector or NixlPushConnector"),
+    ("p2p block with nixl", serving({"kvTransfer": {"p2pNccl": {}}}),
+     "kvTransfer.p2pNccl applies only to P2pNcclConnector"),
+    ("cpu buffer with mooncake", serving({"kvTransfer": {"connector": "MooncakeConnector", "bufferDevice": "cpu"}}),
+     "bufferDevice cpu (host-buffer mode) is supported only by the NIXL connectors"),
+    ("auto without prometheus", serving({"autoscaling": {"mode": "Auto"}}),
+     "autoscaling.prometheus.url is required when mode is Recommend or Auto"),
+    ("prometheus two CAs", serving({"autoscaling": {"prometheus": {"url": "https://p:9090", "tls": {
+        "caSecretRef": {"name": "a"}, "caConfigMapRef": {"name": "b"}}}}}),
+     "autoscaling.prometheus.tls takes at most one of caSecretRef, caConfigMapRef and insecureSkipVerify"),
+    ("prometheus CA and insecure", serving({"autoscaling": {"prometheus": {"url": "https://p:9090", "tls": {
+        "caConfigMapRef": {"name": "b"}, "insecureSkipVerify": True}}}}),
+     "autoscaling.prometheus.tls takes at most one of caSecretRef, caConfigMapRef and insecureSkipVerify"),
+    ("prometheus tls over http", serving({"autoscaling": {"prometheus": {"url": "http://p:9090", "tls": {
+        "insecureSkipVerify": True}}}}),
+     "autoscaling.prometheus.tls needs an https:// url"),
+    ("budget below minimum", serving({"prefill": {"tensorParallelSize": 2}, "decode": {"tensorParallelSize": 2},
+                                      "autoscaling": {"gpuBudget": 3}}),
+     "autoscaling.gpuBudget is below the GPUs the minimum replicas of both roles need"),
+    ("source with both", serving({"model": {"name": "m", "source": {"pvc": {"claimName": "c"}, "hub": {}}}}),
+     "model.source needs exactly one of pvc or hub"),
+    ("source with neither", serving({"model": {"name": "m", "source": {}}}),
+     "model.source needs exactly one of pvc or hub"),
+    ("env value and valueFrom", serving({"decode": {"env": [{"name": "A", "value": "1", "valueFrom": {}}]}}),
+     "set either value or valueFrom, not both"),
+    ("name too long", serving(name="a" * 56), "metadata.name must be a DNS label of at most 55 characters"),
+    ("name uppercase", serving(name="Llama"), "metadata.name must be a DNS label of at most 55 characters"),
+]
+
+
+# Schema-level rules (types, enums, bounds, patterns, unknown fields): the models reject them with a
+# message naming the field; the API server's schema does the same (e2e).
+SCHEMA_INVALID = [
+    ("unknown connector", serving({"kvTransfer": {"connector": "Bogus"}}), "spec.kvTransfer.connector"),
+    ("negative replicas", serving({"decode": {"replicas": -1}}), "spec.decode.replicas"),
+    ("bad version", serving({"engine": {"vllmVersion": "latest"}}), "spec.engine.vllmVersion"),
+    ("unknown field", serving({"prefill": {"gpus": 2}}), "spec.prefill.gpus"),
+    ("bad quantity", serving({"prefill": {"shmSize": "lots"}}), "spec.prefill.shmSize"),
+    ("bad percentile", serving({"autoscaling": {"slo": {"percentile": 42}}}), "spec.autoscaling.slo.percentile"),
+    ("missing model", {**serving(), "spec": {}}, "spec.model"),
+    ("token ref without name", serving({"autoscaling": {"prometheus": {"bearerTokenSecretRef": {"key": "t"}}}}),
+     "spec.autoscaling.prometheus.bearerTokenSecretRef.name"),
+    ("empty token key", serving({"autoscaling": {"prometheus": {"bearerTokenSecretRef": {"name": "s", "key": ""}}}}),
+     "spec.autoscaling.prometheus.bearerTokenSecretRef.key"),
+    ("ca ref without name", serving({"autoscaling": {"prometheus": {"url": "https://p", "tls": {
+        "caSecretRef": {}}}}}), "spec.autoscaling.prometheus.tls.caSecretRef.name"),
+    ("unknown tls field", serving({"autoscaling": {"prometheus": {"url": "https://p", "tls": {"caFile": "/ca"}}}}),
+     "spec.autoscaling.prometheus.tls.caFile"),
+    ("insecure not a bool", serving({"autoscaling": {"prometheus": {"url": "https://p", "tls": {
+        "insecureSkipVerify": "maybe"}}}}), "spec.autoscaling.prometheus.tls.insecureSkipVerify"),
+]
+
+
+# (case, change merged over serving(), message): edits to immutable fields, refused on update
+TRANSITIONS = [
+    ("connector change", {"kvTransfer": {"connector": "MooncakeConnector"}}, "kvTransfer.connector is immutable"),
+    ("model change", {"model": {"name": "Qwen/Qwen2.5-7B-Instruct"}}, "model.name is immutable"),
+]
