@@ -46,9 +46,10 @@ from typing import Any, Final
 import aiohttp
 from aiohttp import web
 
+from xpyd import exposition
 from xpyd.api.models import Connector, RoutingPolicy
 from xpyd.proxy import protocol
-from xpyd.proxy.metrics import Counter, Gauge, GaugeSample, Histogram, exposition
+from xpyd.proxy.metrics import Counter, Gauge, GaugeSample, Histogram
 from xpyd.proxy.pool import ROLES, Endpoint, Instance, Pool, Role
 from xpyd.proxy.validation import ClientRequest, RequestError, error_body, parse
 from xpyd.proxy.validation import Endpoint as ApiEndpoint
@@ -244,6 +245,9 @@ class Proxy:
             Gauge("xpyd_proxy_draining", "1 once the proxy was told to stop (readiness fails), else 0.", (),
                   self._draining_sample),
         ]
+        m = self.metrics
+        self.registry = exposition.registry([m.requests, m.rejected, m.ttft, m.stream_ttft, m.duration, m.legs,
+                                             m.retries, m.fallbacks, m.breaker_trips, *self._gauges])
 
     # -- life ----------------------------------------------------------------------------------
 
@@ -826,11 +830,7 @@ class Proxy:
 
     async def metrics_page(self, request: web.Request) -> web.Response:
         """GET /metrics in the Prometheus text format."""
-        m = self.metrics
-        text = exposition([m.requests, m.rejected, m.ttft, m.stream_ttft, m.duration, m.legs, m.retries, m.fallbacks,
-                           m.breaker_trips, *self._gauges])
-        return web.Response(text=text, content_type="text/plain", charset="utf-8",
-                            headers={"X-Content-Type-Options": "nosniff"})
+        return exposition.response(self.registry)
 
     def _in_flight_sample(self) -> Iterable[GaugeSample]:
         yield (), float(self.in_flight)
