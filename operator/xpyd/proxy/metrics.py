@@ -6,6 +6,13 @@ tuple, so recording costs a dict lookup and prometheus_client's own `inc` / `obs
 `labels(...)`, which converts and checks the values and takes a lock, on every call). `Gauge` is
 the scrape-time gauge: the proxy's per-upstream gauges are computed from the live instance set at
 scrape time, so an instance that left leaves no series behind.
+
+What this costs over the hand-written exposition it replaced (docs/proxy.md has the runs):
+recording one streamed request's metrics takes about 9-11 us instead of 2-2.5 us
+(`benchmarks/metrics_bench.py`: prometheus_client takes a lock per value and finds a bucket by a
+linear scan), under 1% of the 0.9-1.7 ms of CPU the proxy spends on a request, and
+`benchmarks/proxy_bench.py` could not tell the two proxies apart. A scrape of a few hundred lines
+takes about 5 ms instead of 1 ms of the event loop, once per scrape interval.
 """
 
 from __future__ import annotations
