@@ -26,6 +26,7 @@ from typing import Any
 
 import pytest
 import yaml
+from prometheus_client.parser import text_string_to_metric_families
 
 from e2e.cluster import OPERATOR_NAMESPACE, ROOT, Cluster, condition, eventually, serving_of, wait_ready
 from xpyd.cluster.controlplane import ControlPlane
@@ -135,11 +136,14 @@ def events(cluster: Cluster, namespace: str, name: str) -> list[dict[str, Any]]:
     return sorted(items, key=lambda e: e.get("metadata", {}).get("creationTimestamp", ""))
 
 
-def operator_metrics(cluster: Cluster) -> str:
+def operator_metrics(cluster: Cluster) -> list[tuple[str, dict[str, str]]]:
+    """The operator's /metrics: (sample name, labels) of every sample."""
     (pod,) = cluster.get("pods", "-n", OPERATOR_NAMESPACE, "-l", "app.kubernetes.io/name=xpyd-operator")["items"]
     url = require_loopback_url(f"http://{require_loopback(pod['status']['podIP'])}:8081/metrics")
     with urllib.request.urlopen(url, timeout=5) as response:
-        return str(response.read().decode())
+        text = response.read().decode()
+    return [(sample.name, sample.labels) for family in text_string_to_metric_families(text)
+            for sample in family.samples]
 
 
 def start(cluster: Cluster, namespace: str, name: str, mode: str = "Auto") -> str:
@@ -178,9 +182,10 @@ def test_prefill_heavy_code_slice_grows_prefill_more_than_decode(operator: Clust
     assert decision["reason"] and decision["message"]
     assert obj["status"]["autoscaler"]["observed"]["isl"] > 1000
     metrics = operator_metrics(operator)
-    assert f'xpyd_autoscaler_desired_replicas{{namespace="{namespace}",name="code",role="prefill"}}' in metrics
-    assert f'xpyd_autoscaler_decisions_total{{namespace="{namespace}",name="code",reason="PrefillDemand"}}' in metrics \
-        or f'xpyd_autoscaler_decisions_total{{namespace="{namespace}",name="code",reason="PrefillQueueing"}}' in metrics
+    code = {"namespace": namespace, "name": "code"}
+    assert ("xpyd_autoscaler_desired_replicas", {**code, "role": "prefill"}) in metrics
+    assert ("xpyd_autoscaler_decisions_total", {**code, "reason": "PrefillDemand"}) in metrics \
+        or ("xpyd_autoscaler_decisions_total", {**code, "reason": "PrefillQueueing"}) in metrics
 
 
 def test_decode_heavy_conv_slice_grows_decode_more_than_prefill(operator: Cluster, namespace: str) -> None:

@@ -45,3 +45,11 @@ def test_sim_bench_prints_a_row_per_speedup() -> None:
     out = run("sim_bench.py", "--speedups", "50", "100")
     speedups = [line.split()[0] for line in out.splitlines() if re.match(r"\s+\d+\s+[\d,]+\s", line)]
     assert speedups == ["50", "100"], out
+
+
+def test_metrics_bench_prints_both_implementations_and_their_ratio() -> None:
+    out = run("metrics_bench.py", "--requests", "200", "--rounds", "1")
+    rows = {line.split()[0]: float(line.split()[1]) for line in out.splitlines()
+            if re.match(r"(hand-written|prometheus_client) +\d+$", line)}
+    assert set(rows) == {"hand-written", "prometheus_client"} and all(ns > 0 for ns in rows.values()), out
+    assert re.search(r"ratio prometheus_client / hand-written: \d+\.\d\d$", out, re.MULTILINE), out

@@ -9,16 +9,19 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import math
 import re
 from collections.abc import Callable
 from typing import Any
 
 import aiohttp
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 
 from tests.integration.rig import COMPLETION, HOST, Rig, eventually, rig
 from xpyd.api.models import Connector
 from xpyd.proxy import protocol
+from xpyd.proxy.metrics import LATENCY_BUCKETS
 from xpyd.testing.stubengine import StubEngine
 
 pytestmark = pytest.mark.integration
@@ -248,23 +251,72 @@ async def test_a_client_disconnect_cancels_both_concurrent_legs() -> None:
         await eventually(lambda: r.prefill[0].cancelled == r.decode[0].cancelled == 1, what="both legs cancelled")
 
 
+#: Every series family the proxy exports: the name Prometheus stores (counters' with `_total`), its
+#: type and its label names (`le` besides, on a histogram's buckets).
+PROXY_FAMILIES: dict[str, tuple[str, set[str]]] = {
+    "xpyd_proxy_requests_total": ("counter", {"connector", "endpoint", "outcome"}),
+    "xpyd_proxy_rejected_total": ("counter", {"status"}),
+    "xpyd_proxy_time_to_first_byte_seconds": ("histogram", {"connector", "endpoint"}),
+    "xpyd_proxy_time_to_first_token_seconds": ("histogram", {"connector", "endpoint"}),
+    "xpyd_proxy_request_duration_seconds": ("histogram", {"connector", "endpoint"}),
+    "xpyd_proxy_leg_duration_seconds": ("histogram", {"role", "result"}),
+    "xpyd_proxy_retries_total": ("counter", {"role"}),
+    "xpyd_proxy_decode_only_fallbacks_total": ("counter", {"reason"}),
+    "xpyd_proxy_breaker_trips_total": ("counter", {"role"}),
+    "xpyd_proxy_in_flight_requests": ("gauge", set()),
+    "xpyd_proxy_upstream_in_flight": ("gauge", {"role", "upstream"}),
+    "xpyd_proxy_upstream_prompt_tokens": ("gauge", {"upstream"}),
+    "xpyd_proxy_breaker_state": ("gauge", {"role", "upstream"}),
+    "xpyd_proxy_upstream_healthy": ("gauge", {"role", "upstream"}),
+    "xpyd_proxy_upstreams": ("gauge", {"role", "state"}),
+    "xpyd_proxy_draining": ("gauge", set()),
+}
+
+
 async def test_metrics_page() -> None:
     async with rig() as r:
         await r.post("/v1/completions", COMPLETION)
         await r.post("/v1/completions", {**COMPLETION, "stream": True})
+        await r.post("/v1/completions", {"prompt": "no model"})                  # 400: invalid, rejected
         async with r.session.get(r.url + "/metrics") as response:
+            content_type = response.headers["Content-Type"]
             text = await response.text()
-    for line in ('xpyd_proxy_requests_total{connector="NixlConnector",endpoint="completions",outcome="success"} 2',
-                 'xpyd_proxy_time_to_first_byte_seconds_count{connector="NixlConnector",endpoint="completions"} 2',
-                 # TTFT proper: the streamed request only.
-                 'xpyd_proxy_time_to_first_token_seconds_count{connector="NixlConnector",endpoint="completions"} 1',
-                 'xpyd_proxy_leg_duration_seconds_count{role="prefill",result="success"} 2',
-                 'xpyd_proxy_leg_duration_seconds_count{role="decode",result="success"} 2',
-                 f'xpyd_proxy_breaker_state{{role="decode",upstream="{r.decode[0].url}"}} 0',
-                 f'xpyd_proxy_upstream_in_flight{{role="prefill",upstream="{r.prefill[0].url}"}} 0',
-                 'xpyd_proxy_upstreams{role="decode",state="eligible"} 1', "xpyd_proxy_in_flight_requests 0"):
-        assert line in text.splitlines(), line
-
+    assert content_type == "text/plain; version=0.0.4; charset=utf-8"
+    # Parsed by prometheus_client's own parser: names, types and label names as Prometheus stores them.
+    families = {f"{family.name}_total" if family.type == "counter" else family.name: family
+                for family in text_string_to_metric_families(text)}
+    assert {name: family.type for name, family in families.items()} == \
+        {name: kind for name, (kind, _) in PROXY_FAMILIES.items()}
+    for name, family in families.items():
+        for sample in family.samples:
+            assert set(sample.labels) - ({"le"} if sample.name.endswith("_bucket") else set()) == \
+                PROXY_FAMILIES[name][1], sample
+            assert not sample.name.endswith("_created"), sample
+    values = {(sample.name, frozenset(sample.labels.items())): sample.value
+              for family in families.values() for sample in family.samples}
+    nixl = {"connector": "NixlConnector", "endpoint": "completions"}
+    for name, labels, value in (
+            ("xpyd_proxy_requests_total", {**nixl, "outcome": "success"}, 2),
+            ("xpyd_proxy_requests_total", {**nixl, "outcome": "invalid"}, 1),
+            ("xpyd_proxy_rejected_total", {"status": "400"}, 1),
+            ("xpyd_proxy_time_to_first_byte_seconds_count", nixl, 2),
+            ("xpyd_proxy_time_to_first_token_seconds_count", nixl, 1),         # TTFT proper: the streamed one
+            ("xpyd_proxy_request_duration_seconds_count", nixl, 3),
+            ("xpyd_proxy_leg_duration_seconds_count", {"role": "prefill", "result": "success"}, 2),
+            ("xpyd_proxy_leg_duration_seconds_count", {"role": "decode", "result": "success"}, 2),
+            ("xpyd_proxy_breaker_state", {"role": "decode", "upstream": r.decode[0].url}, 0),
+            ("xpyd_proxy_upstream_in_flight", {"role": "prefill", "upstream": r.prefill[0].url}, 0),
+            ("xpyd_proxy_upstream_healthy", {"role": "prefill", "upstream": r.prefill[0].url}, 1),
+            ("xpyd_proxy_upstream_prompt_tokens", {"upstream": r.prefill[0].url}, 0),
+            ("xpyd_proxy_upstreams", {"role": "decode", "state": "eligible"}, 1),
+            ("xpyd_proxy_in_flight_requests", {}, 0), ("xpyd_proxy_draining", {}, 0)):
+        assert values[(name, frozenset(labels.items()))] == value, (name, labels)
+    # A histogram: every bound of LATENCY_BUCKETS and +Inf, cumulative, the last one the count.
+    legs = [sample for sample in families["xpyd_proxy_leg_duration_seconds"].samples
+            if sample.name.endswith("_bucket") and sample.labels["role"] == "prefill"]
+    assert [float(sample.labels["le"]) for sample in legs] == [*LATENCY_BUCKETS, math.inf]
+    counts = [sample.value for sample in legs]
+    assert counts == sorted(counts) and counts[-1] == 2
 
 
 async def test_idle_upstream_connections_close_before_the_engines_keep_alive() -> None:

@@ -12,10 +12,12 @@ from typing import Any
 
 import pytest
 import yaml
+from prometheus_client.parser import text_string_to_metric_families
 
 from xpyd.api.load import parse_serving
 from xpyd.autoscaler.collect import Access, MetricsError, Samples, Scope
 from xpyd.autoscaler.profile import ProfileError, perf_model
+from xpyd.common import exposition
 from xpyd.controller.autoscale import Autoscaler, config_for
 from xpyd.controller.reconcile import desired_replicas
 from xpyd.controller.status import Observed, compute_status
@@ -121,6 +123,37 @@ def autoscaler(kube: FakeKube, prometheus: FakePrometheus, now: list[float]) -> 
     return Autoscaler(kube, prometheus=prometheus.connect, clock=lambda: now[0])  # type: ignore[arg-type]
 
 
+Series = dict[tuple[str, frozenset[tuple[str, str]]], float]
+
+#: The operator's series families: the name Prometheus stores, the type and the label names.
+OPERATOR_FAMILIES = {
+    "xpyd_autoscaler_desired_replicas": ("gauge", {"namespace", "name", "role"}),
+    "xpyd_autoscaler_decisions_total": ("counter", {"namespace", "name", "reason"}),
+    "xpyd_autoscaler_metrics_unavailable_total": ("counter", {"namespace", "name"}),
+}
+
+
+def scrape(scaler: Autoscaler) -> Series:
+    """What the operator's /metrics answers, parsed by prometheus_client's own parser and checked
+    against OPERATOR_FAMILIES: (sample name, labels) -> value."""
+    response = exposition.response(scaler.registry)
+    assert response.headers["Content-Type"] == "text/plain; version=0.0.4; charset=utf-8"
+    assert isinstance(response.body, bytes)
+    families = list(text_string_to_metric_families(response.body.decode()))
+    assert {f"{family.name}_total" if family.type == "counter" else family.name: family.type
+            for family in families} == {name: kind for name, (kind, _) in OPERATOR_FAMILIES.items()}
+    series: Series = {}
+    for family in families:
+        for sample in family.samples:
+            assert set(sample.labels) == OPERATOR_FAMILIES[sample.name][1], sample   # no _created series either
+            series[(sample.name, frozenset(sample.labels.items()))] = sample.value
+    return series
+
+
+def key(metric: str, /, **labels: str) -> tuple[str, frozenset[tuple[str, str]]]:
+    return metric, frozenset(labels.items())
+
+
 def condition(patch: JSON) -> JSON:
     (scaling,) = [c for c in patch["conditions"] if c["type"] == "ScalingActive"]
     return scaling
@@ -142,11 +175,11 @@ def test_auto_mode_scales_the_guilty_role_and_records_why() -> None:
     ((kind, reason, message),) = kube.events
     assert (kind, reason) == ("Normal", decision["reason"]) and message.startswith("prefill 1->")
     assert prom.scopes == [Scope("team-a", "llama", 60)]
-    text = scaler.exposition()
-    assert f'xpyd_autoscaler_desired_replicas{{namespace="team-a",name="llama",role="prefill"}} ' \
-           f'{decision["prefill"]}' in text
-    assert f'xpyd_autoscaler_decisions_total{{namespace="team-a",name="llama",reason="{decision["reason"]}"}} 1' \
-        in text
+    series = scrape(scaler)
+    llama = {"namespace": "team-a", "name": "llama"}
+    assert series[key("xpyd_autoscaler_desired_replicas", **llama, role="prefill")] == decision["prefill"]
+    assert series[key("xpyd_autoscaler_desired_replicas", **llama, role="decode")] == decision["decode"]
+    assert series[key("xpyd_autoscaler_decisions_total", **llama, reason=decision["reason"])] == 1
 
 
 def test_missing_metrics_hold_replicas_and_say_so_once() -> None:
@@ -164,7 +197,10 @@ def test_missing_metrics_hold_replicas_and_say_so_once() -> None:
     now[0] += 30
     scaler.step(obj)
     assert len(kube.events) == 1 and len(kube.status_patches) == 1
-    assert 'xpyd_autoscaler_metrics_unavailable_total{namespace="team-a",name="llama"} 2' in scaler.exposition()
+    series = scrape(scaler)
+    assert series[key("xpyd_autoscaler_metrics_unavailable_total", namespace="team-a", name="llama")] == 2
+    assert series[key("xpyd_autoscaler_decisions_total", namespace="team-a", name="llama",
+                      reason="MetricsUnavailable")] == 2
     # Metrics come back: an Event says so.
     prom.results = busy_results()
     now[0] += 30
@@ -190,7 +226,7 @@ def test_off_mode_does_nothing_and_forgets() -> None:
     scaler.step(body())
     assert scaler.step(body("Off")) is False
     assert not scaler.due(body("Off"), now[0])
-    assert "desired_replicas{" not in scaler.exposition()
+    assert not [name for name, _ in scrape(scaler) if name == "xpyd_autoscaler_desired_replicas"]
     assert len(kube.status_patches) == 1 and prom.scopes == [Scope("team-a", "llama", 60)]
 
 

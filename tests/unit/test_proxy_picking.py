@@ -8,15 +8,18 @@ from collections import Counter
 from typing import Any
 
 import pytest
+from prometheus_client import REGISTRY, generate_latest
 
 from xpyd.api.models import RoutingPolicy
+from xpyd.common import exposition
 from xpyd.proxy.breaker import Breaker, BreakerState
 from xpyd.proxy.discovery import _equality_selector, pod_endpoints, pod_ready
 from xpyd.proxy.metrics import Counter as MetricCounter
-from xpyd.proxy.metrics import Gauge, Histogram, exposition
+from xpyd.proxy.metrics import Gauge, Histogram
 from xpyd.proxy.p2pnccl import EXPIRY_SECONDS, RegistrationTable
 from xpyd.proxy.picking import pick
 from xpyd.proxy.pool import Endpoint, Pool
+from xpyd.proxy.server import Proxy, ProxyConfig
 
 pytestmark = pytest.mark.unit
 
@@ -147,14 +150,25 @@ def test_exposition_format() -> None:
     latency.observe(0.5, "p")
     latency.observe(5.0, "p")
     gauge = Gauge("x_in_flight", "In flight.", ("upstream",), lambda: [(('http://a"b',), 2.0)])
-    assert exposition([requests, latency, gauge]).splitlines() == [
+    # prometheus_client's text format 0.0.4: sorted label names, Go float numbers, no `_created`.
+    assert generate_latest(exposition.registry([requests, latency, gauge])).decode().splitlines() == [
         "# HELP x_requests_total Requests.", "# TYPE x_requests_total counter",
-        'x_requests_total{outcome="success"} 3',
+        'x_requests_total{outcome="success"} 3.0',
         "# HELP x_seconds Latency.", "# TYPE x_seconds histogram",
-        'x_seconds_bucket{role="p",le="0.1"} 1', 'x_seconds_bucket{role="p",le="1"} 2',
-        'x_seconds_bucket{role="p",le="+Inf"} 3', 'x_seconds_sum{role="p"} 5.55', 'x_seconds_count{role="p"} 3',
-        "# HELP x_in_flight In flight.", "# TYPE x_in_flight gauge", 'x_in_flight{upstream="http://a\\"b"} 2']
+        'x_seconds_bucket{le="0.1",role="p"} 1.0', 'x_seconds_bucket{le="1.0",role="p"} 2.0',
+        'x_seconds_bucket{le="+Inf",role="p"} 3.0', 'x_seconds_count{role="p"} 3.0', 'x_seconds_sum{role="p"} 5.55',
+        "# HELP x_in_flight In flight.", "# TYPE x_in_flight gauge", 'x_in_flight{upstream="http://a\\"b"} 2.0']
     assert latency.count("p") == 3 and requests.value("success") == 3
+    assert latency.count("q") == 0 and requests.value("failure") == 0
+
+
+def test_each_proxy_has_a_registry_of_its_own() -> None:
+    first, second = Proxy(ProxyConfig()), Proxy(ProxyConfig())     # no clash of names between them
+    first.metrics.requests.inc("NixlConnector", "completions", "success")
+    labels = {"connector": "NixlConnector", "endpoint": "completions", "outcome": "success"}
+    assert first.registry.get_sample_value("xpyd_proxy_requests_total", labels) == 1
+    assert second.registry.get_sample_value("xpyd_proxy_requests_total", labels) is None
+    assert REGISTRY.get_sample_value("xpyd_proxy_requests_total", labels) is None  # the global one stays empty
 
 
 # -- Kubernetes pods ------------------------------------------------------------------------------

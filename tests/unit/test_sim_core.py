@@ -10,12 +10,12 @@ import pytest
 from tests.paths import H200_PROFILE
 from xpyd.perf.model import PerfModel, read_profile
 from xpyd.sim.core import (
+    BucketHistogram,
     EngineConfig,
     EngineCore,
     EngineRequest,
     Event,
     EventKind,
-    Histogram,
     Phase,
     build_1_2_5_buckets,
     histogram_quantile,
@@ -283,7 +283,7 @@ def test_histogram_quantile_follows_prometheus(counts: list[int], q: float, expe
 
 
 def test_histogram_window_arithmetic() -> None:
-    histogram = Histogram((1.0, 2.0))
+    histogram = BucketHistogram((1.0, 2.0))
     histogram.observe(0.5)
     earlier = histogram.copy()
     histogram.observe(1.5, 3)

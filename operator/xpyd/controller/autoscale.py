@@ -29,9 +29,13 @@ import logging
 import math
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any
+
+import prometheus_client
+from prometheus_client.metrics_core import Metric
+from prometheus_client.registry import Collector
 
 from xpyd.api.conditions import METRICS_AVAILABLE, PROFILE_UNAVAILABLE, RECOMMEND_ONLY, VALID_METRICS, ConditionType
 from xpyd.api.load import SpecError, parse_serving
@@ -48,13 +52,13 @@ from xpyd.autoscaler.decide import (
 from xpyd.autoscaler.observation import Observation
 from xpyd.autoscaler.profile import ProfileError, perf_model
 from xpyd.autoscaler.sizing import DEFAULT_MAX_NUM_BATCHED_TOKENS, DEFAULT_MAX_NUM_SEQS
+from xpyd.common import exposition
 from xpyd.common.args import last_flag_value
 from xpyd.common.jsontypes import JSON
 from xpyd.common.timefmt import rfc3339
 from xpyd.controller.status import ConditionValue, merge_conditions, status_changed
 from xpyd.kube import Kube, KubeError
 from xpyd.perf.model import PerfModel
-from xpyd.proxy.metrics import Counter, Gauge, GaugeSample, exposition
 
 log = logging.getLogger(__name__)
 
@@ -179,16 +183,27 @@ class _Memory:
     desired: dict[str, int] = field(default_factory=dict)
 
 
-@dataclass
-class AutoscalerMetrics:
-    """`xpyd_autoscaler_*` series of the operator's /metrics."""
+class AutoscalerMetrics(Collector):
+    """`xpyd_autoscaler_*` series of the operator's /metrics: prometheus_client counters (in no
+    registry but the operator's own) and the desired replicas, read at scrape time from the
+    decisions' memory (a DisaggregatedServing the autoscaler forgot has none)."""
 
-    decisions: Counter = field(default_factory=lambda: Counter(
-        "xpyd_autoscaler_decisions_total", "Autoscaler decisions by DisaggregatedServing and reason.",
-        ("namespace", "name", "reason")))
-    errors: Counter = field(default_factory=lambda: Counter(
-        "xpyd_autoscaler_metrics_unavailable_total", "Decisions held because metrics were missing or stale.",
-        ("namespace", "name")))
+    def __init__(self, desired: Callable[[], Iterable[exposition.GaugeSample]]) -> None:
+        self.decisions = prometheus_client.Counter(
+            "xpyd_autoscaler_decisions_total", "Autoscaler decisions by DisaggregatedServing and reason.",
+            ("namespace", "name", "reason"), registry=None)
+        self.errors = prometheus_client.Counter(
+            "xpyd_autoscaler_metrics_unavailable_total", "Decisions held because metrics were missing or stale.",
+            ("namespace", "name"), registry=None)
+        self.desired = exposition.ScrapeGauge(
+            "xpyd_autoscaler_desired_replicas", "Replicas the autoscaler's last decision wants, by "
+            "DisaggregatedServing and role.", ("namespace", "name", "role"), desired)
+
+    def collect(self) -> Iterable[Metric]:
+        """The desired replicas, then the counters without their `_created` series."""
+        yield from self.desired.collect()
+        yield from exposition.without_created(self.decisions.collect())
+        yield from exposition.without_created(self.errors.collect())
 
 
 class Autoscaler:
@@ -200,21 +215,18 @@ class Autoscaler:
         self.kube = kube
         self.prometheus = prometheus
         self.clock = clock
-        self.metrics = AutoscalerMetrics()
+        self.metrics = AutoscalerMetrics(self._desired_samples)
+        #: What the operator's /metrics serves (a registry of this operator's own).
+        self.registry = exposition.registry([self.metrics])
         self._memory: dict[tuple[str, str], _Memory] = {}
         self._guard = threading.Lock()
 
     # --- metrics ---------------------------------------------------------------------------------
 
-    def _desired_samples(self) -> list[GaugeSample]:
+    def _desired_samples(self) -> list[exposition.GaugeSample]:
         with self._guard:
             return [((ns, name, role), float(n)) for (ns, name), memory in self._memory.items()
                     for role, n in memory.desired.items()]
-
-    def exposition(self) -> str:
-        desired = Gauge("xpyd_autoscaler_desired_replicas", "Replicas the autoscaler's last decision wants, "
-                        "by DisaggregatedServing and role.", ("namespace", "name", "role"), self._desired_samples)
-        return exposition([desired, self.metrics.decisions, self.metrics.errors])
 
     # --- scheduling -------------------------------------------------------------------------------
 
@@ -271,7 +283,7 @@ class Autoscaler:
         except ProfileError as error:
             condition = scaling_condition(autoscaling.mode, None, str(error))
             self._write(body, {"conditions": with_condition(old_status, condition, meta.get("generation"), stamp)})
-            self.metrics.decisions.inc(namespace, name, PROFILE_UNAVAILABLE)
+            self.metrics.decisions.labels(namespace, name, PROFILE_UNAVAILABLE).inc()
             if old_status_reason(old_status) != PROFILE_UNAVAILABLE:
                 self.kube.event(body, "Warning", PROFILE_UNAVAILABLE, str(error))
             return False
@@ -287,9 +299,9 @@ class Autoscaler:
             observation = collect.pods_only(pods, now, float(scope.window_s))
             decision = hold(observation, config, memory.state, str(error))
         memory.state = decision.state
-        self.metrics.decisions.inc(namespace, name, decision.reason)
+        self.metrics.decisions.labels(namespace, name, decision.reason).inc()
         if not decision.scaling_active:
-            self.metrics.errors.inc(namespace, name)
+            self.metrics.errors.labels(namespace, name).inc()
         auto = autoscaling.mode == AutoscalingMode.AUTO
         with self._guard:
             memory.desired = {"prefill": decision.prefill.replicas, "decode": decision.decode.replicas}

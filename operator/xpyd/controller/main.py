@@ -11,7 +11,9 @@ from urllib.parse import urlsplit
 
 import kopf
 from aiohttp import web
+from prometheus_client import CollectorRegistry
 
+from xpyd.common import exposition
 from xpyd.controller.autoscale import Autoscaler
 from xpyd.controller.handlers import OperatorState, register
 from xpyd.kube import Kube
@@ -42,9 +44,8 @@ async def start_metrics(state: OperatorState, url: str) -> web.AppRunner:
     parsed = urlsplit(url)
 
     async def metrics(_: web.Request) -> web.Response:
-        text = state.autoscaler.exposition() if state.autoscaler is not None else ""
-        return web.Response(text=text, content_type="text/plain", charset="utf-8",
-                            headers={"X-Content-Type-Options": "nosniff"})
+        return exposition.response(state.autoscaler.registry if state.autoscaler is not None
+                                   else CollectorRegistry())
 
     app = web.Application()
     app.router.add_get(parsed.path or "/metrics", metrics)

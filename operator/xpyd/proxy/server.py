@@ -46,12 +46,13 @@ import aiohttp
 from aiohttp import web
 
 from xpyd.api.naming import ROLES, Role
+from xpyd.common import exposition
 from xpyd.common.jsontypes import JSON
 from xpyd.proxy import protocol
 from xpyd.proxy.config import ProxyConfig, client_timeouts
 from xpyd.proxy.health import HealthProber
 from xpyd.proxy.legs import Context, DecodeFailed, Legs, PrefillFailed, UpstreamAnswer
-from xpyd.proxy.metrics import Gauge, GaugeSample, ProxyMetrics, exposition
+from xpyd.proxy.metrics import Gauge, GaugeSample, ProxyMetrics
 from xpyd.proxy.pool import Endpoint, Instance, Pool
 from xpyd.proxy.validation import ApiEndpoint, RequestError, error_body, parse
 
@@ -112,6 +113,9 @@ class Proxy:
             Gauge("xpyd_proxy_draining", "1 once the proxy was told to stop (readiness fails), else 0.", (),
                   self._draining_sample),
         ]
+        m = self.metrics
+        self.registry = exposition.registry([m.requests, m.rejected, m.ttft, m.stream_ttft, m.duration, m.legs,
+                                             m.retries, m.fallbacks, m.breaker_trips, *self._gauges])
 
     # -- life ----------------------------------------------------------------------------------
 
@@ -376,11 +380,7 @@ class Proxy:
 
     async def metrics_page(self, request: web.Request) -> web.Response:
         """GET /metrics in the Prometheus text format."""
-        m = self.metrics
-        text = exposition([m.requests, m.rejected, m.ttft, m.stream_ttft, m.duration, m.legs, m.retries, m.fallbacks,
-                           m.breaker_trips, *self._gauges])
-        return web.Response(text=text, content_type="text/plain", charset="utf-8",
-                            headers={"X-Content-Type-Options": "nosniff"})
+        return exposition.response(self.registry)
 
     def _in_flight_sample(self) -> Iterable[GaugeSample]:
         yield (), float(self.in_flight)

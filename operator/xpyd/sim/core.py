@@ -99,7 +99,7 @@ def build_1_2_5_buckets(max_value: int) -> tuple[float, ...]:
         base *= 10
 
 
-class Histogram:
+class BucketHistogram:
     """A Prometheus histogram: per-bucket counts (the last one is `+Inf`), sum and count."""
 
     __slots__ = ("buckets", "count", "counts", "sum")
@@ -125,24 +125,24 @@ class Histogram:
             out.append(total)
         return out
 
-    def add(self, other: Histogram) -> None:
+    def add(self, other: BucketHistogram) -> None:
         """Add `other`'s observations (same buckets) into this one."""
         for i, n in enumerate(other.counts):
             self.counts[i] += n
         self.sum += other.sum
         self.count += other.count
 
-    def minus(self, earlier: Histogram) -> Histogram:
+    def minus(self, earlier: BucketHistogram) -> BucketHistogram:
         """The observations made since `earlier` (a snapshot of the same series): what rate() sees."""
-        out = Histogram(self.buckets)
+        out = BucketHistogram(self.buckets)
         out.counts = [a - b for a, b in zip(self.counts, earlier.counts, strict=True)]
         out.sum = self.sum - earlier.sum
         out.count = self.count - earlier.count
         return out
 
-    def copy(self) -> Histogram:
+    def copy(self) -> BucketHistogram:
         """A snapshot."""
-        out = Histogram(self.buckets)
+        out = BucketHistogram(self.buckets)
         out.counts = list(self.counts)
         out.sum = self.sum
         out.count = self.count
@@ -186,24 +186,29 @@ class EngineMetrics:
     prompt_tokens_external_kv_transfer: int = 0  # ...{source="external_kv_transfer"}
     num_preemptions_total: int = 0
     kv_transfer_failures_total: int = 0          # remote KV gone (lease expired): recomputed locally
-    time_to_first_token_seconds: Histogram = field(default_factory=lambda: Histogram(TTFT_BUCKETS))
-    inter_token_latency_seconds: Histogram = field(default_factory=lambda: Histogram(ITL_BUCKETS))
-    request_time_per_output_token_seconds: Histogram = field(default_factory=lambda: Histogram(ITL_BUCKETS))
-    e2e_request_latency_seconds: Histogram = field(default_factory=lambda: Histogram(REQUEST_LATENCY_BUCKETS))
-    request_queue_time_seconds: Histogram = field(default_factory=lambda: Histogram(REQUEST_LATENCY_BUCKETS))
-    request_prefill_time_seconds: Histogram = field(default_factory=lambda: Histogram(REQUEST_LATENCY_BUCKETS))
-    request_decode_time_seconds: Histogram = field(default_factory=lambda: Histogram(REQUEST_LATENCY_BUCKETS))
-    request_inference_time_seconds: Histogram = field(default_factory=lambda: Histogram(REQUEST_LATENCY_BUCKETS))
-    request_prompt_tokens: Histogram = field(init=False)
-    request_generation_tokens: Histogram = field(init=False)
+    time_to_first_token_seconds: BucketHistogram = field(default_factory=lambda: BucketHistogram(TTFT_BUCKETS))
+    inter_token_latency_seconds: BucketHistogram = field(default_factory=lambda: BucketHistogram(ITL_BUCKETS))
+    request_time_per_output_token_seconds: BucketHistogram = field(default_factory=lambda: BucketHistogram(ITL_BUCKETS))
+    e2e_request_latency_seconds: BucketHistogram = field(
+        default_factory=lambda: BucketHistogram(REQUEST_LATENCY_BUCKETS))
+    request_queue_time_seconds: BucketHistogram = field(
+        default_factory=lambda: BucketHistogram(REQUEST_LATENCY_BUCKETS))
+    request_prefill_time_seconds: BucketHistogram = field(
+        default_factory=lambda: BucketHistogram(REQUEST_LATENCY_BUCKETS))
+    request_decode_time_seconds: BucketHistogram = field(
+        default_factory=lambda: BucketHistogram(REQUEST_LATENCY_BUCKETS))
+    request_inference_time_seconds: BucketHistogram = field(
+        default_factory=lambda: BucketHistogram(REQUEST_LATENCY_BUCKETS))
+    request_prompt_tokens: BucketHistogram = field(init=False)
+    request_generation_tokens: BucketHistogram = field(init=False)
 
     def __post_init__(self) -> None:
-        self.request_prompt_tokens = Histogram(build_1_2_5_buckets(self.max_model_len))
-        self.request_generation_tokens = Histogram(build_1_2_5_buckets(self.max_model_len))
+        self.request_prompt_tokens = BucketHistogram(build_1_2_5_buckets(self.max_model_len))
+        self.request_generation_tokens = BucketHistogram(build_1_2_5_buckets(self.max_model_len))
 
-    def histograms(self) -> dict[str, Histogram]:
+    def histograms(self) -> dict[str, BucketHistogram]:
         """Every histogram by its `vllm:` name (without the prefix)."""
-        return {name: value for name, value in vars(self).items() if isinstance(value, Histogram)}
+        return {name: value for name, value in vars(self).items() if isinstance(value, BucketHistogram)}
 
     def counters(self) -> dict[str, int]:
         """Every counter by name (without the `vllm:` prefix)."""

@@ -31,13 +31,13 @@ from xpyd.autoscaler.observation import Desired, Observation, Quantiles, RoleObs
 from xpyd.sim.core import (
     ITL_BUCKETS,
     TTFT_BUCKETS,
+    BucketHistogram,
     EngineConfig,
     EngineCore,
     EnginePerf,
     EngineRequest,
     Event,
     EventKind,
-    Histogram,
 )
 from xpyd.sim.policy import Policy, StaticPolicy
 from xpyd.traces import TraceRequest
@@ -153,7 +153,7 @@ class _Replica:
 class _RoleMetrics:
     """Cumulative vllm:* series of a role (all its engines, also stopped ones) at one tick."""
 
-    histograms: dict[str, Histogram]
+    histograms: dict[str, BucketHistogram]
     counters: dict[str, int]
 
 
@@ -189,9 +189,9 @@ class Simulator:
         self._started = 0
         self._stopped = 0
         self._arrived = 0
-        self._client_ttft = Histogram(TTFT_BUCKETS)
-        self._client_tpot = Histogram(ITL_BUCKETS)
-        self._history: deque[tuple[float, int, dict[str, _RoleMetrics], Histogram, Histogram]] = deque()
+        self._client_ttft = BucketHistogram(TTFT_BUCKETS)
+        self._client_tpot = BucketHistogram(ITL_BUCKETS)
+        self._history: deque[tuple[float, int, dict[str, _RoleMetrics], BucketHistogram, BucketHistogram]] = deque()
         probe = EngineCore(perf, config.engine)
         self._capacity = probe.capacity
 
@@ -464,7 +464,7 @@ class Simulator:
     def _snapshot(self, now: float) -> None:
         roles: dict[str, _RoleMetrics] = {}
         for role, replicas in self._replicas.items():
-            histograms: dict[str, Histogram] = {}
+            histograms: dict[str, BucketHistogram] = {}
             counters: dict[str, int] = {}
             for replica in replicas:
                 metrics = replica.core.metrics
@@ -495,11 +495,11 @@ class Simulator:
         def rate(value: float) -> float:
             return value / span if span > 0 else 0.0
 
-        def quantiles(histogram: Histogram) -> Quantiles:
+        def quantiles(histogram: BucketHistogram) -> Quantiles:
             return Quantiles(histogram.quantile(0.5), histogram.quantile(0.9), histogram.quantile(0.99),
                              histogram.sum / histogram.count if histogram.count > 0 else math.nan)
 
-        def window(role: str) -> tuple[dict[str, Histogram], dict[str, int]]:
+        def window(role: str) -> tuple[dict[str, BucketHistogram], dict[str, int]]:
             now_metrics, then = roles1[role], roles0[role]
             hists = {name: h.minus(then.histograms[name]) if name in then.histograms else h
                      for name, h in now_metrics.histograms.items()}

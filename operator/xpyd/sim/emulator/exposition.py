@@ -13,7 +13,7 @@ import math
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 
-from xpyd.sim.core import EngineCore, Histogram
+from xpyd.sim.core import BucketHistogram, EngineCore
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 
@@ -36,8 +36,8 @@ class ConnectorMetrics:
     errored_total: int = 0
     nixl_num_failed_transfers_total: int = 0
     nixl_num_kv_expired_reqs_total: int = 0
-    nixl_xfer_time_seconds: Histogram = field(default_factory=lambda: Histogram(NIXL_XFER_TIME_BUCKETS))
-    nixl_bytes_transferred: Histogram = field(default_factory=lambda: Histogram(NIXL_BYTES_BUCKETS))
+    nixl_xfer_time_seconds: BucketHistogram = field(default_factory=lambda: BucketHistogram(NIXL_XFER_TIME_BUCKETS))
+    nixl_bytes_transferred: BucketHistogram = field(default_factory=lambda: BucketHistogram(NIXL_BYTES_BUCKETS))
 
 
 def format_value(value: float) -> str:
@@ -87,7 +87,7 @@ class Exposition:
         for extra, value in series:
             self.lines.append(f"{name}{_labels({**self.labels, **extra})} {format_value(value)}")
 
-    def histogram(self, name: str, help_text: str, histogram: Histogram) -> None:
+    def histogram(self, name: str, help_text: str, histogram: BucketHistogram) -> None:
         """A histogram family: cumulative `_bucket` series up to `+Inf`, then `_count` and `_sum`."""
         self._header(name, "histogram", help_text)
         labels = _labels(self.labels)
@@ -103,14 +103,14 @@ class Exposition:
 
 
 _HISTOGRAMS: tuple[tuple[str, str], ...] = (
-    ("time_to_first_token_seconds", "Histogram of time to first token in seconds."),
-    ("inter_token_latency_seconds", "Histogram of inter-token latency in seconds."),
-    ("request_time_per_output_token_seconds", "Histogram of time_per_output_token_seconds per request."),
-    ("e2e_request_latency_seconds", "Histogram of e2e request latency in seconds."),
-    ("request_queue_time_seconds", "Histogram of time spent in WAITING phase for request."),
-    ("request_inference_time_seconds", "Histogram of time spent in RUNNING phase for request."),
-    ("request_prefill_time_seconds", "Histogram of time spent in PREFILL phase for request."),
-    ("request_decode_time_seconds", "Histogram of time spent in DECODE phase for request."),
+    ("time_to_first_token_seconds", "BucketHistogram of time to first token in seconds."),
+    ("inter_token_latency_seconds", "BucketHistogram of inter-token latency in seconds."),
+    ("request_time_per_output_token_seconds", "BucketHistogram of time_per_output_token_seconds per request."),
+    ("e2e_request_latency_seconds", "BucketHistogram of e2e request latency in seconds."),
+    ("request_queue_time_seconds", "BucketHistogram of time spent in WAITING phase for request."),
+    ("request_inference_time_seconds", "BucketHistogram of time spent in RUNNING phase for request."),
+    ("request_prefill_time_seconds", "BucketHistogram of time spent in PREFILL phase for request."),
+    ("request_decode_time_seconds", "BucketHistogram of time spent in DECODE phase for request."),
     ("request_prompt_tokens", "Number of prefill tokens processed."),
     ("request_generation_tokens", "Number of generation tokens processed."),
 )
@@ -143,9 +143,9 @@ def render_metrics(core: EngineCore, connector: ConnectorMetrics, model_name: st
     histograms = metrics.histograms()
     for name, help_text in _HISTOGRAMS:
         out.histogram(f"vllm:{name}", help_text, histograms[name])
-    out.histogram("vllm:nixl_xfer_time_seconds", "Histogram of transfer duration for NIXL KV Cache transfers.",
+    out.histogram("vllm:nixl_xfer_time_seconds", "BucketHistogram of transfer duration for NIXL KV Cache transfers.",
                   connector.nixl_xfer_time_seconds)
-    out.histogram("vllm:nixl_bytes_transferred", "Histogram of bytes transferred per NIXL KV Cache transfers.",
+    out.histogram("vllm:nixl_bytes_transferred", "BucketHistogram of bytes transferred per NIXL KV Cache transfers.",
                   connector.nixl_bytes_transferred)
     out.counter("vllm:nixl_num_failed_transfers_total", "Number of failed NIXL KV Cache transfers.",
                 [({}, connector.nixl_num_failed_transfers_total + metrics.kv_transfer_failures_total)])
