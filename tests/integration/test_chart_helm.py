@@ -275,6 +275,7 @@ def test_operator_pod_monitor_scrapes_the_autoscaler_metrics() -> None:
     ports = {p["name"]: p["containerPort"] for p in container["ports"]}
     assert endpoint["port"] == "metrics" and ports["metrics"] == 8081
     assert "--metrics=http://0.0.0.0:8081/metrics" in container["args"]
+    assert endpoint["honorLabels"] is True   # the series' namespace/name are the pool's, not the operator pod's
 
 
 def test_pod_monitor_follows_the_watched_namespaces() -> None:

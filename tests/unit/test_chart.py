@@ -29,6 +29,7 @@ from tests.chart import (
 )
 from tests.paths import ROOT
 from xpyd import __version__
+from xpyd.controller.autoscale import AutoscalerMetrics
 
 pytestmark = pytest.mark.unit
 
@@ -276,6 +277,22 @@ def test_dashboard_queries_are_well_formed() -> None:
         if "vllm:" in expr:
             # Engines are told apart by the labels the PodMonitor relabels from the pod labels.
             assert "xpyd_io_serving=~\"$serving\"" in expr and "xpyd_io_role" in expr, expr
+
+
+def test_dashboard_selects_the_operators_series_by_the_labels_it_exports() -> None:
+    """The autoscaler's series carry namespace/name of the DisaggregatedServing (kept by the operator
+    PodMonitor's honorLabels), not the engines' relabelled xpyd_io_* labels."""
+    exported = {family.name: set(family.samples[0].labels) if family.samples else set()
+                for family in AutoscalerMetrics(lambda: [(("ns", "pool", "prefill"), 1.0)]).collect()}
+    exported["xpyd_autoscaler_decisions"] = {"namespace", "name", "reason"}   # counters have no sample yet
+    queried = [expr for expr in dashboard_exprs() if "xpyd_autoscaler_" in expr]
+    assert queried
+    for expr in queried:
+        assert 'name=~"$serving"' in expr and 'namespace=~"$namespace"' in expr, expr
+        grouped = re.findall(r"by \(([^)]*)\)", expr)
+        family = next(name for name in exported if name in expr)
+        for labels in grouped:
+            assert {label.strip() for label in labels.split(",")} <= exported[family], expr
 
 
 def test_dashboard_identity() -> None:
