@@ -85,7 +85,7 @@ async def test_a_restarted_prefill_engine_is_asked_for_its_ranks_again() -> None
         await eventually(lambda: instance.eligible(), what="the engine back")
         for n in range(2):
             assert (await r.post("/v1/completions", COMPLETION, {"X-Request-Id": f"after{n}"}))[0] == 200
-        engines = {engine for request_id, _, engine in _pairs(prefill, r.decode[0]) if request_id.startswith("after")}
+        engines = {leg.body["kv_transfer_params"]["remote_engine_id"] for leg in r.decode[0].seen[1:]}
         assert engines == {"p0-restarted-engine_dp0", "p0-restarted-engine_dp1"}
 
 

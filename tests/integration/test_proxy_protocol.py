@@ -10,6 +10,7 @@ import asyncio
 import contextlib
 import json
 import re
+import uuid
 from collections.abc import Callable
 from typing import Any
 
@@ -32,23 +33,32 @@ def _events(text: str) -> list[Any]:
     return [event if event == "[DONE]" else json.loads(event) for event in events]
 
 
-async def test_nixl_pull_legs_carry_exactly_what_vllm_expects() -> None:
+async def test_nixl_pull_legs_follow_toy_proxy_server() -> None:
+    """NixlConnector, reference vllm-project/vllm tests/v1/kv_connector/nixl_integration/toy_proxy_server.py
+    (`send_request_to_service`, `handle_completions`): prefill is a copy of the body with max_tokens=1
+    (max_completion_tokens=1 when present), stream false, no stream_options/min_tokens/
+    min_completion_tokens, kv_transfer_params {do_remote_decode: true, do_remote_prefill: false,
+    remote_engine_id/remote_block_ids/remote_host/remote_port: null}; decode is the original body with
+    prefill's kv_transfer_params unchanged; both legs carry the same fresh uuid4 X-Request-Id."""
+    body = {**COMPLETION, "max_completion_tokens": 8, "min_completion_tokens": 2,
+            "stream_options": {"include_usage": True}, "stream": True}
     async with rig(connector=Connector.NIXL) as r:
-        status, answer, headers = await r.post("/v1/completions", COMPLETION,
-                                               {"X-Request-Id": "client-1", "Authorization": "Bearer secret"})
-        assert status == 200, answer
+        status, _, headers = await r.post("/v1/completions", body,
+                                          {"X-Request-Id": "client-1", "Authorization": "Bearer secret"})
+        assert status == 200
         assert headers["X-Request-Id"] == "client-1"
-        assert answer["choices"][0]["text"] == "".join(f" tok{i}" for i in range(8))
         (prefill,), (decode,) = r.prefill[0].seen, r.decode[0].seen
-        assert prefill.body == protocol.prefill_body(COMPLETION, protocol.NIXL_PREFILL_PARAMS)
-        assert prefill.body["kv_transfer_params"] == {
-            "do_remote_decode": True, "do_remote_prefill": False, "remote_engine_id": None,
-            "remote_block_ids": None, "remote_host": None, "remote_port": None}
-        assert "min_tokens" not in prefill.body and prefill.body["max_tokens"] == 1
-        handed_off = r.prefill[0].kv_answer("client-1")
-        assert decode.body == {**COMPLETION, "kv_transfer_params": handed_off}
+        expected = {key: value for key, value in body.items()
+                    if key not in ("stream_options", "min_tokens", "min_completion_tokens")}
+        assert prefill.body == {**expected, "max_tokens": 1, "max_completion_tokens": 1, "stream": False,
+                                "kv_transfer_params": {
+                                    "do_remote_decode": True, "do_remote_prefill": False, "remote_engine_id": None,
+                                    "remote_block_ids": None, "remote_host": None, "remote_port": None}}
+        upstream_id = prefill.headers["X-Request-Id"]
+        assert uuid.UUID(upstream_id).version == 4
+        assert decode.body == {**body, "kv_transfer_params": r.prefill[0].kv_answer(upstream_id)}
         for leg in (prefill, decode):
-            assert leg.headers["X-Request-Id"] == "client-1"
+            assert leg.headers["X-Request-Id"] == upstream_id
             assert leg.headers["Authorization"] == "Bearer secret"
 
 
@@ -56,7 +66,7 @@ async def test_streaming_passes_through_intact_with_usage() -> None:
     async with rig() as r:
         status, text, headers = await r.post("/v1/chat/completions", CHAT)
         assert status == 200 and headers["Content-Type"].startswith("text/event-stream")
-        request_id = headers["X-Request-Id"]
+        request_id = r.decode[0].seen[0].headers["X-Request-Id"]
         # What the decode engine sends for the same leg, asked directly.
         async with r.session.post(r.decode[0].url + "/v1/chat/completions", json=r.decode[0].seen[0].body,
                                   headers={"X-Request-Id": request_id}) as direct:
@@ -87,7 +97,9 @@ async def test_request_id_generated_when_absent_or_unusable() -> None:
         _, _, bad = await r.post("/v1/completions", COMPLETION, {"X-Request-Id": "has space"})
         assert re.fullmatch(r"[0-9a-f-]{36}", headers["X-Request-Id"])
         assert bad["X-Request-Id"] != "has space"
-        assert r.decode[0].seen[0].headers["X-Request-Id"] == headers["X-Request-Id"]
+        # The engines never see the client's id: each attempt goes upstream under a fresh uuid4.
+        assert r.decode[0].seen[0].headers["X-Request-Id"] != headers["X-Request-Id"]
+        assert uuid.UUID(r.decode[0].seen[0].headers["X-Request-Id"]).version == 4
 
 
 async def test_nixl_push_learns_the_identity_then_sends_both_legs_at_once() -> None:
@@ -130,19 +142,29 @@ async def mooncake_rig() -> contextlib.AbstractAsyncContextManager[Rig]:
                mooncake_bootstrap_port=prefill.port)
 
 
-async def test_mooncake_sends_both_legs_at_once_with_one_transfer_id() -> None:
+async def test_mooncake_legs_follow_mooncake_connector_proxy() -> None:
+    """MooncakeConnector (vLLM 0.16+), reference vllm-project/vllm
+    examples/online_serving/disaggregated_serving/mooncake_connector/mooncake_connector_proxy.py and
+    vllm/distributed/kv_transfer/kv_connector/v1/mooncake/mooncake_connector.py: prefill
+    {do_remote_decode: true, do_remote_prefill: false, transfer_id}, max_tokens 1, stream false,
+    header X-data-parallel-rank; decode {do_remote_decode: false, do_remote_prefill: true,
+    remote_bootstrap_addr: http://<prefill host>:<bootstrap port>, remote_engine_id (from GET /query),
+    transfer_id}; both legs at once, one fresh X-Request-Id and transfer_id per attempt."""
     async with await mooncake_rig() as r:
-        status, _, _ = await r.post("/v1/completions", COMPLETION, {"X-Request-Id": "mc"})
-        assert status == 200
+        status, _, headers = await r.post("/v1/completions", COMPLETION, {"X-Request-Id": "mc"})
+        assert status == 200 and headers["X-Request-Id"] == "mc"
         (prefill,), (decode,) = r.prefill[0].seen, r.decode[0].seen
-        assert prefill.body == protocol.prefill_body(COMPLETION, {"do_remote_decode": True, "do_remote_prefill": False,
-                                                                  "transfer_id": "xfer-mc"})
+        upstream_id = prefill.headers["X-Request-Id"]
+        assert uuid.UUID(upstream_id).version == 4 and decode.headers["X-Request-Id"] == upstream_id
+        transfer_id = f"xfer-{upstream_id}"
+        without_min = {key: value for key, value in COMPLETION.items() if key != "min_tokens"}
+        assert prefill.body == {**without_min, "max_tokens": 1, "stream": False, "kv_transfer_params": {
+            "do_remote_decode": True, "do_remote_prefill": False, "transfer_id": transfer_id}}
         assert prefill.headers["X-data-parallel-rank"] == "0"
         assert decode.body == {**COMPLETION, "kv_transfer_params": {
             "do_remote_decode": False, "do_remote_prefill": True,
             "remote_bootstrap_addr": f"http://{HOST}:{r.prefill[0].port}", "remote_engine_id": "p0-engine",
-            "transfer_id": "xfer-mc"}}
-        assert prefill.headers["X-Request-Id"] == decode.headers["X-Request-Id"] == "mc"
+            "transfer_id": transfer_id}}
 
 
 async def test_p2p_nccl_encodes_the_peers_in_the_request_id() -> None:
@@ -274,3 +296,24 @@ async def test_idle_upstream_connections_close_before_the_engines_keep_alive() -
         connector = r.proxy.session.connector
         assert connector is not None
         assert connector._keepalive_timeout == r.proxy.config.upstream_idle_timeout < 5.0  # type: ignore[attr-defined]
+
+
+async def test_concurrent_requests_with_one_client_id_never_share_an_upstream_id() -> None:
+    """Reference: every vLLM proxy mints a fresh uuid4 per request and sends it on both legs
+    (toy_proxy_server.py, toy_push_proxy_server.py, mooncake_connector_proxy.py); vLLM makes its
+    internal id `cmpl-<X-Request-Id>-<i>[-<8 hex>]` from it (vllm/entrypoints/openai/, and
+    `InputProcessor.assign_request_id` in vllm/v1/engine/input_processor.py from 0.16). Two client
+    requests with the same X-Request-Id must not meet on one prefill engine under one id or one
+    Mooncake transfer_id (one could get the other's KV); each client still gets its own id back."""
+    async with await mooncake_rig() as r:
+        r.decode[0].token_delay = 0.05
+        answers = await asyncio.gather(*(r.post("/v1/completions", COMPLETION, {"X-Request-Id": "same"})
+                                         for _ in range(2)))
+        assert [(status, headers["X-Request-Id"]) for status, _, headers in answers] == [(200, "same")] * 2
+        prefills, decodes = r.prefill[0].seen, r.decode[0].seen
+        upstream = {leg.headers["X-Request-Id"] for leg in prefills}
+        assert len(upstream) == 2 and "same" not in upstream
+        assert {leg.headers["X-Request-Id"] for leg in decodes} == upstream
+        transfers = {leg.body["kv_transfer_params"]["transfer_id"] for leg in prefills}
+        assert transfers == {leg.body["kv_transfer_params"]["transfer_id"] for leg in decodes}
+        assert transfers == {f"xfer-{i}" for i in upstream}

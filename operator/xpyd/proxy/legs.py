@@ -10,6 +10,7 @@ import asyncio
 import json
 import logging
 import time
+import uuid
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Final
@@ -69,12 +70,20 @@ class Context:
     outcome: str = "success"
     first_byte_at: float | None = None
     attempts: int = 0
+    #: The X-Request-Id of the current attempt's legs: a fresh uuid4 per attempt, never the client's
+    #: (`request_id`, kept for logs and the answer's header). vLLM derives its internal request id
+    #: from it, and a prefill engine matches a decode's KV by it (NixlPushConnector) or by the
+    #: transfer id made from it (Mooncake): two clients sending the same id must never share one.
+    #: Every reference proxy does the same (`toy_proxy_server.py`, `toy_push_proxy_server.py`,
+    #: `mooncake_connector_proxy.py`: a new uuid4 per request, the same on both legs).
+    upstream_id: str = ""
 
-    @property
-    def upstream_id(self) -> str:
-        """The X-Request-Id of the current attempt's legs: the client's for the first attempt, made
-        unique for later ones (a Mooncake transfer id or a push registration is single-use)."""
-        return self.request_id if self.attempts <= 1 else f"{self.request_id}-attempt{self.attempts}"
+    def new_attempt(self) -> str:
+        """Start an attempt: count it and mint its upstream id (returned)."""
+        self.attempts += 1
+        self.upstream_id = str(uuid.uuid4())
+        log.debug("request %s: attempt %d goes upstream as %s", self.request_id, self.attempts, self.upstream_id)
+        return self.upstream_id
 
 
 @dataclass
