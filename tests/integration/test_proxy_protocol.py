@@ -102,36 +102,75 @@ async def test_request_id_generated_when_absent_or_unusable() -> None:
         assert uuid.UUID(r.decode[0].seen[0].headers["X-Request-Id"]).version == 4
 
 
-async def test_nixl_push_learns_the_identity_then_sends_both_legs_at_once() -> None:
-    async with rig(connector=Connector.NIXL_PUSH) as r:
-        assert (await r.post("/v1/completions", COMPLETION, {"X-Request-Id": "one"}))[0] == 200
-        identity = protocol.push_identity(r.prefill[0].kv_answer("one"))
-        assert identity is not None and identity["remote_engine_id"] == "p0-engine"
-        r.prefill[0].hang = True                   # the second prefill never answers: decode must already be out
-        task = asyncio.ensure_future(r.post("/v1/completions", COMPLETION, {"X-Request-Id": "two"}))
-        await eventually(lambda: len(r.decode[0].seen) == 2, what="decode leg sent before prefill answered")
+async def push_rig() -> contextlib.AbstractAsyncContextManager[Rig]:
+    """A NixlPushConnector rig whose decode stub checks what a push decode leg carries."""
+    prefill = StubEngine(name="p0")
+    return rig(engines=([prefill], [StubEngine(name="d0", push_prefill=prefill)]), connector=Connector.NIXL_PUSH)
+
+
+@pytest.mark.parametrize(("path", "body"), [("/v1/completions", COMPLETION), ("/v1/chat/completions", CHAT)])
+async def test_nixl_push_legs_follow_toy_push_proxy_server(path: str, body: dict[str, Any]) -> None:
+    """NixlPushConnector (vLLM 0.24+), reference vllm-project/vllm
+    tests/v1/kv_connector/nixl_integration/toy_push_proxy_server.py: prefill first (the NIXL prefill
+    body), then decode with {do_remote_prefill: true, do_remote_decode: false, remote_engine_id,
+    remote_host, remote_port, tp_size, pp_size, remote_request_id} from prefill's answer and no
+    block ids. remote_request_id is prefill's internal id (`cmpl-<id>-0-<8 hex>`): decode's lease
+    heartbeats name it (nixl/base_scheduler.py `on_new_request`, base_worker.py `_handle_heartbeat`).
+    Both legs carry one X-Request-Id: prefill matches decode's registration by it
+    (nixl/push_worker.py `_pop_matching_registration`, utils.py `get_base_request_id`)."""
+    async with await push_rig() as r:
+        status, _, headers = await r.post(path, body, {"X-Request-Id": "client"})
+        assert status == 200 and headers["X-Request-Id"] == "client"
+        (prefill,), (decode,) = r.prefill[0].seen, r.decode[0].seen
+        assert r.decode[0].push_errors == []
+        upstream_id = prefill.headers["X-Request-Id"]
+        assert decode.headers["X-Request-Id"] == upstream_id
+        assert prefill.body == protocol.prefill_body(body, protocol.NIXL_PREFILL_PARAMS)
+        internal = r.prefill[0].internal_ids[upstream_id]
+        base = f"chatcmpl-{upstream_id}" if "chat" in path else f"cmpl-{upstream_id}-0"
+        assert re.fullmatch(re.escape(base) + "-[0-9a-f]{8}", internal)
+        assert decode.body == {**body, "kv_transfer_params": {
+            "do_remote_prefill": True, "do_remote_decode": False, "remote_engine_id": "p0-engine",
+            "remote_host": HOST, "remote_port": r.prefill[0].side_channel_port, "tp_size": 1, "pp_size": 1,
+            "remote_request_id": internal}}
+
+
+async def test_nixl_push_sends_decode_only_after_prefill_answered() -> None:
+    """toy_push_proxy_server.py: decode's kv_transfer_params come from prefill's answer, so decode
+    waits for it, also once the prefill engine's identity is known."""
+    async with await push_rig() as r:
+        assert (await r.post("/v1/completions", COMPLETION))[0] == 200
+        r.prefill[0].hang = True
+        task = asyncio.ensure_future(r.post("/v1/completions", COMPLETION))
+        await eventually(lambda: len(r.prefill[0].seen) == 2, what="the second prefill leg")
+        await asyncio.sleep(0.2)
+        assert len(r.decode[0].seen) == 1
         r.prefill[0].hang = False
         task.cancel()
         with contextlib.suppress(asyncio.CancelledError):
             await task
-        for leg in r.decode[0].seen:
-            request_id = leg.headers["X-Request-Id"]
-            assert leg.body == {**COMPLETION, "kv_transfer_params": protocol.push_decode_params(identity, request_id)}
-        assert [leg.body for leg in r.prefill[0].seen] == \
-            [protocol.prefill_body(COMPLETION, protocol.NIXL_PREFILL_PARAMS)] * 2
 
 
-async def test_nixl_push_sends_decode_again_when_prefill_restarted_with_a_new_identity() -> None:
-    async with rig(connector=Connector.NIXL_PUSH) as r:
+async def test_nixl_push_decode_learns_a_restarted_prefill_engines_new_identity() -> None:
+    async with await push_rig() as r:
         assert (await r.post("/v1/completions", COMPLETION))[0] == 200
         r.prefill[0].name = "p0-restarted"
-        status, _, _ = await r.post("/v1/completions", COMPLETION, {"X-Request-Id": "after"})
-        assert status == 200
-        stale, fresh = r.decode[0].seen[1:]
-        assert stale.body["kv_transfer_params"]["remote_engine_id"] == "p0-engine"
-        assert fresh.body["kv_transfer_params"]["remote_engine_id"] == "p0-restarted-engine"
-        learnt = r.proxy.pools["prefill"].instances[r.prefill[0].url].push_identities.get(0)
-        assert learnt is not None and learnt["remote_engine_id"] == "p0-restarted-engine"
+        assert (await r.post("/v1/completions", COMPLETION))[0] == 200
+        assert [leg.body["kv_transfer_params"]["remote_engine_id"] for leg in r.decode[0].seen] == \
+            ["p0-engine", "p0-restarted-engine"]
+        assert r.decode[0].push_errors == []
+
+
+async def test_nixl_push_prefill_answer_without_its_request_id_is_a_prefill_failure() -> None:
+    async with await push_rig() as r:
+        original = r.prefill[0].kv_answer
+
+        def without_id(request_id: str, rank: int = 0, chat: bool = False) -> dict[str, Any]:
+            return {k: v for k, v in original(request_id, rank, chat).items() if k != "remote_request_id"}
+
+        r.prefill[0].kv_answer = without_id  # type: ignore[method-assign]
+        status, answer, _ = await r.post("/v1/completions", COMPLETION)
+        assert status == 503 and "Prefill failed" in answer["error"]["message"] and r.decode[0].seen == []
 
 
 async def mooncake_rig() -> contextlib.AbstractAsyncContextManager[Rig]:

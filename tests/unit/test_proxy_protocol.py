@@ -111,7 +111,7 @@ def test_host_port_brackets_ipv6() -> None:
 
 def test_every_connector_has_traits() -> None:
     assert set(protocol.TRAITS) == set(Connector)
-    assert [c for c, t in protocol.TRAITS.items() if t.concurrent] == [Connector.NIXL_PUSH, Connector.MOONCAKE]
+    assert [c for c, t in protocol.TRAITS.items() if t.concurrent] == [Connector.MOONCAKE]
 
 
 # -- the command line the operator renders -------------------------------------------------------

@@ -143,30 +143,35 @@ class Legs:
 
     async def push(self, context: Context, prefill: Instance, decode: Instance,
                     request_id: str) -> web.StreamResponse:
-        """NixlPushConnector: decode needs the identity of the prefill engine (of the data-parallel
-        rank) that will run the prefill. Known: both legs at once; not yet: prefill first, and its
-        answer teaches the identity. With several ranks, the prefill leg is pinned to one."""
+        """NixlPushConnector: prefill first, then decode told the identity of the engine (rank) that
+        ran the prefill and prefill's own internal request id, as `toy_push_proxy_server.py` does.
+
+        Decode sends that id back to prefill in its lease heartbeats (`HB:<id>`; vLLM
+        nixl/base_scheduler.py `on_new_request`, base_worker.py `_handle_heartbeat`), and prefill
+        extends the lease on its finished blocks only for ids it owns: its internal id carries a
+        random suffix (`InputProcessor.assign_request_id`, 0.16+), so only its answer knows it.
+        Sent at once, decode would hold an id prefill never heard of, and a decode backlog longer
+        than `kv_lease_duration` would find the blocks freed. With several data-parallel ranks the
+        prefill leg is pinned to one, which spreads legs over the ranks."""
         dp = self.config.prefill_data_parallel_size
         rank = prefill.pick_rank(range(dp))
         headers = {protocol.DP_RANK_HEADER: str(rank)} if dp > 1 else None
         body = context.parsed.body
-        prefill_body = protocol.prefill_body(body, protocol.NIXL_PREFILL_PARAMS)
         prefill.acquire_rank(rank)
         try:
-            identity = prefill.push_identities.get(rank)
-            if identity is not None:
-                return await self.concurrent(
-                    context, prefill, decode, request_id, prefill_body,
-                    protocol.decode_body(body, protocol.push_decode_params(identity, request_id)),
-                    prefill_headers=headers, push_told=(rank, identity))
-            answer = await self.prefill_leg(context, prefill, prefill_body, request_id, headers)
-            identity = self.learn_push_identity(prefill, rank, answer)
-            opened = await self.open_decode(
-                context, decode, protocol.decode_body(body, protocol.push_decode_params(identity, request_id)),
-                request_id)
-            return await self.relay(context, decode, opened)
+            answer = await self.prefill_leg(context, prefill, protocol.prefill_body(body, protocol.NIXL_PREFILL_PARAMS),
+                                            request_id, headers)
         finally:
             prefill.release_rank(rank)
+        identity = self.learn_push_identity(prefill, rank, answer)
+        params = answer["kv_transfer_params"]
+        prefill_request_id = params.get("remote_request_id") if isinstance(params, dict) else None
+        if not isinstance(prefill_request_id, str) or not prefill_request_id:
+            raise PrefillFailed("the prefill answer carries no remote_request_id")
+        opened = await self.open_decode(
+            context, decode, protocol.decode_body(body, protocol.push_decode_params(identity, prefill_request_id)),
+            request_id)
+        return await self.relay(context, decode, opened)
 
     @staticmethod
     def learn_push_identity(prefill: Instance, rank: int, answer: JSON) -> JSON:
@@ -186,8 +191,8 @@ class Legs:
         return await self.relay(context, decode, opened)
 
     async def concurrent(self, context: Context, prefill: Instance, decode: Instance, request_id: str,
-                          prefill_body: JSON, decode_body: JSON, prefill_headers: dict[str, str] | None = None,
-                          push_told: tuple[int, JSON] | None = None) -> web.StreamResponse:
+                          prefill_body: JSON, decode_body: JSON,
+                          prefill_headers: dict[str, str] | None = None) -> web.StreamResponse:
         """Both legs at once; decode's answer reaches the client only after prefill answered well."""
         prefill_task = asyncio.ensure_future(
             self.prefill_leg(context, prefill, prefill_body, request_id, prefill_headers))
@@ -197,18 +202,7 @@ class Legs:
             await asyncio.wait((prefill_task, decode_task), return_when=asyncio.FIRST_COMPLETED)
             if decode_task.done() and decode_task.exception() is not None:
                 decode_task.result()  # raises DecodeFailed: prefill is cancelled below
-            answer = await prefill_task
-            if push_told is not None:
-                rank, told = push_told
-                answered = self.learn_push_identity(prefill, rank, answer)
-                if answered != told:
-                    # Decode registered with an engine that did not run this prefill (it restarted):
-                    # drop that decode leg and send decode again with the identity just learnt.
-                    log.info("prefill %s has a new NIXL identity; sending decode again", prefill.url)
-                    decode_task.cancel()
-                    body = protocol.decode_body(context.parsed.body, protocol.push_decode_params(answered, request_id))
-                    relayed = await self.open_decode(context, decode, body, request_id)
-                    return await self.relay(context, decode, relayed)
+            await prefill_task
             relayed = await decode_task
             return await self.relay(context, decode, relayed)
         finally:

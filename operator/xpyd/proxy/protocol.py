@@ -8,11 +8,12 @@ client sees. The connectors differ in what the legs carry and whether they may r
 - NixlConnector (pull, `toy_proxy_server.py`): prefill first with
   `kv_transfer_params={do_remote_decode: true, ...}`; its answer's `kv_transfer_params` (block ids,
   engine id, side-channel address) go to decode, which reads the KV from prefill. Sequential.
-- NixlPushConnector (`disagg_proxy_pushconnector_demo.py`, `nixl/push_scheduler.py`): decode needs
-  only the prefill engine's identity (`remote_engine_id`, `remote_host`, `remote_port`, `tp_size`,
-  `pp_size`) and the shared request id; it registers its blocks and prefill writes into them. The
-  identity comes from a prefill answer, so the first request to a prefill instance runs
-  sequentially and teaches the proxy the identity; later ones send both legs at once.
+- NixlPushConnector (vLLM 0.24+, `toy_push_proxy_server.py`, `nixl/push_scheduler.py`,
+  `nixl/push_worker.py`): prefill first; decode gets the identity of the engine that ran it
+  (`remote_engine_id`, `remote_host`, `remote_port`, `tp_size`, `pp_size`, `dcp_size`) and
+  prefill's own internal request id (`remote_request_id`, from the answer: decode heartbeats it to
+  extend prefill's lease), no block ids; it registers its blocks and prefill writes into them,
+  matched by the X-Request-Id both legs share. Sequential.
 - MooncakeConnector (`mooncake_connector_proxy.py`): both legs at once, tied by a `transfer_id`;
   decode gets prefill's bootstrap address and engine id. A prefill pod runs one bootstrap server
   (on its global rank 0, at VLLM_MOONCAKE_BOOTSTRAP_PORT) for all its data-parallel ranks;
@@ -78,7 +79,7 @@ class ConnectorTraits:
 
 TRAITS: Final[Mapping[Connector, ConnectorTraits]] = {
     Connector.NIXL: ConnectorTraits(concurrent=False, decode_reuses_prefill=True, prefill_answer_has_params=True),
-    Connector.NIXL_PUSH: ConnectorTraits(concurrent=True, decode_reuses_prefill=False,
+    Connector.NIXL_PUSH: ConnectorTraits(concurrent=False, decode_reuses_prefill=False,
                                          prefill_answer_has_params=True),
     Connector.MOONCAKE: ConnectorTraits(concurrent=True, decode_reuses_prefill=False,
                                         prefill_answer_has_params=False),
@@ -135,10 +136,12 @@ def push_identity(kv_transfer_params: Any) -> JSON | None:
     return identity
 
 
-def push_decode_params(identity: Mapping[str, Any], request_id: str) -> JSON:
+def push_decode_params(identity: Mapping[str, Any], prefill_request_id: str) -> JSON:
     """Decode's `kv_transfer_params` in push mode: prefill's identity, no block ids (decode
-    allocates its own and registers them), and the request id both legs share."""
-    return {**identity, "do_remote_prefill": True, "do_remote_decode": False, "remote_request_id": request_id}
+    allocates its own and registers them), and prefill's internal request id as its answer reports
+    it (`remote_request_id`: what decode's heartbeats name; vLLM reads it unconditionally in
+    `NixlConnectorMetadata.add_new_req_to_recv`)."""
+    return {**identity, "do_remote_prefill": True, "do_remote_decode": False, "remote_request_id": prefill_request_id}
 
 
 # -- Mooncake ----------------------------------------------------------------------------------
