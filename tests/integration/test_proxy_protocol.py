@@ -122,7 +122,7 @@ async def test_nixl_push_legs_follow_toy_push_proxy_server(path: str, body: dict
         status, _, headers = await r.post(path, body, {"X-Request-Id": "client"})
         assert status == 200 and headers["X-Request-Id"] == "client"
         (prefill,), (decode,) = r.prefill[0].seen, r.decode[0].seen
-        assert r.decode[0].push_errors == []
+        assert r.decode[0].errors == []
         upstream_id = prefill.headers["X-Request-Id"]
         assert decode.headers["X-Request-Id"] == upstream_id
         assert prefill.body == protocol.prefill_body(body, protocol.NIXL_PREFILL_PARAMS)
@@ -158,7 +158,7 @@ async def test_nixl_push_decode_learns_a_restarted_prefill_engines_new_identity(
         assert (await r.post("/v1/completions", COMPLETION))[0] == 200
         assert [leg.body["kv_transfer_params"]["remote_engine_id"] for leg in r.decode[0].seen] == \
             ["p0-engine", "p0-restarted-engine"]
-        assert r.decode[0].push_errors == []
+        assert r.decode[0].errors == []
 
 
 async def test_nixl_push_prefill_answer_without_its_request_id_is_a_prefill_failure() -> None:
@@ -217,11 +217,53 @@ async def test_p2p_nccl_encodes_the_peers_in_the_request_id() -> None:
         assert "kv_transfer_params" not in prefill.body and decode.body == COMPLETION
 
 
-async def test_lmcache_prefills_then_decodes_the_original_body() -> None:
+async def lmcache_rig(tp: int = 1, **config: Any) -> contextlib.AbstractAsyncContextManager[Rig]:
+    """An LMCache P/D rig: the prefill stub fails as LMCache's producer would, decode on another host."""
+    decode = StubEngine(name="d0")
+    await decode.start("127.0.0.2")
+    return rig(engines=([StubEngine(name="p0", lmcache_producer=True, tensor_parallel_size=tp)], [decode]),
+               connector=Connector.LMCACHE, **config)
+
+
+@pytest.mark.parametrize(("path", "body"), [("/v1/completions", COMPLETION), ("/v1/chat/completions", CHAT)])
+async def test_lmcache_legs_follow_the_lmcache_pd_proxy(path: str, body: dict[str, Any]) -> None:
+    """LMCacheConnectorV1 with enable_pd, references: LMCache examples/disagg_prefill/xpyd/
+    disagg_proxy_server_first_token_from_prefiller_xpyd.py; vLLM lmcache_integration/
+    vllm_v1_adapter.py (a kv_producer asserts `request.disagg_spec is not None`; `ret_first_tok`
+    makes `request_finished` answer {first_tok}); LMCache's pd_backend indexes the port lists by TP
+    rank. Prefill: the NIXL-style one-token body with {ret_first_tok: true, disagg_spec: {req_id,
+    receiver_host: the decode instance's host, receiver_init_port: [init+i], receiver_alloc_port:
+    [alloc+i]}}; decode: the client's body."""
+    async with await lmcache_rig(tp=2, lmcache_init_port=8300, lmcache_alloc_port=8400,
+                                 decode_tensor_parallel_size=2) as r:
+        status, _, headers = await r.post(path, body, {"X-Request-Id": "client"})
+        assert status == 200 and headers["X-Request-Id"] == "client"
+        (prefill,), (decode,) = r.prefill[0].seen, r.decode[0].seen
+        assert r.prefill[0].errors == []
+        upstream_id = prefill.headers["X-Request-Id"]
+        assert uuid.UUID(upstream_id).version == 4 and decode.headers["X-Request-Id"] == upstream_id
+        assert prefill.body == protocol.prefill_body(body, None) | {"kv_transfer_params": {
+            "ret_first_tok": True,
+            "disagg_spec": {"req_id": upstream_id, "receiver_host": "127.0.0.2",
+                            "receiver_init_port": [8300, 8301], "receiver_alloc_port": [8400, 8401]}}}
+        assert prefill.body["max_tokens"] == 1 and prefill.body["stream"] is False
+        assert decode.body == body
+
+
+async def test_lmcache_port_lists_shorter_than_the_tp_size_fail_prefill() -> None:
+    """The stub fails like LMCache's PD backend indexing `receiver_init_port[tp_rank]`."""
+    async with await lmcache_rig(tp=2) as r:
+        status, answer, _ = await r.post("/v1/completions", COMPLETION)
+        assert status == 503 and "Prefill failed" in answer["error"]["message"]
+        assert r.prefill[0].errors and r.decode[0].seen == []
+
+
+async def test_lmcache_prefill_answer_without_first_tok_is_a_prefill_failure() -> None:
+    """An engine that is no LMCache P/D producer answers without kv_transfer_params.first_tok."""
     async with rig(connector=Connector.LMCACHE) as r:
-        assert (await r.post("/v1/completions", COMPLETION))[0] == 200
-        assert r.prefill[0].seen[0].body == protocol.prefill_body(COMPLETION, None)
-        assert r.decode[0].seen[0].body == COMPLETION
+        status, answer, _ = await r.post("/v1/completions", COMPLETION)
+        assert status == 503 and "Prefill failed" in answer["error"]["message"]
+        assert r.decode[0].seen == []
 
 
 async def test_models_come_from_the_decode_pool() -> None:

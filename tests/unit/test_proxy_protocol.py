@@ -231,3 +231,24 @@ def test_the_api_key_comes_from_the_environment(monkeypatch: pytest.MonkeyPatch)
     assert config_from_args(args).api_key is None
     monkeypatch.setenv("XPYD_PROXY_API_KEY", "s3cret")
     assert config_from_args(args).api_key == "s3cret"
+
+
+def test_lmcache_prefill_params_follow_the_lmcache_pd_proxy() -> None:
+    """LMCache P/D, references: LMCache examples/disagg_prefill/xpyd/
+    disagg_proxy_server_first_token_from_prefiller_xpyd.py (ports as per-TP-rank lists, init 7300+i,
+    alloc 7400+i), vLLM vllm/distributed/kv_transfer/kv_connector/v1/lmcache_integration/
+    vllm_v1_adapter.py (reads disagg_spec's req_id, receiver_host, receiver_init_port,
+    receiver_alloc_port; `ret_first_tok` in the params makes `request_finished` answer first_tok)."""
+    assert protocol.lmcache_prefill_params("rid", "10.0.0.7", decode_tp_size=2) == {
+        "ret_first_tok": True,
+        "disagg_spec": {"req_id": "rid", "receiver_host": "10.0.0.7",
+                        "receiver_init_port": [7300, 7301], "receiver_alloc_port": [7400, 7401]}}
+    assert protocol.lmcache_prefill_params("r", "h", 9000, 9100)["disagg_spec"]["receiver_init_port"] == [9000]
+
+
+@pytest.mark.parametrize(("params", "token"), [
+    ({"first_tok": 7}, 7), ({"first_tok": 0}, 0), ({"first_tok": True}, None), ({"first_tok": -1}, None),
+    ({"first_tok": "7"}, None), ({}, None), (None, None),
+])
+def test_lmcache_first_token(params: Any, token: int | None) -> None:
+    assert protocol.lmcache_first_token(params) == token

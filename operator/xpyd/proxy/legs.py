@@ -131,6 +131,8 @@ class Legs:
             return await self.mooncake(context, prefill, decode, request_id)
         if connector == Connector.NIXL_PUSH:
             return await self.push(context, prefill, decode, request_id)
+        if connector == Connector.LMCACHE:
+            return await self.lmcache(context, prefill, decode, request_id)
         # Sequential: prefill, then decode with what prefill answered.
         if connector == Connector.P2P_NCCL:
             request_id = protocol.p2p_nccl_request_id(self.zmq_address(prefill), self.zmq_address(decode))
@@ -171,6 +173,22 @@ class Legs:
         opened = await self.open_decode(
             context, decode, protocol.decode_body(body, protocol.push_decode_params(identity, prefill_request_id)),
             request_id)
+        return await self.relay(context, decode, opened)
+
+    async def lmcache(self, context: Context, prefill: Instance, decode: Instance,
+                      request_id: str) -> web.StreamResponse:
+        """LMCacheConnectorV1 P/D: prefill first, told where LMCache must push the KV (the decode
+        instance's host and its LMCache ports, one per decode TP rank) and asked for its first token
+        back; an answer without `first_tok` is not from an LMCache P/D producer. Decode gets the
+        client's body: it computes its first token itself, on top of the KV it received."""
+        config = self.config
+        params = protocol.lmcache_prefill_params(request_id, decode.host, config.lmcache_init_port,
+                                                 config.lmcache_alloc_port, config.decode_tensor_parallel_size)
+        body = context.parsed.body
+        answer = await self.prefill_leg(context, prefill, protocol.prefill_body(body, params), request_id)
+        if protocol.lmcache_first_token(answer.get("kv_transfer_params")) is None:
+            raise PrefillFailed("the answer's kv_transfer_params carry no first_tok (is LMCache's enable_pd on?)")
+        opened = await self.open_decode(context, decode, protocol.decode_body(body, None), request_id)
         return await self.relay(context, decode, opened)
 
     @staticmethod

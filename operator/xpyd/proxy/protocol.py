@@ -23,7 +23,14 @@ client sees. The connectors differ in what the legs carry and whether they may r
 - P2pNcclConnector (vLLM <= 0.23, `disagg_proxy_p2p_nccl_xpyd.py`): no `kv_transfer_params`; the
   request id `___prefill_addr_{P}___decode_addr_{D}_{uuid}` tells each side its peer's ZMQ address.
   Sequential.
-- LMCacheConnectorV1: prefill then decode with the original body; LMCache moves the KV itself.
+- LMCacheConnectorV1 with `enable_pd` (vLLM's `lmcache_integration/vllm_v1_adapter.py`, LMCache's
+  `lmcache/integration/vllm/vllm_v1_adapter.py` and `pd_backend.py`, LMCache's
+  `disagg_proxy_server_first_token_from_prefiller_xpyd.py`): prefill carries
+  `{ret_first_tok: true, disagg_spec: {req_id, receiver_host, receiver_init_port: [...],
+  receiver_alloc_port: [...]}}` (a kv_producer asserts `disagg_spec` for every request it saves;
+  the ports are lists indexed by tensor-parallel rank) and answers `{first_tok: <token id>}`;
+  LMCache pushes the KV to the decode instance named there, which gets the client's body.
+  Sequential.
 
 Both legs always carry the same `X-Request-Id`.
 """
@@ -57,6 +64,12 @@ PUSH_IDENTITY_OPTIONAL: Final = ("pp_size", "dcp_size")
 
 #: vLLM's MooncakeConnector bootstrap port default (VLLM_MOONCAKE_BOOTSTRAP_PORT).
 MOONCAKE_BOOTSTRAP_PORT: Final = 8998
+#: LMCache P/D: the decode side's first `pd_peer_init_port` and `pd_peer_alloc_port` (tensor-parallel
+#: rank i listens on port + i), as LMCache's P/D example configures them.
+LMCACHE_INIT_PORT: Final = 7300
+LMCACHE_ALLOC_PORT: Final = 7400
+#: The largest `--decode-tensor-parallel-size` (the API's bound on tensorParallelSize).
+MAX_TENSOR_PARALLEL: Final = 64
 #: The header that pins a request to one data-parallel rank of a vLLM server (internal load balancing).
 DP_RANK_HEADER: Final = "X-data-parallel-rank"
 #: vLLM's P2pNcclConnector first ZMQ port (kv_port; rank r listens on kv_port + r).
@@ -83,8 +96,10 @@ TRAITS: Final[Mapping[Connector, ConnectorTraits]] = {
                                          prefill_answer_has_params=True),
     Connector.MOONCAKE: ConnectorTraits(concurrent=True, decode_reuses_prefill=False,
                                         prefill_answer_has_params=False),
-    Connector.LMCACHE: ConnectorTraits(concurrent=False, decode_reuses_prefill=True,
-                                       prefill_answer_has_params=False),
+    # LMCache pushes the KV to the decode instance the prefill leg named: another decode instance
+    # would not have it, so a failed decode is a new attempt.
+    Connector.LMCACHE: ConnectorTraits(concurrent=False, decode_reuses_prefill=False,
+                                       prefill_answer_has_params=True),
     Connector.P2P_NCCL: ConnectorTraits(concurrent=False, decode_reuses_prefill=False,
                                         prefill_answer_has_params=False),
 }
@@ -191,6 +206,29 @@ def _rank(key: Any) -> int | None:
 def mooncake_engine_id(query_answer: Any, rank: int = 0) -> str | None:
     """The engine id of data-parallel `rank` in a bootstrap server's `GET /query` answer, or None."""
     return mooncake_engine_ids(query_answer).get(rank)
+
+
+# -- LMCache ----------------------------------------------------------------------------------
+
+
+def lmcache_prefill_params(req_id: str, receiver_host: str, init_port: int = LMCACHE_INIT_PORT,
+                           alloc_port: int = LMCACHE_ALLOC_PORT, decode_tp_size: int = 1) -> JSON:
+    """Prefill's `kv_transfer_params` for LMCache P/D: ask for the first token back and say where
+    to push the KV (the decode instance's host, one init and one alloc port per decode TP rank)."""
+    return {"ret_first_tok": True, "disagg_spec": {
+        "req_id": req_id,
+        "receiver_host": receiver_host,
+        "receiver_init_port": [init_port + rank for rank in range(decode_tp_size)],
+        "receiver_alloc_port": [alloc_port + rank for rank in range(decode_tp_size)],
+    }}
+
+
+def lmcache_first_token(kv_transfer_params: Any) -> int | None:
+    """The token id an LMCache P/D prefill answer reports as `first_tok`, or None."""
+    if not isinstance(kv_transfer_params, dict):
+        return None
+    token = kv_transfer_params.get("first_tok")
+    return token if isinstance(token, int) and not isinstance(token, bool) and token >= 0 else None
 
 
 # -- P2pNccl -----------------------------------------------------------------------------------

@@ -16,7 +16,13 @@ A decode stub given `push_prefill` (the prefill stub of a NixlPushConnector pair
 decode leg as vLLM's push connector would need it: the identity fields and `remote_request_id`
 present and no `remote_block_ids`; `remote_request_id` one its prefill issued, for the same
 X-Request-Id (prefill matches decode's registration by that base id, nixl/push_worker.py
-`_pop_matching_registration`); anything else is answered 400 and recorded in `push_errors`.
+`_pop_matching_registration`); anything else is answered 400 and recorded in `errors`.
+
+With `lmcache_producer` the stub is an LMCacheConnectorV1 P/D prefill engine (`kv_role`
+kv_producer, `enable_pd`): a generation request without a well-formed `disagg_spec` fails with 500
+(vLLM's adapter asserts `request.disagg_spec is not None` for every request a producer saves, and
+LMCache's PD backend indexes the port lists by its tensor-parallel rank), and one with
+`ret_first_tok` is answered `kv_transfer_params: {"first_tok": <token id>}`.
 
     python -m xpyd.testing.stubengine --host 127.0.0.1 --port 8100 [--port 8101 ...]
 """
@@ -81,10 +87,14 @@ class StubEngine:
     token_delay: float = 0.0
     data_parallel_size: int = 1
     push_prefill: StubEngine | None = None
+    lmcache_producer: bool = False
+    tensor_parallel_size: int = 1
+    #: The token id an LMCache P/D prefill answers as `first_tok`.
+    first_token: int = 42
     seen: list[Seen] = field(default_factory=list)
     #: The internal request id answered per X-Request-Id (NIXL prefill answers' `remote_request_id`).
     internal_ids: dict[str, str] = field(default_factory=dict)
-    push_errors: list[str] = field(default_factory=list)
+    errors: list[str] = field(default_factory=list)
     started: int = 0
     completed: int = 0
     cancelled: int = 0
@@ -168,9 +178,14 @@ class StubEngine:
             if self.fail_status is not None:
                 return web.json_response({"error": {"message": "injected failure", "type": "InternalServerError",
                                                     "param": None, "code": self.fail_status}}, status=self.fail_status)
+            broken = self._check_lmcache_prefill(body.get("kv_transfer_params"))
+            if broken is not None:
+                self.errors.append(broken)
+                return web.json_response({"error": {"message": broken, "type": "InternalServerError",
+                                                    "param": None, "code": 500}}, status=500)
             refused = self._check_push_decode(request, body.get("kv_transfer_params"))
             if refused is not None:
-                self.push_errors.append(refused)
+                self.errors.append(refused)
                 return web.json_response({"error": {"message": refused, "type": "BadRequestError",
                                                     "param": "kv_transfer_params", "code": 400}}, status=400)
             response = await self._answer(request, body)
@@ -181,12 +196,31 @@ class StubEngine:
             raise
 
     def _kv_answer(self, request: web.Request, params: Any) -> JSON | None:
+        if self.lmcache_producer:
+            return {"first_tok": self.first_token} if isinstance(params, dict) and "ret_first_tok" in params else None
         if not isinstance(params, dict) or not params.get("do_remote_decode") or self.omit_kv_params:
             return None
         if "transfer_id" in params:  # Mooncake: decode learns everything from the proxy
             return None
         return self.kv_answer(request.headers.get("X-Request-Id", ""), self._rank(request),
                               chat=request.path.endswith("/chat/completions"))
+
+    def _check_lmcache_prefill(self, params: Any) -> str | None:
+        """What an LMCache P/D producer would fail on in this request's `kv_transfer_params`."""
+        if not self.lmcache_producer:
+            return None
+        spec = params.get("disagg_spec") if isinstance(params, dict) else None
+        if not isinstance(spec, dict):
+            return "AssertionError: request.disagg_spec is not None"
+        for key, kind in (("req_id", str), ("receiver_host", str)):
+            if not isinstance(spec.get(key), kind) or not spec[key]:
+                return f"disagg_spec[{key!r}] is not a non-empty string"
+        for key in ("receiver_init_port", "receiver_alloc_port"):
+            ports = spec.get(key)
+            if not isinstance(ports, list) or len(ports) < self.tensor_parallel_size or \
+                    not all(isinstance(port, int) and 0 < port < 65536 for port in ports):
+                return f"disagg_spec[{key!r}] has no port for each of {self.tensor_parallel_size} TP rank(s)"
+        return None
 
     def _check_push_decode(self, request: web.Request, params: Any) -> str | None:
         """What is wrong with a NixlPushConnector decode leg (None: nothing, or not one)."""
