@@ -21,7 +21,12 @@ BODY = {"model": "m", "prompt": "hi", "max_tokens": 50, "max_completion_tokens":
         "kv_transfer_params": {"client": "junk"}}
 
 
-def test_nixl_prefill_leg_is_exactly_what_vllm_expects() -> None:
+def test_nixl_prefill_leg_follows_toy_proxy_server() -> None:
+    """Reference: vllm-project/vllm tests/v1/kv_connector/nixl_integration/toy_proxy_server.py
+    (`send_request_to_service`): a copy of the body with max_tokens=1 (max_completion_tokens=1 when
+    present), stream false, stream_options, min_tokens and min_completion_tokens removed, and
+    kv_transfer_params {do_remote_decode: true, do_remote_prefill: false, remote_engine_id,
+    remote_block_ids, remote_host, remote_port: null}."""
     leg = protocol.prefill_body(BODY, protocol.NIXL_PREFILL_PARAMS)
     assert leg == {"model": "m", "prompt": "hi", "max_tokens": 1, "max_completion_tokens": 1, "stream": False,
                    "temperature": 0.5,
@@ -36,7 +41,9 @@ def test_max_completion_tokens_only_when_present() -> None:
     assert leg == {"model": "m", "prompt": "x", "max_tokens": 1, "stream": False}
 
 
-def test_decode_leg_is_the_original_body_plus_prefills_params() -> None:
+def test_decode_leg_follows_toy_proxy_server() -> None:
+    """Reference: toy_proxy_server.py (`handle_completions`): decode is the original body with the
+    prefill answer's kv_transfer_params, unchanged."""
     answered = {"do_remote_prefill": True, "remote_engine_id": "e", "remote_block_ids": [1], "remote_host": "h",
                 "remote_port": 5600, "tp_size": 1, "remote_request_id": "r"}
     leg = protocol.decode_body(BODY, answered)
@@ -64,7 +71,11 @@ def test_push_identity(answer: Any, identity: Any) -> None:
     assert protocol.push_identity(answer) == identity
 
 
-def test_push_decode_params_carry_identity_and_request_id_without_block_ids() -> None:
+def test_push_decode_params_follow_toy_push_proxy_server() -> None:
+    """Reference: vllm-project/vllm tests/v1/kv_connector/nixl_integration/toy_push_proxy_server.py;
+    vLLM 0.33 nixl/push_scheduler.py `update_state_after_alloc` (reads remote_engine_id,
+    remote_host, remote_port, tp_size, pp_size; no block ids) and metadata.py
+    `add_new_req_to_recv` (remote_request_id required)."""
     identity = protocol.push_identity(PUSH_ANSWER)
     assert identity is not None
     params = protocol.push_decode_params(identity, "rid")
@@ -73,6 +84,9 @@ def test_push_decode_params_carry_identity_and_request_id_without_block_ids() ->
 
 
 def test_mooncake_params() -> None:
+    """Reference: vllm-project/vllm examples/online_serving/disaggregated_serving/mooncake_connector/
+    mooncake_connector_proxy.py; vLLM 0.16+ mooncake/mooncake_connector.py reads transfer_id,
+    remote_engine_id and remote_bootstrap_addr."""
     transfer = protocol.mooncake_transfer_id("rid")
     assert transfer == "xfer-rid"
     assert protocol.mooncake_prefill_params(transfer) == {"do_remote_decode": True, "do_remote_prefill": False,
@@ -95,6 +109,8 @@ def test_mooncake_engine_id(answer: Any, engine_id: str | None) -> None:
 @pytest.mark.parametrize(("prefill", "decode"), [("10.0.0.1:14579", "10.0.0.2:14580"),
                                                  ("127.64.0.3:14579", "127.64.1.9:14579")])
 def test_p2p_nccl_request_id_parses_as_vllm_parses_it(prefill: str, decode: str) -> None:
+    """Reference: vllm-project/vllm examples/online_serving/disaggregated_serving_p2p_nccl_xpyd/
+    disagg_proxy_p2p_nccl_xpyd.py; vLLM <= 0.23 p2p/p2p_nccl_connector.py `parse_request_id`."""
     request_id = protocol.p2p_nccl_request_id(prefill, decode)
     # vLLM 0.23 P2pNcclConnector.parse_request_id, prefill and decode side.
     on_prefill = re.search(r"___decode_addr_(.*):(\d+)", request_id)
