@@ -32,7 +32,8 @@ client sees. The connectors differ in what the legs carry and whether they may r
   LMCache pushes the KV to the decode instance named there, which gets the client's body.
   Sequential.
 
-Both legs always carry the same `X-Request-Id`.
+Both legs of an attempt carry the same `X-Request-Id`, a fresh uuid4 per attempt (never the
+client's: vLLM's internal request ids and the connectors' pairing derive from it).
 """
 
 from __future__ import annotations
