@@ -225,28 +225,75 @@ async def lmcache_rig(tp: int = 1, **config: Any) -> contextlib.AbstractAsyncCon
                connector=Connector.LMCACHE, **config)
 
 
-@pytest.mark.parametrize(("path", "body"), [("/v1/completions", COMPLETION), ("/v1/chat/completions", CHAT)])
-async def test_lmcache_legs_follow_the_lmcache_pd_proxy(path: str, body: dict[str, Any]) -> None:
+def _lmcache_params(upstream_id: str) -> dict[str, Any]:
+    return {"ret_first_tok": True,
+            "disagg_spec": {"req_id": upstream_id, "receiver_host": "127.0.0.2",
+                            "receiver_init_port": [8300, 8301], "receiver_alloc_port": [8400, 8401]}}
+
+
+LMCACHE_CONFIG: dict[str, Any] = {"lmcache_init_port": 8300, "lmcache_alloc_port": 8400,
+                                  "decode_tensor_parallel_size": 2}
+
+
+async def test_lmcache_legs_follow_the_lmcache_first_token_proxy() -> None:
     """LMCacheConnectorV1 with enable_pd, references: LMCache examples/disagg_prefill/xpyd/
-    disagg_proxy_server_first_token_from_prefiller_xpyd.py; vLLM lmcache_integration/
-    vllm_v1_adapter.py (a kv_producer asserts `request.disagg_spec is not None`; `ret_first_tok`
-    makes `request_finished` answer {first_tok}); LMCache's pd_backend indexes the port lists by TP
-    rank. Prefill: the NIXL-style one-token body with {ret_first_tok: true, disagg_spec: {req_id,
-    receiver_host: the decode instance's host, receiver_init_port: [init+i], receiver_alloc_port:
-    [alloc+i]}}; decode: the client's body."""
-    async with await lmcache_rig(tp=2, lmcache_init_port=8300, lmcache_alloc_port=8400,
-                                 decode_tensor_parallel_size=2) as r:
-        status, _, headers = await r.post(path, body, {"X-Request-Id": "client"})
+    disagg_proxy_server_first_token_from_prefiller_xpyd.py (/tokenize, prefill with token ids and
+    {ret_first_tok, disagg_spec}, decode with the prompt plus first_tok and max_tokens - 1, prefill's
+    token first to the client); vLLM lmcache_integration/vllm_v1_adapter.py (a kv_producer asserts
+    `request.disagg_spec is not None`; reads req_id, receiver_host, receiver_init_port,
+    receiver_alloc_port; `ret_first_tok` makes `request_finished` answer {first_tok}); LMCache's
+    pd_backend indexes the port lists by TP rank."""
+    async with await lmcache_rig(tp=2, **LMCACHE_CONFIG) as r:
+        status, answer, headers = await r.post("/v1/completions", COMPLETION, {"X-Request-Id": "client"})
         assert status == 200 and headers["X-Request-Id"] == "client"
         (prefill,), (decode,) = r.prefill[0].seen, r.decode[0].seen
         assert r.prefill[0].errors == []
         upstream_id = prefill.headers["X-Request-Id"]
         assert uuid.UUID(upstream_id).version == 4 and decode.headers["X-Request-Id"] == upstream_id
-        assert prefill.body == protocol.prefill_body(body, None) | {"kv_transfer_params": {
-            "ret_first_tok": True,
-            "disagg_spec": {"req_id": upstream_id, "receiver_host": "127.0.0.2",
-                            "receiver_init_port": [8300, 8301], "receiver_alloc_port": [8400, 8401]}}}
+        assert r.prefill[0].tokenized == [{"model": "m", "prompt": COMPLETION["prompt"], "add_special_tokens": True}]
+        prompt_ids = list(range(1000, 1000 + 5))
+        assert prefill.body == protocol.prefill_body({**COMPLETION, "prompt": prompt_ids}, None) | {
+            "kv_transfer_params": _lmcache_params(upstream_id)}
         assert prefill.body["max_tokens"] == 1 and prefill.body["stream"] is False
+        assert decode.body == {**COMPLETION, "prompt": [*prompt_ids, r.prefill[0].first_token], "max_tokens": 7,
+                               "min_tokens": 1}
+        # The client sees prefill's token, then decode's seven, counted as its own request.
+        assert answer["choices"][0]["text"] == " tok0" + "".join(f" tok{i}" for i in range(7))
+        assert answer["usage"] == {"prompt_tokens": 5, "completion_tokens": 8, "total_tokens": 13}
+
+
+async def test_lmcache_first_token_leads_a_stream_and_usage_counts_it() -> None:
+    """disagg_proxy_server_first_token_from_prefiller_xpyd.py streams prefill's token first."""
+    body = {**COMPLETION, "prompt": [5, 6, 7], "stream": True, "stream_options": {"include_usage": True}}
+    async with await lmcache_rig(tp=2, **LMCACHE_CONFIG) as r:
+        status, text, _ = await r.post("/v1/completions", body)
+        assert status == 200 and r.prefill[0].tokenized == []
+        events = _events(text)
+        assert "".join(e["choices"][0]["text"] for e in events[:-2]) == " tok0" + "".join(f" tok{i}" for i in range(7))
+        assert events[0]["id"] == events[1]["id"] and events[0]["object"] == "text_completion"
+        assert events[-2]["usage"] == {"prompt_tokens": 3, "completion_tokens": 8, "total_tokens": 11}
+        assert events[-1] == "[DONE]"
+        assert r.decode[0].seen[0].body["prompt"] == [5, 6, 7, r.prefill[0].first_token]
+
+
+@pytest.mark.parametrize(("path", "body"), [
+    ("/v1/chat/completions", CHAT),
+    ("/v1/completions", {**COMPLETION, "n": 2}),
+    ("/v1/completions", {**COMPLETION, "logprobs": 1}),
+    ("/v1/completions", {**COMPLETION, "echo": True}),
+    ("/v1/completions", {**COMPLETION, "prompt": ["a", "b"]}),
+    ("/v1/completions", {**COMPLETION, "max_tokens": 1}),
+])
+async def test_lmcache_without_the_first_token_hand_off_decode_gets_the_clients_body(
+        path: str, body: dict[str, Any]) -> None:
+    """Requests the first token cannot be spliced into: prefill still carries ret_first_tok and
+    disagg_spec (the producer needs them), decode gets the client's body as sent."""
+    async with await lmcache_rig(tp=2, **LMCACHE_CONFIG) as r:
+        assert (await r.post(path, body))[0] == 200
+        (prefill,), (decode,) = r.prefill[0].seen, r.decode[0].seen
+        assert r.prefill[0].errors == [] and r.prefill[0].tokenized == []
+        assert prefill.body == protocol.prefill_body(body, None) | {
+            "kv_transfer_params": _lmcache_params(prefill.headers["X-Request-Id"])}
         assert decode.body == body
 
 

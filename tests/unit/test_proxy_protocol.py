@@ -3,6 +3,7 @@ request checks."""
 
 from __future__ import annotations
 
+import json
 import re
 from typing import Any
 
@@ -268,3 +269,49 @@ def test_lmcache_prefill_params_follow_the_lmcache_pd_proxy() -> None:
 ])
 def test_lmcache_first_token(params: Any, token: int | None) -> None:
     assert protocol.lmcache_first_token(params) == token
+
+
+@pytest.mark.parametrize(("body", "eligible"), [
+    ({"prompt": "hi", "max_tokens": 2}, True),
+    ({"prompt": [1, 2], "max_tokens": 9, "n": 1, "echo": False, "logprobs": None}, True),
+    ({"prompt": "hi", "max_tokens": 1}, False),
+    ({"prompt": "hi"}, False),
+    ({"prompt": "", "max_tokens": 4}, False),
+    ({"prompt": ["a", "b"], "max_tokens": 4}, False),
+    ({"prompt": [[1], [2]], "max_tokens": 4}, False),
+    ({"prompt": "hi", "max_tokens": 4, "n": 2}, False),
+    ({"prompt": "hi", "max_tokens": 4, "best_of": 2}, False),
+    ({"prompt": "hi", "max_tokens": 4, "logprobs": 0}, False),
+    ({"prompt": "hi", "max_tokens": 4, "echo": True}, False),
+    ({"prompt": "hi", "max_tokens": 4, "suffix": "x"}, False),
+])
+def test_lmcache_first_token_eligible(body: dict[str, Any], eligible: bool) -> None:
+    assert protocol.lmcache_first_token_eligible(True, body) is eligible
+    assert protocol.lmcache_first_token_eligible(False, body) is False
+
+
+def test_lmcache_decode_body_continues_after_the_first_token() -> None:
+    """disagg_proxy_server_first_token_from_prefiller_xpyd.py: prompt ids + first_tok, max_tokens - 1."""
+    body = {"model": "m", "prompt": "hi", "max_tokens": 5, "min_tokens": 2, "kv_transfer_params": {"x": 1}}
+    assert protocol.lmcache_decode_body(body, [1, 2], 9) == {"model": "m", "prompt": [1, 2, 9], "max_tokens": 4,
+                                                            "min_tokens": 1}
+    assert protocol.lmcache_decode_body({"prompt": [1], "max_tokens": 2, "min_tokens": 0}, [1], 9)["min_tokens"] == 0
+
+
+def test_first_token_splice_answer_and_stream() -> None:
+    splice = protocol.FirstTokenSplice(" A")
+    answer = json.loads(splice.answer(json.dumps({"choices": [{"text": " B"}], "usage": {
+        "prompt_tokens": 4, "completion_tokens": 2, "total_tokens": 6}}).encode()))
+    assert answer["choices"][0]["text"] == " A B" and answer["usage"]["prompt_tokens"] == 3
+    assert answer["usage"]["completion_tokens"] == 3 and answer["usage"]["total_tokens"] == 6
+    assert splice.answer(b"not json") == b"not json"
+    head = b'data: {"id": "cmpl-1", "object": "text_completion", "created": 5, "model": "m", "choices": []}\n\n'
+    lead = json.loads(splice.lead(head)[len(b"data: "):])
+    assert (lead["id"], lead["created"], lead["choices"][0]["text"]) == ("cmpl-1", 5, " A")
+    usage = b'data: {"choices": [], "usage": {"prompt_tokens": 4, "completion_tokens": 2, "total_tokens": 6}}\n\n'
+    stream = head + usage + b"data: [DONE]\n\n"
+    out = b"".join(splice.feed(stream[i:i + 7]) for i in range(0, len(stream), 7)) + splice.flush()
+    events = [e for e in out.split(b"\n\n") if e]
+    assert events[0] == head.strip() and events[-1] == b"data: [DONE]"
+    assert json.loads(events[1][len(b"data: "):])["usage"] == {"prompt_tokens": 3, "completion_tokens": 3,
+                                                                "total_tokens": 6}

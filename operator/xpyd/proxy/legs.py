@@ -177,19 +177,57 @@ class Legs:
 
     async def lmcache(self, context: Context, prefill: Instance, decode: Instance,
                       request_id: str) -> web.StreamResponse:
-        """LMCacheConnectorV1 P/D: prefill first, told where LMCache must push the KV (the decode
-        instance's host and its LMCache ports, one per decode TP rank) and asked for its first token
-        back; an answer without `first_tok` is not from an LMCache P/D producer. Decode gets the
-        client's body: it computes its first token itself, on top of the KV it received."""
+        """LMCacheConnectorV1 P/D (LMCache's `disagg_proxy_server_first_token_from_prefiller_xpyd.py`):
+        prefill first, told where LMCache must push the KV (the decode instance's host and its LMCache
+        ports, one per decode TP rank) and asked for its first token back; an answer without
+        `first_tok` is not from an LMCache P/D producer. For a completion of one prompt, the prompt
+        goes as token ids (`/tokenize` on the prefill engine for text) and decode continues after
+        prefill's token: the prompt plus `first_tok`, `max_tokens - 1`, and the client's answer gets
+        prefill's token back in front. Other requests (chat, several prompts or choices, logprobs,
+        echo) and a prefill that already stopped: decode gets the client's body and computes its
+        first token itself on top of the pushed KV."""
         config = self.config
         params = protocol.lmcache_prefill_params(request_id, decode.host, config.lmcache_init_port,
                                                  config.lmcache_alloc_port, config.decode_tensor_parallel_size)
         body = context.parsed.body
-        answer = await self.prefill_leg(context, prefill, protocol.prefill_body(body, params), request_id)
-        if protocol.lmcache_first_token(answer.get("kv_transfer_params")) is None:
+        prompt_ids: list[int] | None = None
+        if protocol.lmcache_first_token_eligible(context.path.endswith("/v1/completions"), body):
+            prompt = body["prompt"]
+            prompt_ids = list(prompt) if isinstance(prompt, list) else await self.tokenize(context, prefill, body)
+            body_for_prefill: JSON = {**body, "prompt": prompt_ids}
+        else:
+            body_for_prefill = body
+        answer = await self.prefill_leg(context, prefill, protocol.prefill_body(body_for_prefill, params), request_id)
+        first_token = protocol.lmcache_first_token(answer.get("kv_transfer_params"))
+        if first_token is None:
             raise PrefillFailed("the answer's kv_transfer_params carry no first_tok (is LMCache's enable_pd on?)")
-        opened = await self.open_decode(context, decode, protocol.decode_body(body, None), request_id)
-        return await self.relay(context, decode, opened)
+        splice = None
+        decode_body = protocol.decode_body(body, None)
+        choices = answer.get("choices")
+        choice = choices[0] if isinstance(choices, list) and choices and isinstance(choices[0], dict) else {}
+        if prompt_ids is not None and choice.get("finish_reason") == "length" and isinstance(choice.get("text"), str):
+            decode_body = protocol.lmcache_decode_body(body, prompt_ids, first_token)
+            splice = protocol.FirstTokenSplice(choice["text"])
+        opened = await self.open_decode(context, decode, decode_body, request_id)
+        return await self.relay(context, decode, opened, splice)
+
+    async def tokenize(self, context: Context, prefill: Instance, body: JSON) -> list[int]:
+        """A text prompt's token ids from the prefill engine (`POST /tokenize`), as the completion
+        would tokenize it; a failure is a prefill failure."""
+        ask = {"model": body.get("model"), "prompt": body["prompt"],
+               "add_special_tokens": body.get("add_special_tokens", True)}
+        try:
+            async with self.session().post(prefill.url + "/tokenize", data=json_bytes(ask),
+                                          timeout=self.timeouts["prefill"],
+                                          headers=self.headers(context, context.upstream_id)) as response:
+                answer = await response.json(content_type=None) if response.status == 200 else None
+        except (TimeoutError, aiohttp.ClientError, OSError, ValueError) as error:
+            raise PrefillFailed(f"/tokenize: {error!r}") from None
+        tokens = answer.get("tokens") if isinstance(answer, dict) else None
+        if not isinstance(tokens, list) or not tokens or \
+                not all(isinstance(t, int) and not isinstance(t, bool) for t in tokens):
+            raise PrefillFailed("/tokenize gave no token ids")
+        return tokens
 
     @staticmethod
     def learn_push_identity(prefill: Instance, rank: int, answer: JSON) -> JSON:
@@ -329,8 +367,10 @@ class Legs:
             if result:
                 self.metrics.legs.observe(time.monotonic() - started, "decode", result)
 
-    async def relay(self, context: Context, instance: Instance, opened: Opened) -> web.StreamResponse:
-        """Send decode's answer to the client as it arrives."""
+    async def relay(self, context: Context, instance: Instance, opened: Opened,
+                    splice: protocol.FirstTokenSplice | None = None) -> web.StreamResponse:
+        """Send decode's answer to the client as it arrives (with prefill's first token put back in
+        front, for LMCache's first-token hand-off)."""
         upstream = opened.response
         headers = {"X-Request-Id": context.request_id}
         result = "success"
@@ -338,14 +378,14 @@ class Legs:
             instance.breaker.success()
             if not context.parsed.stream:
                 context.first_byte_at = time.monotonic()
-                return web.Response(body=opened.head, status=200, headers=headers,
-                                    content_type=upstream.content_type)
+                return web.Response(body=splice.answer(opened.head) if splice else opened.head, status=200,
+                                    headers=headers, content_type=upstream.content_type)
             headers["Content-Type"] = upstream.headers.get("Content-Type", "text/event-stream; charset=utf-8")
             headers["Cache-Control"] = "no-cache"
             response = web.StreamResponse(status=200, headers=headers)
             try:
                 await response.prepare(context.request)
-                await response.write(opened.head)
+                await response.write(splice.lead(opened.head) + splice.feed(opened.head) if splice else opened.head)
                 context.first_byte_at = time.monotonic()
                 while True:
                     try:
@@ -353,11 +393,16 @@ class Legs:
                     except (TimeoutError, aiohttp.ClientError, OSError) as error:
                         result = context.outcome = "broken_stream"
                         self.prober.failed(instance, f"the stream broke: {error!r}")
-                        await response.write(sse_error(f"The decode instance failed mid-stream: {error!r}"))
+                        await response.write((splice.flush() if splice else b"") +
+                                             sse_error(f"The decode instance failed mid-stream: {error!r}"))
                         break
                     if not chunk:
+                        if splice:
+                            await response.write(splice.flush())
                         break
-                    await response.write(chunk)
+                    data = splice.feed(chunk) if splice else chunk
+                    if data:
+                        await response.write(data)
                 await response.write_eof()
             except ConnectionResetError:  # the client went away while we wrote to it
                 result = context.outcome = "cancelled"

@@ -38,6 +38,7 @@ client's: vLLM's internal request ids and the connectors' pairing derive from it
 
 from __future__ import annotations
 
+import json
 import uuid
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -230,6 +231,105 @@ def lmcache_first_token(kv_transfer_params: Any) -> int | None:
         return None
     token = kv_transfer_params.get("first_tok")
     return token if isinstance(token, int) and not isinstance(token, bool) and token >= 0 else None
+
+
+#: Completion fields that make the first-token hand-off unsafe: the answer would need prefill's token
+#: in places the proxy does not rebuild (logprobs, echoed prompt, several choices, a suffix).
+_SPLICE_UNSAFE: Final = ("echo", "logprobs", "prompt_logprobs", "suffix")
+
+
+def lmcache_first_token_eligible(completions: bool, body: Mapping[str, Any]) -> bool:
+    """Whether decode may start after prefill's first token (LMCache's first-token proxy): a
+    completion of one prompt (text or token ids), one choice, at least 2 tokens, and none of the
+    fields the proxy cannot splice the first token into."""
+    prompt = body.get("prompt")
+    token_ids = isinstance(prompt, list) and bool(prompt) and \
+        all(isinstance(t, int) and not isinstance(t, bool) for t in prompt)
+    single = (isinstance(prompt, str) and prompt != "") or token_ids
+    max_tokens = body.get("max_tokens")
+    return (completions and single and body.get("n") in (None, 1) and body.get("best_of") in (None, 1)
+            and isinstance(max_tokens, int) and not isinstance(max_tokens, bool) and max_tokens >= 2
+            and all(body.get(key) is None or body.get(key) is False for key in _SPLICE_UNSAFE))
+
+
+def lmcache_decode_body(body: Mapping[str, Any], prompt_ids: list[int], first_token: int) -> JSON:
+    """Decode's body after prefill's first token: the prompt's token ids plus that token, one token
+    fewer to generate (and to require), no `kv_transfer_params`."""
+    leg = decode_body(body, None)
+    leg["prompt"] = [*prompt_ids, first_token]
+    leg["max_tokens"] = int(body["max_tokens"]) - 1
+    if isinstance(body.get("min_tokens"), int) and body["min_tokens"] > 0:
+        leg["min_tokens"] = body["min_tokens"] - 1
+    return leg
+
+
+class FirstTokenSplice:
+    """Puts prefill's first token back into decode's completion answer: its text in front, and the
+    usage counted as the client's request (decode saw that token as prompt)."""
+
+    def __init__(self, text: str) -> None:
+        self.text = text
+        self._buffer = b""
+
+    def _usage(self, usage: Any) -> None:
+        if isinstance(usage, dict) and isinstance(usage.get("prompt_tokens"), int) and \
+                isinstance(usage.get("completion_tokens"), int):
+            usage["prompt_tokens"] -= 1
+            usage["completion_tokens"] += 1
+
+    def answer(self, data: bytes) -> bytes:
+        """An unstreamed completion answer with the first token put back."""
+        try:
+            answer = json.loads(data)
+            choice = answer["choices"][0]
+            choice["text"] = self.text + str(choice.get("text") or "")
+        except (ValueError, KeyError, IndexError, TypeError):
+            return data
+        self._usage(answer.get("usage"))
+        return json.dumps(answer).encode()
+
+    def lead(self, head: bytes) -> bytes:
+        """The event that streams prefill's token first, shaped like decode's first event."""
+        first: Any = {}
+        for line in head.split(b"\n"):
+            if line.startswith(b"data: {"):
+                try:
+                    first = json.loads(line[len(b"data: "):])
+                except ValueError:
+                    first = {}
+                break
+        first = first if isinstance(first, dict) else {}
+        event = {"id": first.get("id"), "object": first.get("object", "text_completion"),
+                 "created": first.get("created"), "model": first.get("model"),
+                 "choices": [{"index": 0, "text": self.text, "logprobs": None, "finish_reason": None,
+                              "stop_reason": None}]}
+        return b"data: " + json.dumps(event).encode() + b"\n\n"
+
+    def feed(self, chunk: bytes) -> bytes:
+        """Decode's stream, whole events at a time, their usage counted as the client's request."""
+        self._buffer += chunk
+        complete, separator, rest = self._buffer.rpartition(b"\n\n")
+        if not separator:
+            return b""
+        self._buffer = rest
+        return b"".join(self._event(event) + b"\n\n" for event in complete.split(b"\n\n"))
+
+    def flush(self) -> bytes:
+        """What is left of the stream (an unterminated last event), as it came."""
+        rest, self._buffer = self._buffer, b""
+        return rest
+
+    def _event(self, event: bytes) -> bytes:
+        if not event.startswith(b"data: {") or b'"usage"' not in event:
+            return event
+        try:
+            data = json.loads(event[len(b"data: "):])
+        except ValueError:
+            return event
+        if not isinstance(data, dict) or not isinstance(data.get("usage"), dict):
+            return event
+        self._usage(data["usage"])
+        return b"data: " + json.dumps(data).encode()
 
 
 # -- P2pNccl -----------------------------------------------------------------------------------

@@ -22,7 +22,9 @@ With `lmcache_producer` the stub is an LMCacheConnectorV1 P/D prefill engine (`k
 kv_producer, `enable_pd`): a generation request without a well-formed `disagg_spec` fails with 500
 (vLLM's adapter asserts `request.disagg_spec is not None` for every request a producer saves, and
 LMCache's PD backend indexes the port lists by its tensor-parallel rank), and one with
-`ret_first_tok` is answered `kv_transfer_params: {"first_tok": <token id>}`.
+`ret_first_tok` is answered `kv_transfer_params: {"first_tok": <token id>}`. `POST /tokenize`
+answers vLLM's shape (`count`, `max_model_len`, `tokens`: ids from 1000 up, one per estimated
+token) and records what it was asked in `tokenized`.
 
     python -m xpyd.testing.stubengine --host 127.0.0.1 --port 8100 [--port 8101 ...]
 """
@@ -95,6 +97,7 @@ class StubEngine:
     #: The internal request id answered per X-Request-Id (NIXL prefill answers' `remote_request_id`).
     internal_ids: dict[str, str] = field(default_factory=dict)
     errors: list[str] = field(default_factory=list)
+    tokenized: list[JSON] = field(default_factory=list)
     started: int = 0
     completed: int = 0
     cancelled: int = 0
@@ -126,6 +129,7 @@ class StubEngine:
         app.router.add_get("/v1/models", self._models)
         app.router.add_get("/health", self._health)
         app.router.add_get("/query", self._query)
+        app.router.add_post("/tokenize", self._tokenize)
         return app
 
     async def start(self, host: str = "127.0.0.1", port: int = 0) -> str:
@@ -154,6 +158,13 @@ class StubEngine:
         return web.json_response({"object": "list", "data": [
             {"id": self.name, "object": "model", "created": 0, "owned_by": "vllm", "root": self.name,
              "parent": None, "max_model_len": 131072}]})
+
+    async def _tokenize(self, request: web.Request) -> web.Response:
+        body = json.loads(await request.read())
+        self.tokenized.append(body)
+        count = _prompt_tokens(body)
+        return web.json_response({"count": count, "max_model_len": 131072, "tokens": list(range(1000, 1000 + count)),
+                                  "token_strs": None})
 
     async def _query(self, request: web.Request) -> web.Response:
         return web.json_response({str(rank): {"engine_id": self.rank_engine_id(rank),
