@@ -85,7 +85,7 @@ async def test_a_restarted_prefill_engine_is_asked_for_its_ranks_again() -> None
         await eventually(lambda: instance.eligible(), what="the engine back")
         for n in range(2):
             assert (await r.post("/v1/completions", COMPLETION, {"X-Request-Id": f"after{n}"}))[0] == 200
-        engines = {engine for request_id, _, engine in _pairs(prefill, r.decode[0]) if request_id.startswith("after")}
+        engines = {leg.body["kv_transfer_params"]["remote_engine_id"] for leg in r.decode[0].seen[1:]}
         assert engines == {"p0-restarted-engine_dp0", "p0-restarted-engine_dp1"}
 
 
@@ -119,12 +119,13 @@ async def test_nixl_push_learns_each_ranks_identity_and_pins_prefill_to_the_rank
         assert identity["remote_port"] == prefill.side_channel_port + rank
     pinned = {leg.headers["X-Request-Id"]: int(leg.headers[protocol.DP_RANK_HEADER]) for leg in prefill.seen}
     assert len(pinned) == 6 and sorted(pinned.values()) == [0, 0, 0, 1, 1, 1]
-    # One decode leg per request (a decode registered with the wrong rank would be sent again),
-    # each told the identity of the rank its prefill leg was pinned to.
+    # One decode leg per request, each told the identity of the rank its prefill leg was pinned to
+    # and the internal request id that prefill answered with.
     assert len(decode.seen) == 6
     for leg in decode.seen:
         request_id = leg.headers["X-Request-Id"]
-        assert leg.body["kv_transfer_params"] == protocol.push_decode_params(learnt[pinned[request_id]], request_id)
+        assert leg.body["kv_transfer_params"] == protocol.push_decode_params(learnt[pinned[request_id]],
+                                                                             prefill.internal_ids[request_id])
 
 
 async def test_nixl_push_without_data_parallelism_pins_nothing() -> None:

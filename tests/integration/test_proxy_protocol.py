@@ -11,6 +11,7 @@ import contextlib
 import json
 import math
 import re
+import uuid
 from collections.abc import Callable
 from typing import Any
 
@@ -35,23 +36,32 @@ def _events(text: str) -> list[Any]:
     return [event if event == "[DONE]" else json.loads(event) for event in events]
 
 
-async def test_nixl_pull_legs_carry_exactly_what_vllm_expects() -> None:
+async def test_nixl_pull_legs_follow_toy_proxy_server() -> None:
+    """NixlConnector, reference vllm-project/vllm tests/v1/kv_connector/nixl_integration/toy_proxy_server.py
+    (`send_request_to_service`, `handle_completions`): prefill is a copy of the body with max_tokens=1
+    (max_completion_tokens=1 when present), stream false, no stream_options/min_tokens/
+    min_completion_tokens, kv_transfer_params {do_remote_decode: true, do_remote_prefill: false,
+    remote_engine_id/remote_block_ids/remote_host/remote_port: null}; decode is the original body with
+    prefill's kv_transfer_params unchanged; both legs carry the same fresh uuid4 X-Request-Id."""
+    body = {**COMPLETION, "max_completion_tokens": 8, "min_completion_tokens": 2,
+            "stream_options": {"include_usage": True}, "stream": True}
     async with rig(connector=Connector.NIXL) as r:
-        status, answer, headers = await r.post("/v1/completions", COMPLETION,
-                                               {"X-Request-Id": "client-1", "Authorization": "Bearer secret"})
-        assert status == 200, answer
+        status, _, headers = await r.post("/v1/completions", body,
+                                          {"X-Request-Id": "client-1", "Authorization": "Bearer secret"})
+        assert status == 200
         assert headers["X-Request-Id"] == "client-1"
-        assert answer["choices"][0]["text"] == "".join(f" tok{i}" for i in range(8))
         (prefill,), (decode,) = r.prefill[0].seen, r.decode[0].seen
-        assert prefill.body == protocol.prefill_body(COMPLETION, protocol.NIXL_PREFILL_PARAMS)
-        assert prefill.body["kv_transfer_params"] == {
-            "do_remote_decode": True, "do_remote_prefill": False, "remote_engine_id": None,
-            "remote_block_ids": None, "remote_host": None, "remote_port": None}
-        assert "min_tokens" not in prefill.body and prefill.body["max_tokens"] == 1
-        handed_off = r.prefill[0].kv_answer("client-1")
-        assert decode.body == {**COMPLETION, "kv_transfer_params": handed_off}
+        expected = {key: value for key, value in body.items()
+                    if key not in ("stream_options", "min_tokens", "min_completion_tokens")}
+        assert prefill.body == {**expected, "max_tokens": 1, "max_completion_tokens": 1, "stream": False,
+                                "kv_transfer_params": {
+                                    "do_remote_decode": True, "do_remote_prefill": False, "remote_engine_id": None,
+                                    "remote_block_ids": None, "remote_host": None, "remote_port": None}}
+        upstream_id = prefill.headers["X-Request-Id"]
+        assert uuid.UUID(upstream_id).version == 4
+        assert decode.body == {**body, "kv_transfer_params": r.prefill[0].kv_answer(upstream_id)}
         for leg in (prefill, decode):
-            assert leg.headers["X-Request-Id"] == "client-1"
+            assert leg.headers["X-Request-Id"] == upstream_id
             assert leg.headers["Authorization"] == "Bearer secret"
 
 
@@ -59,7 +69,7 @@ async def test_streaming_passes_through_intact_with_usage() -> None:
     async with rig() as r:
         status, text, headers = await r.post("/v1/chat/completions", CHAT)
         assert status == 200 and headers["Content-Type"].startswith("text/event-stream")
-        request_id = headers["X-Request-Id"]
+        request_id = r.decode[0].seen[0].headers["X-Request-Id"]
         # What the decode engine sends for the same leg, asked directly.
         async with r.session.post(r.decode[0].url + "/v1/chat/completions", json=r.decode[0].seen[0].body,
                                   headers={"X-Request-Id": request_id}) as direct:
@@ -90,39 +100,80 @@ async def test_request_id_generated_when_absent_or_unusable() -> None:
         _, _, bad = await r.post("/v1/completions", COMPLETION, {"X-Request-Id": "has space"})
         assert re.fullmatch(r"[0-9a-f-]{36}", headers["X-Request-Id"])
         assert bad["X-Request-Id"] != "has space"
-        assert r.decode[0].seen[0].headers["X-Request-Id"] == headers["X-Request-Id"]
+        # The engines never see the client's id: each attempt goes upstream under a fresh uuid4.
+        assert r.decode[0].seen[0].headers["X-Request-Id"] != headers["X-Request-Id"]
+        assert uuid.UUID(r.decode[0].seen[0].headers["X-Request-Id"]).version == 4
 
 
-async def test_nixl_push_learns_the_identity_then_sends_both_legs_at_once() -> None:
-    async with rig(connector=Connector.NIXL_PUSH) as r:
-        assert (await r.post("/v1/completions", COMPLETION, {"X-Request-Id": "one"}))[0] == 200
-        identity = protocol.push_identity(r.prefill[0].kv_answer("one"))
-        assert identity is not None and identity["remote_engine_id"] == "p0-engine"
-        r.prefill[0].hang = True                   # the second prefill never answers: decode must already be out
-        task = asyncio.ensure_future(r.post("/v1/completions", COMPLETION, {"X-Request-Id": "two"}))
-        await eventually(lambda: len(r.decode[0].seen) == 2, what="decode leg sent before prefill answered")
+async def push_rig() -> contextlib.AbstractAsyncContextManager[Rig]:
+    """A NixlPushConnector rig whose decode stub checks what a push decode leg carries."""
+    prefill = StubEngine(name="p0")
+    return rig(engines=([prefill], [StubEngine(name="d0", push_prefill=prefill)]), connector=Connector.NIXL_PUSH)
+
+
+@pytest.mark.parametrize(("path", "body"), [("/v1/completions", COMPLETION), ("/v1/chat/completions", CHAT)])
+async def test_nixl_push_legs_follow_toy_push_proxy_server(path: str, body: dict[str, Any]) -> None:
+    """NixlPushConnector (vLLM 0.24+), reference vllm-project/vllm
+    tests/v1/kv_connector/nixl_integration/toy_push_proxy_server.py: prefill first (the NIXL prefill
+    body), then decode with {do_remote_prefill: true, do_remote_decode: false, remote_engine_id,
+    remote_host, remote_port, tp_size, pp_size, remote_request_id} from prefill's answer and no
+    block ids. remote_request_id is prefill's internal id (`cmpl-<id>-0-<8 hex>`): decode's lease
+    heartbeats name it (nixl/base_scheduler.py `on_new_request`, base_worker.py `_handle_heartbeat`).
+    Both legs carry one X-Request-Id: prefill matches decode's registration by it
+    (nixl/push_worker.py `_pop_matching_registration`, utils.py `get_base_request_id`)."""
+    async with await push_rig() as r:
+        status, _, headers = await r.post(path, body, {"X-Request-Id": "client"})
+        assert status == 200 and headers["X-Request-Id"] == "client"
+        (prefill,), (decode,) = r.prefill[0].seen, r.decode[0].seen
+        assert r.decode[0].errors == []
+        upstream_id = prefill.headers["X-Request-Id"]
+        assert decode.headers["X-Request-Id"] == upstream_id
+        assert prefill.body == protocol.prefill_body(body, protocol.NIXL_PREFILL_PARAMS)
+        internal = r.prefill[0].internal_ids[upstream_id]
+        base = f"chatcmpl-{upstream_id}" if "chat" in path else f"cmpl-{upstream_id}-0"
+        assert re.fullmatch(re.escape(base) + "-[0-9a-f]{8}", internal)
+        assert decode.body == {**body, "kv_transfer_params": {
+            "do_remote_prefill": True, "do_remote_decode": False, "remote_engine_id": "p0-engine",
+            "remote_host": HOST, "remote_port": r.prefill[0].side_channel_port, "tp_size": 1, "pp_size": 1,
+            "remote_request_id": internal}}
+
+
+async def test_nixl_push_sends_decode_only_after_prefill_answered() -> None:
+    """toy_push_proxy_server.py: decode's kv_transfer_params come from prefill's answer, so decode
+    waits for it, also once the prefill engine's identity is known."""
+    async with await push_rig() as r:
+        assert (await r.post("/v1/completions", COMPLETION))[0] == 200
+        r.prefill[0].hang = True
+        task = asyncio.ensure_future(r.post("/v1/completions", COMPLETION))
+        await eventually(lambda: len(r.prefill[0].seen) == 2, what="the second prefill leg")
+        await asyncio.sleep(0.2)
+        assert len(r.decode[0].seen) == 1
         r.prefill[0].hang = False
         task.cancel()
         with contextlib.suppress(asyncio.CancelledError):
             await task
-        for leg in r.decode[0].seen:
-            request_id = leg.headers["X-Request-Id"]
-            assert leg.body == {**COMPLETION, "kv_transfer_params": protocol.push_decode_params(identity, request_id)}
-        assert [leg.body for leg in r.prefill[0].seen] == \
-            [protocol.prefill_body(COMPLETION, protocol.NIXL_PREFILL_PARAMS)] * 2
 
 
-async def test_nixl_push_sends_decode_again_when_prefill_restarted_with_a_new_identity() -> None:
-    async with rig(connector=Connector.NIXL_PUSH) as r:
+async def test_nixl_push_decode_learns_a_restarted_prefill_engines_new_identity() -> None:
+    async with await push_rig() as r:
         assert (await r.post("/v1/completions", COMPLETION))[0] == 200
         r.prefill[0].name = "p0-restarted"
-        status, _, _ = await r.post("/v1/completions", COMPLETION, {"X-Request-Id": "after"})
-        assert status == 200
-        stale, fresh = r.decode[0].seen[1:]
-        assert stale.body["kv_transfer_params"]["remote_engine_id"] == "p0-engine"
-        assert fresh.body["kv_transfer_params"]["remote_engine_id"] == "p0-restarted-engine"
-        learnt = r.proxy.pools["prefill"].instances[r.prefill[0].url].push_identities.get(0)
-        assert learnt is not None and learnt["remote_engine_id"] == "p0-restarted-engine"
+        assert (await r.post("/v1/completions", COMPLETION))[0] == 200
+        assert [leg.body["kv_transfer_params"]["remote_engine_id"] for leg in r.decode[0].seen] == \
+            ["p0-engine", "p0-restarted-engine"]
+        assert r.decode[0].errors == []
+
+
+async def test_nixl_push_prefill_answer_without_its_request_id_is_a_prefill_failure() -> None:
+    async with await push_rig() as r:
+        original = r.prefill[0].kv_answer
+
+        def without_id(request_id: str, rank: int = 0, chat: bool = False) -> dict[str, Any]:
+            return {k: v for k, v in original(request_id, rank, chat).items() if k != "remote_request_id"}
+
+        r.prefill[0].kv_answer = without_id  # type: ignore[method-assign]
+        status, answer, _ = await r.post("/v1/completions", COMPLETION)
+        assert status == 503 and "Prefill failed" in answer["error"]["message"] and r.decode[0].seen == []
 
 
 async def mooncake_rig() -> contextlib.AbstractAsyncContextManager[Rig]:
@@ -133,19 +184,29 @@ async def mooncake_rig() -> contextlib.AbstractAsyncContextManager[Rig]:
                mooncake_bootstrap_port=prefill.port)
 
 
-async def test_mooncake_sends_both_legs_at_once_with_one_transfer_id() -> None:
+async def test_mooncake_legs_follow_mooncake_connector_proxy() -> None:
+    """MooncakeConnector (vLLM 0.16+), reference vllm-project/vllm
+    examples/online_serving/disaggregated_serving/mooncake_connector/mooncake_connector_proxy.py and
+    vllm/distributed/kv_transfer/kv_connector/v1/mooncake/mooncake_connector.py: prefill
+    {do_remote_decode: true, do_remote_prefill: false, transfer_id}, max_tokens 1, stream false,
+    header X-data-parallel-rank; decode {do_remote_decode: false, do_remote_prefill: true,
+    remote_bootstrap_addr: http://<prefill host>:<bootstrap port>, remote_engine_id (from GET /query),
+    transfer_id}; both legs at once, one fresh X-Request-Id and transfer_id per attempt."""
     async with await mooncake_rig() as r:
-        status, _, _ = await r.post("/v1/completions", COMPLETION, {"X-Request-Id": "mc"})
-        assert status == 200
+        status, _, headers = await r.post("/v1/completions", COMPLETION, {"X-Request-Id": "mc"})
+        assert status == 200 and headers["X-Request-Id"] == "mc"
         (prefill,), (decode,) = r.prefill[0].seen, r.decode[0].seen
-        assert prefill.body == protocol.prefill_body(COMPLETION, {"do_remote_decode": True, "do_remote_prefill": False,
-                                                                  "transfer_id": "xfer-mc"})
+        upstream_id = prefill.headers["X-Request-Id"]
+        assert uuid.UUID(upstream_id).version == 4 and decode.headers["X-Request-Id"] == upstream_id
+        transfer_id = f"xfer-{upstream_id}"
+        without_min = {key: value for key, value in COMPLETION.items() if key != "min_tokens"}
+        assert prefill.body == {**without_min, "max_tokens": 1, "stream": False, "kv_transfer_params": {
+            "do_remote_decode": True, "do_remote_prefill": False, "transfer_id": transfer_id}}
         assert prefill.headers["X-data-parallel-rank"] == "0"
         assert decode.body == {**COMPLETION, "kv_transfer_params": {
             "do_remote_decode": False, "do_remote_prefill": True,
             "remote_bootstrap_addr": f"http://{HOST}:{r.prefill[0].port}", "remote_engine_id": "p0-engine",
-            "transfer_id": "xfer-mc"}}
-        assert prefill.headers["X-Request-Id"] == decode.headers["X-Request-Id"] == "mc"
+            "transfer_id": transfer_id}}
 
 
 async def test_p2p_nccl_encodes_the_peers_in_the_request_id() -> None:
@@ -159,11 +220,100 @@ async def test_p2p_nccl_encodes_the_peers_in_the_request_id() -> None:
         assert "kv_transfer_params" not in prefill.body and decode.body == COMPLETION
 
 
-async def test_lmcache_prefills_then_decodes_the_original_body() -> None:
+async def lmcache_rig(tp: int = 1, **config: Any) -> contextlib.AbstractAsyncContextManager[Rig]:
+    """An LMCache P/D rig: the prefill stub fails as LMCache's producer would, decode on another host."""
+    decode = StubEngine(name="d0")
+    await decode.start("127.0.0.2")
+    return rig(engines=([StubEngine(name="p0", lmcache_producer=True, tensor_parallel_size=tp)], [decode]),
+               connector=Connector.LMCACHE, **config)
+
+
+def _lmcache_params(upstream_id: str) -> dict[str, Any]:
+    return {"ret_first_tok": True,
+            "disagg_spec": {"req_id": upstream_id, "receiver_host": "127.0.0.2",
+                            "receiver_init_port": [8300, 8301], "receiver_alloc_port": [8400, 8401]}}
+
+
+LMCACHE_CONFIG: dict[str, Any] = {"lmcache_init_port": 8300, "lmcache_alloc_port": 8400,
+                                  "decode_tensor_parallel_size": 2}
+
+
+async def test_lmcache_legs_follow_the_lmcache_first_token_proxy() -> None:
+    """LMCacheConnectorV1 with enable_pd, references: LMCache examples/disagg_prefill/xpyd/
+    disagg_proxy_server_first_token_from_prefiller_xpyd.py (/tokenize, prefill with token ids and
+    {ret_first_tok, disagg_spec}, decode with the prompt plus first_tok and max_tokens - 1, prefill's
+    token first to the client); vLLM lmcache_integration/vllm_v1_adapter.py (a kv_producer asserts
+    `request.disagg_spec is not None`; reads req_id, receiver_host, receiver_init_port,
+    receiver_alloc_port; `ret_first_tok` makes `request_finished` answer {first_tok}); LMCache's
+    pd_backend indexes the port lists by TP rank."""
+    async with await lmcache_rig(tp=2, **LMCACHE_CONFIG) as r:
+        status, answer, headers = await r.post("/v1/completions", COMPLETION, {"X-Request-Id": "client"})
+        assert status == 200 and headers["X-Request-Id"] == "client"
+        (prefill,), (decode,) = r.prefill[0].seen, r.decode[0].seen
+        assert r.prefill[0].errors == []
+        upstream_id = prefill.headers["X-Request-Id"]
+        assert uuid.UUID(upstream_id).version == 4 and decode.headers["X-Request-Id"] == upstream_id
+        assert r.prefill[0].tokenized == [{"model": "m", "prompt": COMPLETION["prompt"], "add_special_tokens": True}]
+        prompt_ids = list(range(1000, 1000 + 5))
+        assert prefill.body == protocol.prefill_body({**COMPLETION, "prompt": prompt_ids}, None) | {
+            "kv_transfer_params": _lmcache_params(upstream_id)}
+        assert prefill.body["max_tokens"] == 1 and prefill.body["stream"] is False
+        assert decode.body == {**COMPLETION, "prompt": [*prompt_ids, r.prefill[0].first_token], "max_tokens": 7,
+                               "min_tokens": 1}
+        # The client sees prefill's token, then decode's seven, counted as its own request.
+        assert answer["choices"][0]["text"] == " tok0" + "".join(f" tok{i}" for i in range(7))
+        assert answer["usage"] == {"prompt_tokens": 5, "completion_tokens": 8, "total_tokens": 13}
+
+
+async def test_lmcache_first_token_leads_a_stream_and_usage_counts_it() -> None:
+    """disagg_proxy_server_first_token_from_prefiller_xpyd.py streams prefill's token first."""
+    body = {**COMPLETION, "prompt": [5, 6, 7], "stream": True, "stream_options": {"include_usage": True}}
+    async with await lmcache_rig(tp=2, **LMCACHE_CONFIG) as r:
+        status, text, _ = await r.post("/v1/completions", body)
+        assert status == 200 and r.prefill[0].tokenized == []
+        events = _events(text)
+        assert "".join(e["choices"][0]["text"] for e in events[:-2]) == " tok0" + "".join(f" tok{i}" for i in range(7))
+        assert events[0]["id"] == events[1]["id"] and events[0]["object"] == "text_completion"
+        assert events[-2]["usage"] == {"prompt_tokens": 3, "completion_tokens": 8, "total_tokens": 11}
+        assert events[-1] == "[DONE]"
+        assert r.decode[0].seen[0].body["prompt"] == [5, 6, 7, r.prefill[0].first_token]
+
+
+@pytest.mark.parametrize(("path", "body"), [
+    ("/v1/chat/completions", CHAT),
+    ("/v1/completions", {**COMPLETION, "n": 2}),
+    ("/v1/completions", {**COMPLETION, "logprobs": 1}),
+    ("/v1/completions", {**COMPLETION, "echo": True}),
+    ("/v1/completions", {**COMPLETION, "prompt": ["a", "b"]}),
+    ("/v1/completions", {**COMPLETION, "max_tokens": 1}),
+])
+async def test_lmcache_without_the_first_token_hand_off_decode_gets_the_clients_body(
+        path: str, body: dict[str, Any]) -> None:
+    """Requests the first token cannot be spliced into: prefill still carries ret_first_tok and
+    disagg_spec (the producer needs them), decode gets the client's body as sent."""
+    async with await lmcache_rig(tp=2, **LMCACHE_CONFIG) as r:
+        assert (await r.post(path, body))[0] == 200
+        (prefill,), (decode,) = r.prefill[0].seen, r.decode[0].seen
+        assert r.prefill[0].errors == [] and r.prefill[0].tokenized == []
+        assert prefill.body == protocol.prefill_body(body, None) | {
+            "kv_transfer_params": _lmcache_params(prefill.headers["X-Request-Id"])}
+        assert decode.body == body
+
+
+async def test_lmcache_port_lists_shorter_than_the_tp_size_fail_prefill() -> None:
+    """The stub fails like LMCache's PD backend indexing `receiver_init_port[tp_rank]`."""
+    async with await lmcache_rig(tp=2) as r:
+        status, answer, _ = await r.post("/v1/completions", COMPLETION)
+        assert status == 503 and "Prefill failed" in answer["error"]["message"]
+        assert r.prefill[0].errors and r.decode[0].seen == []
+
+
+async def test_lmcache_prefill_answer_without_first_tok_is_a_prefill_failure() -> None:
+    """An engine that is no LMCache P/D producer answers without kv_transfer_params.first_tok."""
     async with rig(connector=Connector.LMCACHE) as r:
-        assert (await r.post("/v1/completions", COMPLETION))[0] == 200
-        assert r.prefill[0].seen[0].body == protocol.prefill_body(COMPLETION, None)
-        assert r.decode[0].seen[0].body == COMPLETION
+        status, answer, _ = await r.post("/v1/completions", COMPLETION)
+        assert status == 503 and "Prefill failed" in answer["error"]["message"]
+        assert r.decode[0].seen == []
 
 
 async def test_models_come_from_the_decode_pool() -> None:
@@ -326,3 +476,24 @@ async def test_idle_upstream_connections_close_before_the_engines_keep_alive() -
         connector = r.proxy.session.connector
         assert connector is not None
         assert connector._keepalive_timeout == r.proxy.config.upstream_idle_timeout < 5.0  # type: ignore[attr-defined]
+
+
+async def test_concurrent_requests_with_one_client_id_never_share_an_upstream_id() -> None:
+    """Reference: every vLLM proxy mints a fresh uuid4 per request and sends it on both legs
+    (toy_proxy_server.py, toy_push_proxy_server.py, mooncake_connector_proxy.py); vLLM makes its
+    internal id `cmpl-<X-Request-Id>-<i>[-<8 hex>]` from it (vllm/entrypoints/openai/, and
+    `InputProcessor.assign_request_id` in vllm/v1/engine/input_processor.py from 0.16). Two client
+    requests with the same X-Request-Id must not meet on one prefill engine under one id or one
+    Mooncake transfer_id (one could get the other's KV); each client still gets its own id back."""
+    async with await mooncake_rig() as r:
+        r.decode[0].token_delay = 0.05
+        answers = await asyncio.gather(*(r.post("/v1/completions", COMPLETION, {"X-Request-Id": "same"})
+                                         for _ in range(2)))
+        assert [(status, headers["X-Request-Id"]) for status, _, headers in answers] == [(200, "same")] * 2
+        prefills, decodes = r.prefill[0].seen, r.decode[0].seen
+        upstream = {leg.headers["X-Request-Id"] for leg in prefills}
+        assert len(upstream) == 2 and "same" not in upstream
+        assert {leg.headers["X-Request-Id"] for leg in decodes} == upstream
+        transfers = {leg.body["kv_transfer_params"]["transfer_id"] for leg in prefills}
+        assert transfers == {leg.body["kv_transfer_params"]["transfer_id"] for leg in decodes}
+        assert transfers == {f"xfer-{i}" for i in upstream}

@@ -95,6 +95,11 @@ def _parse(*argv: str) -> argparse.Namespace:
     (("--prefill-data-parallel-size", "8"), None),
     (("--prefill-data-parallel-size", "0"), "--prefill-data-parallel-size"),
     (("--prefill-data-parallel-size", "65"), "--prefill-data-parallel-size"),
+    (("--decode-tensor-parallel-size", "8", "--lmcache-init-port", "65528"), None),
+    (("--decode-tensor-parallel-size", "0"), "--decode-tensor-parallel-size"),
+    (("--decode-tensor-parallel-size", "65"), "--decode-tensor-parallel-size"),
+    (("--decode-tensor-parallel-size", "8", "--lmcache-init-port", "65529"), "--lmcache-init-port"),
+    (("--lmcache-alloc-port", "0"), "--lmcache-alloc-port"),
 ])
 def test_flags_are_bounded(argv: tuple[str, ...], problem: str | None) -> None:
     message = _check(_parse(*argv))
@@ -115,6 +120,16 @@ def test_connector_settings_reach_the_proxy_from_the_spec(kv: dict[str, Any], po
     config = config_from_args(args)
     assert (config.mooncake_bootstrap_port, config.prefill_data_parallel_size) == (port, dp)
     assert _check(args) is None
+
+
+def test_lmcache_flags_reach_the_config() -> None:
+    config = config_from_args(_parse("--connector", "LMCacheConnectorV1", "--lmcache-init-port", "8300",
+                                     "--lmcache-alloc-port", "8400", "--decode-tensor-parallel-size", "2"))
+    assert (config.lmcache_init_port, config.lmcache_alloc_port, config.decode_tensor_parallel_size) == \
+        (8300, 8400, 2)
+    defaults = config_from_args(_parse())
+    assert (defaults.lmcache_init_port, defaults.lmcache_alloc_port, defaults.decode_tensor_parallel_size) == \
+        (7300, 7400, 1)
 
 
 async def test_sigterm_fails_readiness_and_drains_for_the_period() -> None:

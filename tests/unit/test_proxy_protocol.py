@@ -3,6 +3,7 @@ request checks."""
 
 from __future__ import annotations
 
+import json
 import re
 from typing import Any
 
@@ -21,7 +22,12 @@ BODY = {"model": "m", "prompt": "hi", "max_tokens": 50, "max_completion_tokens":
         "kv_transfer_params": {"client": "junk"}}
 
 
-def test_nixl_prefill_leg_is_exactly_what_vllm_expects() -> None:
+def test_nixl_prefill_leg_follows_toy_proxy_server() -> None:
+    """Reference: vllm-project/vllm tests/v1/kv_connector/nixl_integration/toy_proxy_server.py
+    (`send_request_to_service`): a copy of the body with max_tokens=1 (max_completion_tokens=1 when
+    present), stream false, stream_options, min_tokens and min_completion_tokens removed, and
+    kv_transfer_params {do_remote_decode: true, do_remote_prefill: false, remote_engine_id,
+    remote_block_ids, remote_host, remote_port: null}."""
     leg = protocol.prefill_body(BODY, protocol.NIXL_PREFILL_PARAMS)
     assert leg == {"model": "m", "prompt": "hi", "max_tokens": 1, "max_completion_tokens": 1, "stream": False,
                    "temperature": 0.5,
@@ -36,7 +42,9 @@ def test_max_completion_tokens_only_when_present() -> None:
     assert leg == {"model": "m", "prompt": "x", "max_tokens": 1, "stream": False}
 
 
-def test_decode_leg_is_the_original_body_plus_prefills_params() -> None:
+def test_decode_leg_follows_toy_proxy_server() -> None:
+    """Reference: toy_proxy_server.py (`handle_completions`): decode is the original body with the
+    prefill answer's kv_transfer_params, unchanged."""
     answered = {"do_remote_prefill": True, "remote_engine_id": "e", "remote_block_ids": [1], "remote_host": "h",
                 "remote_port": 5600, "tp_size": 1, "remote_request_id": "r"}
     leg = protocol.decode_body(BODY, answered)
@@ -64,7 +72,11 @@ def test_push_identity(answer: Any, identity: Any) -> None:
     assert protocol.push_identity(answer) == identity
 
 
-def test_push_decode_params_carry_identity_and_request_id_without_block_ids() -> None:
+def test_push_decode_params_follow_toy_push_proxy_server() -> None:
+    """Reference: vllm-project/vllm tests/v1/kv_connector/nixl_integration/toy_push_proxy_server.py;
+    vLLM 0.33 nixl/push_scheduler.py `update_state_after_alloc` (reads remote_engine_id,
+    remote_host, remote_port, tp_size, pp_size; no block ids) and metadata.py
+    `add_new_req_to_recv` (remote_request_id required)."""
     identity = protocol.push_identity(PUSH_ANSWER)
     assert identity is not None
     params = protocol.push_decode_params(identity, "rid")
@@ -73,6 +85,9 @@ def test_push_decode_params_carry_identity_and_request_id_without_block_ids() ->
 
 
 def test_mooncake_params() -> None:
+    """Reference: vllm-project/vllm examples/online_serving/disaggregated_serving/mooncake_connector/
+    mooncake_connector_proxy.py; vLLM 0.16+ mooncake/mooncake_connector.py reads transfer_id,
+    remote_engine_id and remote_bootstrap_addr."""
     transfer = protocol.mooncake_transfer_id("rid")
     assert transfer == "xfer-rid"
     assert protocol.mooncake_prefill_params(transfer) == {"do_remote_decode": True, "do_remote_prefill": False,
@@ -95,6 +110,8 @@ def test_mooncake_engine_id(answer: Any, engine_id: str | None) -> None:
 @pytest.mark.parametrize(("prefill", "decode"), [("10.0.0.1:14579", "10.0.0.2:14580"),
                                                  ("127.64.0.3:14579", "127.64.1.9:14579")])
 def test_p2p_nccl_request_id_parses_as_vllm_parses_it(prefill: str, decode: str) -> None:
+    """Reference: vllm-project/vllm examples/online_serving/disaggregated_serving_p2p_nccl_xpyd/
+    disagg_proxy_p2p_nccl_xpyd.py; vLLM <= 0.23 p2p/p2p_nccl_connector.py `parse_request_id`."""
     request_id = protocol.p2p_nccl_request_id(prefill, decode)
     # vLLM 0.23 P2pNcclConnector.parse_request_id, prefill and decode side.
     on_prefill = re.search(r"___decode_addr_(.*):(\d+)", request_id)
@@ -111,7 +128,7 @@ def test_host_port_brackets_ipv6() -> None:
 
 def test_every_connector_has_traits() -> None:
     assert set(protocol.TRAITS) == set(Connector)
-    assert [c for c, t in protocol.TRAITS.items() if t.concurrent] == [Connector.NIXL_PUSH, Connector.MOONCAKE]
+    assert [c for c, t in protocol.TRAITS.items() if t.concurrent] == [Connector.MOONCAKE]
 
 
 # -- the command line the operator renders -------------------------------------------------------
@@ -231,3 +248,70 @@ def test_the_api_key_comes_from_the_environment(monkeypatch: pytest.MonkeyPatch)
     assert config_from_args(args).api_key is None
     monkeypatch.setenv("XPYD_PROXY_API_KEY", "s3cret")
     assert config_from_args(args).api_key == "s3cret"
+
+
+def test_lmcache_prefill_params_follow_the_lmcache_pd_proxy() -> None:
+    """LMCache P/D, references: LMCache examples/disagg_prefill/xpyd/
+    disagg_proxy_server_first_token_from_prefiller_xpyd.py (ports as per-TP-rank lists, init 7300+i,
+    alloc 7400+i), vLLM vllm/distributed/kv_transfer/kv_connector/v1/lmcache_integration/
+    vllm_v1_adapter.py (reads disagg_spec's req_id, receiver_host, receiver_init_port,
+    receiver_alloc_port; `ret_first_tok` in the params makes `request_finished` answer first_tok)."""
+    assert protocol.lmcache_prefill_params("rid", "10.0.0.7", decode_tp_size=2) == {
+        "ret_first_tok": True,
+        "disagg_spec": {"req_id": "rid", "receiver_host": "10.0.0.7",
+                        "receiver_init_port": [7300, 7301], "receiver_alloc_port": [7400, 7401]}}
+    assert protocol.lmcache_prefill_params("r", "h", 9000, 9100)["disagg_spec"]["receiver_init_port"] == [9000]
+
+
+@pytest.mark.parametrize(("params", "token"), [
+    ({"first_tok": 7}, 7), ({"first_tok": 0}, 0), ({"first_tok": True}, None), ({"first_tok": -1}, None),
+    ({"first_tok": "7"}, None), ({}, None), (None, None),
+])
+def test_lmcache_first_token(params: Any, token: int | None) -> None:
+    assert protocol.lmcache_first_token(params) == token
+
+
+@pytest.mark.parametrize(("body", "eligible"), [
+    ({"prompt": "hi", "max_tokens": 2}, True),
+    ({"prompt": [1, 2], "max_tokens": 9, "n": 1, "echo": False, "logprobs": None}, True),
+    ({"prompt": "hi", "max_tokens": 1}, False),
+    ({"prompt": "hi"}, False),
+    ({"prompt": "", "max_tokens": 4}, False),
+    ({"prompt": ["a", "b"], "max_tokens": 4}, False),
+    ({"prompt": [[1], [2]], "max_tokens": 4}, False),
+    ({"prompt": "hi", "max_tokens": 4, "n": 2}, False),
+    ({"prompt": "hi", "max_tokens": 4, "best_of": 2}, False),
+    ({"prompt": "hi", "max_tokens": 4, "logprobs": 0}, False),
+    ({"prompt": "hi", "max_tokens": 4, "echo": True}, False),
+    ({"prompt": "hi", "max_tokens": 4, "suffix": "x"}, False),
+])
+def test_lmcache_first_token_eligible(body: dict[str, Any], eligible: bool) -> None:
+    assert protocol.lmcache_first_token_eligible(True, body) is eligible
+    assert protocol.lmcache_first_token_eligible(False, body) is False
+
+
+def test_lmcache_decode_body_continues_after_the_first_token() -> None:
+    """disagg_proxy_server_first_token_from_prefiller_xpyd.py: prompt ids + first_tok, max_tokens - 1."""
+    body = {"model": "m", "prompt": "hi", "max_tokens": 5, "min_tokens": 2, "kv_transfer_params": {"x": 1}}
+    assert protocol.lmcache_decode_body(body, [1, 2], 9) == {"model": "m", "prompt": [1, 2, 9], "max_tokens": 4,
+                                                            "min_tokens": 1}
+    assert protocol.lmcache_decode_body({"prompt": [1], "max_tokens": 2, "min_tokens": 0}, [1], 9)["min_tokens"] == 0
+
+
+def test_first_token_splice_answer_and_stream() -> None:
+    splice = protocol.FirstTokenSplice(" A")
+    answer = json.loads(splice.answer(json.dumps({"choices": [{"text": " B"}], "usage": {
+        "prompt_tokens": 4, "completion_tokens": 2, "total_tokens": 6}}).encode()))
+    assert answer["choices"][0]["text"] == " A B" and answer["usage"]["prompt_tokens"] == 3
+    assert answer["usage"]["completion_tokens"] == 3 and answer["usage"]["total_tokens"] == 6
+    assert splice.answer(b"not json") == b"not json"
+    head = b'data: {"id": "cmpl-1", "object": "text_completion", "created": 5, "model": "m", "choices": []}\n\n'
+    lead = json.loads(splice.lead(head)[len(b"data: "):])
+    assert (lead["id"], lead["created"], lead["choices"][0]["text"]) == ("cmpl-1", 5, " A")
+    usage = b'data: {"choices": [], "usage": {"prompt_tokens": 4, "completion_tokens": 2, "total_tokens": 6}}\n\n'
+    stream = head + usage + b"data: [DONE]\n\n"
+    out = b"".join(splice.feed(stream[i:i + 7]) for i in range(0, len(stream), 7)) + splice.flush()
+    events = [e for e in out.split(b"\n\n") if e]
+    assert events[0] == head.strip() and events[-1] == b"data: [DONE]"
+    assert json.loads(events[1][len(b"data: "):])["usage"] == {"prompt_tokens": 3, "completion_tokens": 3,
+                                                                "total_tokens": 6}

@@ -39,6 +39,11 @@ class ProxyConfig:
     #: Data-parallel ranks per prefill server (NixlPushConnector learns and pins each rank's identity;
     #: Mooncake asks the bootstrap server instead).
     prefill_data_parallel_size: int = 1
+    #: LMCacheConnectorV1 P/D: the decode engines' first LMCache init and alloc ports and their
+    #: tensor-parallel size (one port of each per rank).
+    lmcache_init_port: int = protocol.LMCACHE_INIT_PORT
+    lmcache_alloc_port: int = protocol.LMCACHE_ALLOC_PORT
+    decode_tensor_parallel_size: int = 1
     seed: int | None = None
 
 

@@ -10,6 +10,7 @@ import asyncio
 import json
 import logging
 import time
+import uuid
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Final
@@ -69,12 +70,20 @@ class Context:
     outcome: str = "success"
     first_byte_at: float | None = None
     attempts: int = 0
+    #: The X-Request-Id of the current attempt's legs: a fresh uuid4 per attempt, never the client's
+    #: (`request_id`, kept for logs and the answer's header). vLLM derives its internal request id
+    #: from it, and a prefill engine matches a decode's KV by it (NixlPushConnector) or by the
+    #: transfer id made from it (Mooncake): two clients sending the same id must never share one.
+    #: Every reference proxy does the same (`toy_proxy_server.py`, `toy_push_proxy_server.py`,
+    #: `mooncake_connector_proxy.py`: a new uuid4 per request, the same on both legs).
+    upstream_id: str = ""
 
-    @property
-    def upstream_id(self) -> str:
-        """The X-Request-Id of the current attempt's legs: the client's for the first attempt, made
-        unique for later ones (a Mooncake transfer id or a push registration is single-use)."""
-        return self.request_id if self.attempts <= 1 else f"{self.request_id}-attempt{self.attempts}"
+    def new_attempt(self) -> str:
+        """Start an attempt: count it and mint its upstream id (returned)."""
+        self.attempts += 1
+        self.upstream_id = str(uuid.uuid4())
+        log.debug("request %s: attempt %d goes upstream as %s", self.request_id, self.attempts, self.upstream_id)
+        return self.upstream_id
 
 
 @dataclass
@@ -122,6 +131,8 @@ class Legs:
             return await self.mooncake(context, prefill, decode, request_id)
         if connector == Connector.NIXL_PUSH:
             return await self.push(context, prefill, decode, request_id)
+        if connector == Connector.LMCACHE:
+            return await self.lmcache(context, prefill, decode, request_id)
         # Sequential: prefill, then decode with what prefill answered.
         if connector == Connector.P2P_NCCL:
             request_id = protocol.p2p_nccl_request_id(self.zmq_address(prefill), self.zmq_address(decode))
@@ -134,30 +145,89 @@ class Legs:
 
     async def push(self, context: Context, prefill: Instance, decode: Instance,
                     request_id: str) -> web.StreamResponse:
-        """NixlPushConnector: decode needs the identity of the prefill engine (of the data-parallel
-        rank) that will run the prefill. Known: both legs at once; not yet: prefill first, and its
-        answer teaches the identity. With several ranks, the prefill leg is pinned to one."""
+        """NixlPushConnector: prefill first, then decode told the identity of the engine (rank) that
+        ran the prefill and prefill's own internal request id, as `toy_push_proxy_server.py` does.
+
+        Decode sends that id back to prefill in its lease heartbeats (`HB:<id>`; vLLM
+        nixl/base_scheduler.py `on_new_request`, base_worker.py `_handle_heartbeat`), and prefill
+        extends the lease on its finished blocks only for ids it owns: its internal id carries a
+        random suffix (`InputProcessor.assign_request_id`, 0.16+), so only its answer knows it.
+        Sent at once, decode would hold an id prefill never heard of, and a decode backlog longer
+        than `kv_lease_duration` would find the blocks freed. With several data-parallel ranks the
+        prefill leg is pinned to one, which spreads legs over the ranks."""
         dp = self.config.prefill_data_parallel_size
         rank = prefill.pick_rank(range(dp))
         headers = {protocol.DP_RANK_HEADER: str(rank)} if dp > 1 else None
         body = context.parsed.body
-        prefill_body = protocol.prefill_body(body, protocol.NIXL_PREFILL_PARAMS)
         prefill.acquire_rank(rank)
         try:
-            identity = prefill.push_identities.get(rank)
-            if identity is not None:
-                return await self.concurrent(
-                    context, prefill, decode, request_id, prefill_body,
-                    protocol.decode_body(body, protocol.push_decode_params(identity, request_id)),
-                    prefill_headers=headers, push_told=(rank, identity))
-            answer = await self.prefill_leg(context, prefill, prefill_body, request_id, headers)
-            identity = self.learn_push_identity(prefill, rank, answer)
-            opened = await self.open_decode(
-                context, decode, protocol.decode_body(body, protocol.push_decode_params(identity, request_id)),
-                request_id)
-            return await self.relay(context, decode, opened)
+            answer = await self.prefill_leg(context, prefill, protocol.prefill_body(body, protocol.NIXL_PREFILL_PARAMS),
+                                            request_id, headers)
         finally:
             prefill.release_rank(rank)
+        identity = self.learn_push_identity(prefill, rank, answer)
+        params = answer["kv_transfer_params"]
+        prefill_request_id = params.get("remote_request_id") if isinstance(params, dict) else None
+        if not isinstance(prefill_request_id, str) or not prefill_request_id:
+            raise PrefillFailed("the prefill answer carries no remote_request_id")
+        opened = await self.open_decode(
+            context, decode, protocol.decode_body(body, protocol.push_decode_params(identity, prefill_request_id)),
+            request_id)
+        return await self.relay(context, decode, opened)
+
+    async def lmcache(self, context: Context, prefill: Instance, decode: Instance,
+                      request_id: str) -> web.StreamResponse:
+        """LMCacheConnectorV1 P/D (LMCache's `disagg_proxy_server_first_token_from_prefiller_xpyd.py`):
+        prefill first, told where LMCache must push the KV (the decode instance's host and its LMCache
+        ports, one per decode TP rank) and asked for its first token back; an answer without
+        `first_tok` is not from an LMCache P/D producer. For a completion of one prompt, the prompt
+        goes as token ids (`/tokenize` on the prefill engine for text) and decode continues after
+        prefill's token: the prompt plus `first_tok`, `max_tokens - 1`, and the client's answer gets
+        prefill's token back in front. Other requests (chat, several prompts or choices, logprobs,
+        echo) and a prefill that already stopped: decode gets the client's body and computes its
+        first token itself on top of the pushed KV."""
+        config = self.config
+        params = protocol.lmcache_prefill_params(request_id, decode.host, config.lmcache_init_port,
+                                                 config.lmcache_alloc_port, config.decode_tensor_parallel_size)
+        body = context.parsed.body
+        prompt_ids: list[int] | None = None
+        if protocol.lmcache_first_token_eligible(context.path.endswith("/v1/completions"), body):
+            prompt = body["prompt"]
+            prompt_ids = list(prompt) if isinstance(prompt, list) else await self.tokenize(context, prefill, body)
+            body_for_prefill: JSON = {**body, "prompt": prompt_ids}
+        else:
+            body_for_prefill = body
+        answer = await self.prefill_leg(context, prefill, protocol.prefill_body(body_for_prefill, params), request_id)
+        first_token = protocol.lmcache_first_token(answer.get("kv_transfer_params"))
+        if first_token is None:
+            raise PrefillFailed("the answer's kv_transfer_params carry no first_tok (is LMCache's enable_pd on?)")
+        splice = None
+        decode_body = protocol.decode_body(body, None)
+        choices = answer.get("choices")
+        choice = choices[0] if isinstance(choices, list) and choices and isinstance(choices[0], dict) else {}
+        if prompt_ids is not None and choice.get("finish_reason") == "length" and isinstance(choice.get("text"), str):
+            decode_body = protocol.lmcache_decode_body(body, prompt_ids, first_token)
+            splice = protocol.FirstTokenSplice(choice["text"])
+        opened = await self.open_decode(context, decode, decode_body, request_id)
+        return await self.relay(context, decode, opened, splice)
+
+    async def tokenize(self, context: Context, prefill: Instance, body: JSON) -> list[int]:
+        """A text prompt's token ids from the prefill engine (`POST /tokenize`), as the completion
+        would tokenize it; a failure is a prefill failure."""
+        ask = {"model": body.get("model"), "prompt": body["prompt"],
+               "add_special_tokens": body.get("add_special_tokens", True)}
+        try:
+            async with self.session().post(prefill.url + "/tokenize", data=json_bytes(ask),
+                                          timeout=self.timeouts["prefill"],
+                                          headers=self.headers(context, context.upstream_id)) as response:
+                answer = await response.json(content_type=None) if response.status == 200 else None
+        except (TimeoutError, aiohttp.ClientError, OSError, ValueError) as error:
+            raise PrefillFailed(f"/tokenize: {error!r}") from None
+        tokens = answer.get("tokens") if isinstance(answer, dict) else None
+        if not isinstance(tokens, list) or not tokens or \
+                not all(isinstance(t, int) and not isinstance(t, bool) for t in tokens):
+            raise PrefillFailed("/tokenize gave no token ids")
+        return tokens
 
     @staticmethod
     def learn_push_identity(prefill: Instance, rank: int, answer: JSON) -> JSON:
@@ -177,8 +247,8 @@ class Legs:
         return await self.relay(context, decode, opened)
 
     async def concurrent(self, context: Context, prefill: Instance, decode: Instance, request_id: str,
-                          prefill_body: JSON, decode_body: JSON, prefill_headers: dict[str, str] | None = None,
-                          push_told: tuple[int, JSON] | None = None) -> web.StreamResponse:
+                          prefill_body: JSON, decode_body: JSON,
+                          prefill_headers: dict[str, str] | None = None) -> web.StreamResponse:
         """Both legs at once; decode's answer reaches the client only after prefill answered well."""
         prefill_task = asyncio.ensure_future(
             self.prefill_leg(context, prefill, prefill_body, request_id, prefill_headers))
@@ -188,18 +258,7 @@ class Legs:
             await asyncio.wait((prefill_task, decode_task), return_when=asyncio.FIRST_COMPLETED)
             if decode_task.done() and decode_task.exception() is not None:
                 decode_task.result()  # raises DecodeFailed: prefill is cancelled below
-            answer = await prefill_task
-            if push_told is not None:
-                rank, told = push_told
-                answered = self.learn_push_identity(prefill, rank, answer)
-                if answered != told:
-                    # Decode registered with an engine that did not run this prefill (it restarted):
-                    # drop that decode leg and send decode again with the identity just learnt.
-                    log.info("prefill %s has a new NIXL identity; sending decode again", prefill.url)
-                    decode_task.cancel()
-                    body = protocol.decode_body(context.parsed.body, protocol.push_decode_params(answered, request_id))
-                    relayed = await self.open_decode(context, decode, body, request_id)
-                    return await self.relay(context, decode, relayed)
+            await prefill_task
             relayed = await decode_task
             return await self.relay(context, decode, relayed)
         finally:
@@ -308,8 +367,10 @@ class Legs:
             if result:
                 self.metrics.legs.observe(time.monotonic() - started, "decode", result)
 
-    async def relay(self, context: Context, instance: Instance, opened: Opened) -> web.StreamResponse:
-        """Send decode's answer to the client as it arrives."""
+    async def relay(self, context: Context, instance: Instance, opened: Opened,
+                    splice: protocol.FirstTokenSplice | None = None) -> web.StreamResponse:
+        """Send decode's answer to the client as it arrives (with prefill's first token put back in
+        front, for LMCache's first-token hand-off)."""
         upstream = opened.response
         headers = {"X-Request-Id": context.request_id}
         result = "success"
@@ -317,14 +378,14 @@ class Legs:
             instance.breaker.success()
             if not context.parsed.stream:
                 context.first_byte_at = time.monotonic()
-                return web.Response(body=opened.head, status=200, headers=headers,
-                                    content_type=upstream.content_type)
+                return web.Response(body=splice.answer(opened.head) if splice else opened.head, status=200,
+                                    headers=headers, content_type=upstream.content_type)
             headers["Content-Type"] = upstream.headers.get("Content-Type", "text/event-stream; charset=utf-8")
             headers["Cache-Control"] = "no-cache"
             response = web.StreamResponse(status=200, headers=headers)
             try:
                 await response.prepare(context.request)
-                await response.write(opened.head)
+                await response.write(splice.lead(opened.head) + splice.feed(opened.head) if splice else opened.head)
                 context.first_byte_at = time.monotonic()
                 while True:
                     try:
@@ -332,11 +393,16 @@ class Legs:
                     except (TimeoutError, aiohttp.ClientError, OSError) as error:
                         result = context.outcome = "broken_stream"
                         self.prober.failed(instance, f"the stream broke: {error!r}")
-                        await response.write(sse_error(f"The decode instance failed mid-stream: {error!r}"))
+                        await response.write((splice.flush() if splice else b"") +
+                                             sse_error(f"The decode instance failed mid-stream: {error!r}"))
                         break
                     if not chunk:
+                        if splice:
+                            await response.write(splice.flush())
                         break
-                    await response.write(chunk)
+                    data = splice.feed(chunk) if splice else chunk
+                    if data:
+                        await response.write(data)
                 await response.write_eof()
             except ConnectionResetError:  # the client went away while we wrote to it
                 result = context.outcome = "cancelled"

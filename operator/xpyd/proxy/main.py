@@ -116,6 +116,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     connectors.add_argument("--prefill-data-parallel-size", type=int, default=1, metavar="N",
                             help="data-parallel ranks per prefill server (its --data-parallel-size): "
                             "NixlPushConnector pins prefill legs to ranks and learns each rank's identity")
+    connectors.add_argument("--lmcache-init-port", type=int, default=protocol.LMCACHE_INIT_PORT,
+                            help="LMCacheConnectorV1: the decode engines' LMCache pd_peer_init_port (rank i: +i)")
+    connectors.add_argument("--lmcache-alloc-port", type=int, default=protocol.LMCACHE_ALLOC_PORT,
+                            help="LMCacheConnectorV1: the decode engines' LMCache pd_peer_alloc_port (rank i: +i)")
+    connectors.add_argument("--decode-tensor-parallel-size", type=int, default=1, metavar="N",
+                            help="LMCacheConnectorV1: the decode engines' --tensor-parallel-size (one init and "
+                            "one alloc port per rank)")
     parser.add_argument("--event-loop", default="auto", choices=("auto", "uvloop", "asyncio"),
                         help="auto (default): uvloop where it is installed (a dependency except on Windows), "
                         "else asyncio's")
@@ -155,6 +162,9 @@ def config_from_args(args: argparse.Namespace) -> ProxyConfig:
         mooncake_bootstrap_port=args.mooncake_bootstrap_port,
         p2p_nccl_kv_port=args.p2p_nccl_kv_port,
         prefill_data_parallel_size=args.prefill_data_parallel_size,
+        lmcache_init_port=args.lmcache_init_port,
+        lmcache_alloc_port=args.lmcache_alloc_port,
+        decode_tensor_parallel_size=args.decode_tensor_parallel_size,
     )
 
 
@@ -172,6 +182,12 @@ def _check(args: argparse.Namespace) -> str | None:
         return "at least one --prefill URL is needed (or --decode-only-fallback)"
     if not 1 <= args.prefill_data_parallel_size <= MAX_DATA_PARALLEL:
         return f"--prefill-data-parallel-size must be within 1..{MAX_DATA_PARALLEL}"
+    if not 1 <= args.decode_tensor_parallel_size <= protocol.MAX_TENSOR_PARALLEL:
+        return f"--decode-tensor-parallel-size must be within 1..{protocol.MAX_TENSOR_PARALLEL}"
+    for flag, port in (("--lmcache-init-port", args.lmcache_init_port),
+                       ("--lmcache-alloc-port", args.lmcache_alloc_port)):
+        if not 1 <= port <= 65536 - args.decode_tensor_parallel_size:
+            return f"{flag} must leave a port per decode tensor-parallel rank within 1..65535"
     if args.upstream_idle_timeout >= 5.0:
         return "--upstream-idle-timeout must stay below the engines' 5 s keep-alive"
     if not 0 <= args.drain_seconds <= MAX_PROXY_DRAIN_SECONDS:

@@ -8,11 +8,12 @@ client sees. The connectors differ in what the legs carry and whether they may r
 - NixlConnector (pull, `toy_proxy_server.py`): prefill first with
   `kv_transfer_params={do_remote_decode: true, ...}`; its answer's `kv_transfer_params` (block ids,
   engine id, side-channel address) go to decode, which reads the KV from prefill. Sequential.
-- NixlPushConnector (`disagg_proxy_pushconnector_demo.py`, `nixl/push_scheduler.py`): decode needs
-  only the prefill engine's identity (`remote_engine_id`, `remote_host`, `remote_port`, `tp_size`,
-  `pp_size`) and the shared request id; it registers its blocks and prefill writes into them. The
-  identity comes from a prefill answer, so the first request to a prefill instance runs
-  sequentially and teaches the proxy the identity; later ones send both legs at once.
+- NixlPushConnector (vLLM 0.24+, `toy_push_proxy_server.py`, `nixl/push_scheduler.py`,
+  `nixl/push_worker.py`): prefill first; decode gets the identity of the engine that ran it
+  (`remote_engine_id`, `remote_host`, `remote_port`, `tp_size`, `pp_size`, `dcp_size`) and
+  prefill's own internal request id (`remote_request_id`, from the answer: decode heartbeats it to
+  extend prefill's lease), no block ids; it registers its blocks and prefill writes into them,
+  matched by the X-Request-Id both legs share. Sequential.
 - MooncakeConnector (`mooncake_connector_proxy.py`): both legs at once, tied by a `transfer_id`;
   decode gets prefill's bootstrap address and engine id. A prefill pod runs one bootstrap server
   (on its global rank 0, at VLLM_MOONCAKE_BOOTSTRAP_PORT) for all its data-parallel ranks;
@@ -22,13 +23,22 @@ client sees. The connectors differ in what the legs carry and whether they may r
 - P2pNcclConnector (vLLM <= 0.23, `disagg_proxy_p2p_nccl_xpyd.py`): no `kv_transfer_params`; the
   request id `___prefill_addr_{P}___decode_addr_{D}_{uuid}` tells each side its peer's ZMQ address.
   Sequential.
-- LMCacheConnectorV1: prefill then decode with the original body; LMCache moves the KV itself.
+- LMCacheConnectorV1 with `enable_pd` (vLLM's `lmcache_integration/vllm_v1_adapter.py`, LMCache's
+  `lmcache/integration/vllm/vllm_v1_adapter.py` and `pd_backend.py`, LMCache's
+  `disagg_proxy_server_first_token_from_prefiller_xpyd.py`): prefill carries
+  `{ret_first_tok: true, disagg_spec: {req_id, receiver_host, receiver_init_port: [...],
+  receiver_alloc_port: [...]}}` (a kv_producer asserts `disagg_spec` for every request it saves;
+  the ports are lists indexed by tensor-parallel rank) and answers `{first_tok: <token id>}`;
+  LMCache pushes the KV to the decode instance named there, which gets the client's body.
+  Sequential.
 
-Both legs always carry the same `X-Request-Id`.
+Both legs of an attempt carry the same `X-Request-Id`, a fresh uuid4 per attempt (never the
+client's: vLLM's internal request ids and the connectors' pairing derive from it).
 """
 
 from __future__ import annotations
 
+import json
 import uuid
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -56,6 +66,12 @@ PUSH_IDENTITY_OPTIONAL: Final = ("pp_size", "dcp_size")
 
 #: vLLM's MooncakeConnector bootstrap port default (VLLM_MOONCAKE_BOOTSTRAP_PORT).
 MOONCAKE_BOOTSTRAP_PORT: Final = 8998
+#: LMCache P/D: the decode side's first `pd_peer_init_port` and `pd_peer_alloc_port` (tensor-parallel
+#: rank i listens on port + i), as LMCache's P/D example configures them.
+LMCACHE_INIT_PORT: Final = 7300
+LMCACHE_ALLOC_PORT: Final = 7400
+#: The largest `--decode-tensor-parallel-size` (the API's bound on tensorParallelSize).
+MAX_TENSOR_PARALLEL: Final = 64
 #: The header that pins a request to one data-parallel rank of a vLLM server (internal load balancing).
 DP_RANK_HEADER: Final = "X-data-parallel-rank"
 #: vLLM's P2pNcclConnector first ZMQ port (kv_port; rank r listens on kv_port + r).
@@ -78,12 +94,14 @@ class ConnectorTraits:
 
 TRAITS: Final[Mapping[Connector, ConnectorTraits]] = {
     Connector.NIXL: ConnectorTraits(concurrent=False, decode_reuses_prefill=True, prefill_answer_has_params=True),
-    Connector.NIXL_PUSH: ConnectorTraits(concurrent=True, decode_reuses_prefill=False,
+    Connector.NIXL_PUSH: ConnectorTraits(concurrent=False, decode_reuses_prefill=False,
                                          prefill_answer_has_params=True),
     Connector.MOONCAKE: ConnectorTraits(concurrent=True, decode_reuses_prefill=False,
                                         prefill_answer_has_params=False),
-    Connector.LMCACHE: ConnectorTraits(concurrent=False, decode_reuses_prefill=True,
-                                       prefill_answer_has_params=False),
+    # LMCache pushes the KV to the decode instance the prefill leg named: another decode instance
+    # would not have it, so a failed decode is a new attempt.
+    Connector.LMCACHE: ConnectorTraits(concurrent=False, decode_reuses_prefill=False,
+                                       prefill_answer_has_params=True),
     Connector.P2P_NCCL: ConnectorTraits(concurrent=False, decode_reuses_prefill=False,
                                         prefill_answer_has_params=False),
 }
@@ -135,10 +153,12 @@ def push_identity(kv_transfer_params: Any) -> JSON | None:
     return identity
 
 
-def push_decode_params(identity: Mapping[str, Any], request_id: str) -> JSON:
+def push_decode_params(identity: Mapping[str, Any], prefill_request_id: str) -> JSON:
     """Decode's `kv_transfer_params` in push mode: prefill's identity, no block ids (decode
-    allocates its own and registers them), and the request id both legs share."""
-    return {**identity, "do_remote_prefill": True, "do_remote_decode": False, "remote_request_id": request_id}
+    allocates its own and registers them), and prefill's internal request id as its answer reports
+    it (`remote_request_id`: what decode's heartbeats name; vLLM reads it unconditionally in
+    `NixlConnectorMetadata.add_new_req_to_recv`)."""
+    return {**identity, "do_remote_prefill": True, "do_remote_decode": False, "remote_request_id": prefill_request_id}
 
 
 # -- Mooncake ----------------------------------------------------------------------------------
@@ -188,6 +208,128 @@ def _rank(key: Any) -> int | None:
 def mooncake_engine_id(query_answer: Any, rank: int = 0) -> str | None:
     """The engine id of data-parallel `rank` in a bootstrap server's `GET /query` answer, or None."""
     return mooncake_engine_ids(query_answer).get(rank)
+
+
+# -- LMCache ----------------------------------------------------------------------------------
+
+
+def lmcache_prefill_params(req_id: str, receiver_host: str, init_port: int = LMCACHE_INIT_PORT,
+                           alloc_port: int = LMCACHE_ALLOC_PORT, decode_tp_size: int = 1) -> JSON:
+    """Prefill's `kv_transfer_params` for LMCache P/D: ask for the first token back and say where
+    to push the KV (the decode instance's host, one init and one alloc port per decode TP rank)."""
+    return {"ret_first_tok": True, "disagg_spec": {
+        "req_id": req_id,
+        "receiver_host": receiver_host,
+        "receiver_init_port": [init_port + rank for rank in range(decode_tp_size)],
+        "receiver_alloc_port": [alloc_port + rank for rank in range(decode_tp_size)],
+    }}
+
+
+def lmcache_first_token(kv_transfer_params: Any) -> int | None:
+    """The token id an LMCache P/D prefill answer reports as `first_tok`, or None."""
+    if not isinstance(kv_transfer_params, dict):
+        return None
+    token = kv_transfer_params.get("first_tok")
+    return token if isinstance(token, int) and not isinstance(token, bool) and token >= 0 else None
+
+
+#: Completion fields that make the first-token hand-off unsafe: the answer would need prefill's token
+#: in places the proxy does not rebuild (logprobs, echoed prompt, several choices, a suffix).
+_SPLICE_UNSAFE: Final = ("echo", "logprobs", "prompt_logprobs", "suffix")
+
+
+def lmcache_first_token_eligible(completions: bool, body: Mapping[str, Any]) -> bool:
+    """Whether decode may start after prefill's first token (LMCache's first-token proxy): a
+    completion of one prompt (text or token ids), one choice, at least 2 tokens, and none of the
+    fields the proxy cannot splice the first token into."""
+    prompt = body.get("prompt")
+    token_ids = isinstance(prompt, list) and bool(prompt) and \
+        all(isinstance(t, int) and not isinstance(t, bool) for t in prompt)
+    single = (isinstance(prompt, str) and prompt != "") or token_ids
+    max_tokens = body.get("max_tokens")
+    return (completions and single and body.get("n") in (None, 1) and body.get("best_of") in (None, 1)
+            and isinstance(max_tokens, int) and not isinstance(max_tokens, bool) and max_tokens >= 2
+            and all(body.get(key) is None or body.get(key) is False for key in _SPLICE_UNSAFE))
+
+
+def lmcache_decode_body(body: Mapping[str, Any], prompt_ids: list[int], first_token: int) -> JSON:
+    """Decode's body after prefill's first token: the prompt's token ids plus that token, one token
+    fewer to generate (and to require), no `kv_transfer_params`."""
+    leg = decode_body(body, None)
+    leg["prompt"] = [*prompt_ids, first_token]
+    leg["max_tokens"] = int(body["max_tokens"]) - 1
+    if isinstance(body.get("min_tokens"), int) and body["min_tokens"] > 0:
+        leg["min_tokens"] = body["min_tokens"] - 1
+    return leg
+
+
+class FirstTokenSplice:
+    """Puts prefill's first token back into decode's completion answer: its text in front, and the
+    usage counted as the client's request (decode saw that token as prompt)."""
+
+    def __init__(self, text: str) -> None:
+        self.text = text
+        self._buffer = b""
+
+    def _usage(self, usage: Any) -> None:
+        if isinstance(usage, dict) and isinstance(usage.get("prompt_tokens"), int) and \
+                isinstance(usage.get("completion_tokens"), int):
+            usage["prompt_tokens"] -= 1
+            usage["completion_tokens"] += 1
+
+    def answer(self, data: bytes) -> bytes:
+        """An unstreamed completion answer with the first token put back."""
+        try:
+            answer = json.loads(data)
+            choice = answer["choices"][0]
+            choice["text"] = self.text + str(choice.get("text") or "")
+        except (ValueError, KeyError, IndexError, TypeError):
+            return data
+        self._usage(answer.get("usage"))
+        return json.dumps(answer).encode()
+
+    def lead(self, head: bytes) -> bytes:
+        """The event that streams prefill's token first, shaped like decode's first event."""
+        first: Any = {}
+        for line in head.split(b"\n"):
+            if line.startswith(b"data: {"):
+                try:
+                    first = json.loads(line[len(b"data: "):])
+                except ValueError:
+                    first = {}
+                break
+        first = first if isinstance(first, dict) else {}
+        event = {"id": first.get("id"), "object": first.get("object", "text_completion"),
+                 "created": first.get("created"), "model": first.get("model"),
+                 "choices": [{"index": 0, "text": self.text, "logprobs": None, "finish_reason": None,
+                              "stop_reason": None}]}
+        return b"data: " + json.dumps(event).encode() + b"\n\n"
+
+    def feed(self, chunk: bytes) -> bytes:
+        """Decode's stream, whole events at a time, their usage counted as the client's request."""
+        self._buffer += chunk
+        complete, separator, rest = self._buffer.rpartition(b"\n\n")
+        if not separator:
+            return b""
+        self._buffer = rest
+        return b"".join(self._event(event) + b"\n\n" for event in complete.split(b"\n\n"))
+
+    def flush(self) -> bytes:
+        """What is left of the stream (an unterminated last event), as it came."""
+        rest, self._buffer = self._buffer, b""
+        return rest
+
+    def _event(self, event: bytes) -> bytes:
+        if not event.startswith(b"data: {") or b'"usage"' not in event:
+            return event
+        try:
+            data = json.loads(event[len(b"data: "):])
+        except ValueError:
+            return event
+        if not isinstance(data, dict) or not isinstance(data.get("usage"), dict):
+            return event
+        self._usage(data["usage"])
+        return b"data: " + json.dumps(data).encode()
 
 
 # -- P2pNccl -----------------------------------------------------------------------------------

@@ -292,7 +292,7 @@ class Proxy:
                 if reusable is not None:
                     return await self.legs.decode_with(context, decode, reusable)
                 assert prefill is not None
-                context.attempts += 1
+                context.new_attempt()
                 return await self.legs.attempt(context, prefill, decode)
             except PrefillFailed as failure:
                 assert prefill is not None
@@ -333,7 +333,7 @@ class Proxy:
         try:
             body = protocol.decode_body(context.parsed.body, None)
             try:
-                opened = await self.legs.open_decode(context, decode, body, context.request_id)
+                opened = await self.legs.open_decode(context, decode, body, context.new_attempt())
             except DecodeFailed as failure:
                 self.health_prober.failed(decode, str(failure))
                 raise RequestError(503, f"Decode-only fallback failed: {failure}") from None

@@ -8,7 +8,23 @@ requests ended (`cancelled`). With `data_parallel_size` > 1 it has one engine id
 (`<name>-engine_dp<rank>`, the `_dp` suffix vLLM gives each rank's engine id), which its bootstrap
 server reports; a NIXL prefill answer carries the identity of the rank that served it (the one the
 `X-data-parallel-rank` header names, else the next in turn, as vLLM's internal balancing would),
-with that rank's side-channel port (`side_channel_port` + rank).
+with that rank's side-channel port (`side_channel_port` + rank), and a `remote_request_id` shaped
+like vLLM's internal id: `cmpl-<X-Request-Id>-0-<8 hex>` (`chatcmpl-<X-Request-Id>-<8 hex>` for
+chat), the random suffix vLLM 0.16+ appends (`InputProcessor.assign_request_id`).
+
+A decode stub given `push_prefill` (the prefill stub of a NixlPushConnector pair) checks a push
+decode leg as vLLM's push connector would need it: the identity fields and `remote_request_id`
+present and no `remote_block_ids`; `remote_request_id` one its prefill issued, for the same
+X-Request-Id (prefill matches decode's registration by that base id, nixl/push_worker.py
+`_pop_matching_registration`); anything else is answered 400 and recorded in `errors`.
+
+With `lmcache_producer` the stub is an LMCacheConnectorV1 P/D prefill engine (`kv_role`
+kv_producer, `enable_pd`): a generation request without a well-formed `disagg_spec` fails with 500
+(vLLM's adapter asserts `request.disagg_spec is not None` for every request a producer saves, and
+LMCache's PD backend indexes the port lists by its tensor-parallel rank), and one with
+`ret_first_tok` is answered `kv_transfer_params: {"first_tok": <token id>}`. `POST /tokenize`
+answers vLLM's shape (`count`, `max_model_len`, `tokens`: ids from 1000 up, one per estimated
+token) and records what it was asked in `tokenized`.
 
     python -m xpyd.testing.stubengine --host 127.0.0.1 --port 8100 [--port 8101 ...]
 """
@@ -19,6 +35,8 @@ import argparse
 import asyncio
 import itertools
 import json
+import re
+import secrets
 import time
 from dataclasses import dataclass, field
 from typing import Any
@@ -70,7 +88,16 @@ class StubEngine:
     omit_kv_params: bool = False
     token_delay: float = 0.0
     data_parallel_size: int = 1
+    push_prefill: StubEngine | None = None
+    lmcache_producer: bool = False
+    tensor_parallel_size: int = 1
+    #: The token id an LMCache P/D prefill answers as `first_tok`.
+    first_token: int = 42
     seen: list[Seen] = field(default_factory=list)
+    #: The internal request id answered per X-Request-Id (NIXL prefill answers' `remote_request_id`).
+    internal_ids: dict[str, str] = field(default_factory=dict)
+    errors: list[str] = field(default_factory=list)
+    tokenized: list[JSON] = field(default_factory=list)
     started: int = 0
     completed: int = 0
     cancelled: int = 0
@@ -102,6 +129,7 @@ class StubEngine:
         app.router.add_get("/v1/models", self._models)
         app.router.add_get("/health", self._health)
         app.router.add_get("/query", self._query)
+        app.router.add_post("/tokenize", self._tokenize)
         return app
 
     async def start(self, host: str = "127.0.0.1", port: int = 0) -> str:
@@ -131,6 +159,13 @@ class StubEngine:
             {"id": self.name, "object": "model", "created": 0, "owned_by": "vllm", "root": self.name,
              "parent": None, "max_model_len": 131072}]})
 
+    async def _tokenize(self, request: web.Request) -> web.Response:
+        body = json.loads(await request.read())
+        self.tokenized.append(body)
+        count = _prompt_tokens(body)
+        return web.json_response({"count": count, "max_model_len": 131072, "tokens": list(range(1000, 1000 + count)),
+                                  "token_strs": None})
+
     async def _query(self, request: web.Request) -> web.Response:
         return web.json_response({str(rank): {"engine_id": self.rank_engine_id(rank),
                                               "worker_addr": {"0": {"0": f"{self.host}:{17000 + rank}"}}}
@@ -154,6 +189,16 @@ class StubEngine:
             if self.fail_status is not None:
                 return web.json_response({"error": {"message": "injected failure", "type": "InternalServerError",
                                                     "param": None, "code": self.fail_status}}, status=self.fail_status)
+            broken = self._check_lmcache_prefill(body.get("kv_transfer_params"))
+            if broken is not None:
+                self.errors.append(broken)
+                return web.json_response({"error": {"message": broken, "type": "InternalServerError",
+                                                    "param": None, "code": 500}}, status=500)
+            refused = self._check_push_decode(request, body.get("kv_transfer_params"))
+            if refused is not None:
+                self.errors.append(refused)
+                return web.json_response({"error": {"message": refused, "type": "BadRequestError",
+                                                    "param": "kv_transfer_params", "code": 400}}, status=400)
             response = await self._answer(request, body)
             self.completed += 1
             return response
@@ -162,11 +207,50 @@ class StubEngine:
             raise
 
     def _kv_answer(self, request: web.Request, params: Any) -> JSON | None:
+        if self.lmcache_producer:
+            return {"first_tok": self.first_token} if isinstance(params, dict) and "ret_first_tok" in params else None
         if not isinstance(params, dict) or not params.get("do_remote_decode") or self.omit_kv_params:
             return None
         if "transfer_id" in params:  # Mooncake: decode learns everything from the proxy
             return None
-        return self.kv_answer(request.headers.get("X-Request-Id", ""), self._rank(request))
+        return self.kv_answer(request.headers.get("X-Request-Id", ""), self._rank(request),
+                              chat=request.path.endswith("/chat/completions"))
+
+    def _check_lmcache_prefill(self, params: Any) -> str | None:
+        """What an LMCache P/D producer would fail on in this request's `kv_transfer_params`."""
+        if not self.lmcache_producer:
+            return None
+        spec = params.get("disagg_spec") if isinstance(params, dict) else None
+        if not isinstance(spec, dict):
+            return "AssertionError: request.disagg_spec is not None"
+        for key, kind in (("req_id", str), ("receiver_host", str)):
+            if not isinstance(spec.get(key), kind) or not spec[key]:
+                return f"disagg_spec[{key!r}] is not a non-empty string"
+        for key in ("receiver_init_port", "receiver_alloc_port"):
+            ports = spec.get(key)
+            if not isinstance(ports, list) or len(ports) < self.tensor_parallel_size or \
+                    not all(isinstance(port, int) and 0 < port < 65536 for port in ports):
+                return f"disagg_spec[{key!r}] has no port for each of {self.tensor_parallel_size} TP rank(s)"
+        return None
+
+    def _check_push_decode(self, request: web.Request, params: Any) -> str | None:
+        """What is wrong with a NixlPushConnector decode leg (None: nothing, or not one)."""
+        if self.push_prefill is None or not isinstance(params, dict) or not params.get("do_remote_prefill"):
+            return None
+        missing = [key for key in ("remote_engine_id", "remote_host", "remote_port", "tp_size", "remote_request_id")
+                   if params.get(key) is None]
+        if missing:
+            return f"push decode without {missing}"
+        if "remote_block_ids" in params:
+            return "push decode with remote_block_ids"
+        remote_id = params["remote_request_id"]
+        if remote_id not in self.push_prefill.internal_ids.values():
+            return f"remote_request_id {remote_id!r} is no request id the prefill engine issued"
+        own = request.headers.get("X-Request-Id", "")
+        mine = f"chatcmpl-{own}" if request.path.endswith("/chat/completions") else f"cmpl-{own}-0"
+        if re.sub(r"-[0-9a-f]{8}$", "", str(remote_id)) != mine:
+            return f"remote_request_id {remote_id!r} belongs to another X-Request-Id than {own!r}"
+        return None
 
     def _rank(self, request: web.Request) -> int:
         """The data-parallel rank that serves a request: the pinned one, else the next in turn."""
@@ -175,11 +259,18 @@ class StubEngine:
             return int(pinned)
         return next(self._turn) % max(self.data_parallel_size, 1)
 
-    def kv_answer(self, request_id: str, rank: int = 0) -> JSON:
+    def internal_id(self, request_id: str, chat: bool = False) -> str:
+        """The internal request id vLLM gives a request with this X-Request-Id (the same one each
+        time it is asked here; vLLM's random suffix makes it unknowable before the answer)."""
+        base = f"chatcmpl-{request_id}" if chat else f"cmpl-{request_id}-0"
+        return self.internal_ids.setdefault(request_id, f"{base}-{secrets.token_hex(4)}")
+
+    def kv_answer(self, request_id: str, rank: int = 0, chat: bool = False) -> JSON:
         """The `kv_transfer_params` a NIXL prefill leg with this X-Request-Id is answered with by
         data-parallel `rank`."""
         return {"do_remote_prefill": True, "do_remote_decode": False, "remote_block_ids": [[1, 2, 3]],
-                "remote_engine_id": self.rank_engine_id(rank), "remote_request_id": f"cmpl-{request_id}-0",
+                "remote_engine_id": self.rank_engine_id(rank),
+                "remote_request_id": self.internal_id(request_id, chat),
                 "remote_host": self.host, "remote_port": self.side_channel_port + rank, "tp_size": 1, "pp_size": 1}
 
     async def _answer(self, request: web.Request, body: JSON) -> web.StreamResponse:
