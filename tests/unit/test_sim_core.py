@@ -373,3 +373,28 @@ def test_abort_of_a_decoding_request_between_steps() -> None:
     events = drive(core)
     assert [e.request.request_id for e in events if e.kind is EventKind.FINISHED] == ["keep"]
     assert core.is_idle and core.kv_reserved_tokens == 0
+
+
+# The `documentation=` of vLLM 0.33's metrics (vllm/v1/metrics/loggers.py in the 0.33.0 wheel): the
+# emulator's `# HELP` lines are vLLM's own.
+VLLM_033_HELP = {
+    "vllm:num_requests_running": "Number of requests in model execution batches.",
+    "vllm:num_requests_waiting": "Number of requests waiting to be processed.",
+    "vllm:kv_cache_usage_perc": "KV-cache usage. 1 means 100 percent usage.",
+    "vllm:prompt_tokens_total": "Number of prefill tokens processed.",
+    "vllm:generation_tokens_total": "Number of generation tokens processed.",
+    "vllm:time_to_first_token_seconds": "Histogram of time to first token in seconds.",
+    "vllm:inter_token_latency_seconds": "Histogram of inter-token latency in seconds.",
+    "vllm:request_time_per_output_token_seconds": "Histogram of time_per_output_token_seconds per request.",
+    "vllm:request_queue_time_seconds": "Histogram of time spent in WAITING phase for request.",
+    "vllm:request_prefill_time_seconds": "Histogram of time spent in PREFILL phase for request.",
+    "vllm:request_decode_time_seconds": "Histogram of time spent in DECODE phase for request.",
+}
+
+
+def test_emulated_metrics_carry_vllms_help_texts() -> None:
+    from xpyd.sim.emulator.exposition import ConnectorMetrics, render_metrics
+
+    text = render_metrics(EngineCore(LinearPerf()), ConnectorMetrics(), "m")
+    helps = dict(line[len("# HELP "):].split(" ", 1) for line in text.splitlines() if line.startswith("# HELP "))
+    assert {name: helps.get(name) for name in VLLM_033_HELP} == VLLM_033_HELP

@@ -103,14 +103,14 @@ class Exposition:
 
 
 _HISTOGRAMS: tuple[tuple[str, str], ...] = (
-    ("time_to_first_token_seconds", "BucketHistogram of time to first token in seconds."),
-    ("inter_token_latency_seconds", "BucketHistogram of inter-token latency in seconds."),
-    ("request_time_per_output_token_seconds", "BucketHistogram of time_per_output_token_seconds per request."),
-    ("e2e_request_latency_seconds", "BucketHistogram of e2e request latency in seconds."),
-    ("request_queue_time_seconds", "BucketHistogram of time spent in WAITING phase for request."),
-    ("request_inference_time_seconds", "BucketHistogram of time spent in RUNNING phase for request."),
-    ("request_prefill_time_seconds", "BucketHistogram of time spent in PREFILL phase for request."),
-    ("request_decode_time_seconds", "BucketHistogram of time spent in DECODE phase for request."),
+    ("time_to_first_token_seconds", "Histogram of time to first token in seconds."),
+    ("inter_token_latency_seconds", "Histogram of inter-token latency in seconds."),
+    ("request_time_per_output_token_seconds", "Histogram of time_per_output_token_seconds per request."),
+    ("e2e_request_latency_seconds", "Histogram of e2e request latency in seconds."),
+    ("request_queue_time_seconds", "Histogram of time spent in WAITING phase for request."),
+    ("request_inference_time_seconds", "Histogram of time spent in RUNNING phase for request."),
+    ("request_prefill_time_seconds", "Histogram of time spent in PREFILL phase for request."),
+    ("request_decode_time_seconds", "Histogram of time spent in DECODE phase for request."),
     ("request_prompt_tokens", "Number of prefill tokens processed."),
     ("request_generation_tokens", "Number of generation tokens processed."),
 )
@@ -143,9 +143,9 @@ def render_metrics(core: EngineCore, connector: ConnectorMetrics, model_name: st
     histograms = metrics.histograms()
     for name, help_text in _HISTOGRAMS:
         out.histogram(f"vllm:{name}", help_text, histograms[name])
-    out.histogram("vllm:nixl_xfer_time_seconds", "BucketHistogram of transfer duration for NIXL KV Cache transfers.",
+    out.histogram("vllm:nixl_xfer_time_seconds", "Histogram of transfer duration for NIXL KV Cache transfers.",
                   connector.nixl_xfer_time_seconds)
-    out.histogram("vllm:nixl_bytes_transferred", "BucketHistogram of bytes transferred per NIXL KV Cache transfers.",
+    out.histogram("vllm:nixl_bytes_transferred", "Histogram of bytes transferred per NIXL KV Cache transfers.",
                   connector.nixl_bytes_transferred)
     out.counter("vllm:nixl_num_failed_transfers_total", "Number of failed NIXL KV Cache transfers.",
                 [({}, connector.nixl_num_failed_transfers_total + metrics.kv_transfer_failures_total)])
