@@ -16,6 +16,7 @@ import pytest
 import yaml
 
 from tests.servings import serving
+from xpyd import vllm
 from xpyd.api.load import load_servings, parse_serving
 from xpyd.cli import main
 from xpyd.render import RenderOptions, render
@@ -126,7 +127,7 @@ def test_p2p_nccl_config_on_0_23() -> None:
 
 
 @pytest.mark.parametrize(("version", "policy_rendered", "shutdown_rendered"), [
-    ("0.10", False, False), ("0.11", False, False), ("0.12", True, False),
+    ("0.10", False, False), ("0.11", False, False), ("0.12", False, False), ("0.13", True, False),
     ("0.17", True, False), ("0.18", True, True), ("0.33", True, True),
 ])
 def test_version_boundaries(version: str, policy_rendered: bool, shutdown_rendered: bool) -> None:
@@ -145,6 +146,40 @@ def test_user_extra_config_overrides_rendered() -> None:
     # The prefill drain holds the engine for the lease the user set.
     assert engine({"kvTransfer": {"extraConfig": {"kv_lease_duration": 60}}})["spec"]["template"]["spec"][
         "terminationGracePeriodSeconds"] == 60 + 60 + 30
+
+
+def grace(spec: dict[str, Any], role: str = "prefill") -> int:
+    return engine(spec, role)["spec"]["template"]["spec"]["terminationGracePeriodSeconds"]  # type: ignore[no-any-return]
+
+
+def hold(spec: dict[str, Any]) -> int:
+    return int(container(spec)["lifecycle"]["preStop"]["exec"]["command"][-1])
+
+
+@pytest.mark.parametrize(("version", "extra", "env", "expected_hold"), [
+    # 0.23+: NIXL's kv_lease_duration (default 30 s); VLLM_NIXL_ABORT_REQUEST_TIMEOUT is gone.
+    ("0.33", {}, [], 30),
+    ("0.23", {"kv_lease_duration": 45}, [{"name": "VLLM_NIXL_ABORT_REQUEST_TIMEOUT", "value": "100"}], 45),
+    # Before: un-pulled blocks are freed after VLLM_NIXL_ABORT_REQUEST_TIMEOUT (default 480 s).
+    ("0.22", {}, [], 480),
+    ("0.13", {"kv_lease_duration": 45}, [], 480),
+    ("0.18", {}, [{"name": "VLLM_NIXL_ABORT_REQUEST_TIMEOUT", "value": "120"}], 120),
+])
+def test_prefill_hold_follows_the_release_kv_timeout(version: str, extra: dict[str, Any], env: list[Any],
+                                                      expected_hold: int) -> None:
+    spec = {"engine": {"vllmVersion": version, "env": env}, "kvTransfer": {"extraConfig": extra}}
+    assert hold(spec) == expected_hold
+    assert grace(spec) == 60 + expected_hold + 30
+    assert grace(spec, "decode") == 60 + 30
+    # The key is rendered only for releases that have it.
+    assert ("kv_lease_duration" in kv_config(spec)["kv_connector_extra_config"]) == (
+        "kv_lease_duration" in extra and vllm.parse_version(version) >= vllm.NIXL_KV_LEASE_ADDED)
+
+
+def test_role_env_abort_timeout_wins_over_engine_env() -> None:
+    spec = {"engine": {"vllmVersion": "0.16", "env": [{"name": "VLLM_NIXL_ABORT_REQUEST_TIMEOUT", "value": "100"}]},
+            "prefill": {"env": [{"name": "VLLM_NIXL_ABORT_REQUEST_TIMEOUT", "value": "200"}]}}
+    assert hold(spec) == 200
 
 
 @pytest.mark.parametrize(("image", "command"), [

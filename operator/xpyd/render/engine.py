@@ -17,8 +17,6 @@ from xpyd.render.kvconfig import kv_transfer_config
 MODEL_MOUNT: Final = "/models"
 HF_HOME: Final = "/cache/huggingface"
 LMCACHE_MOUNT: Final = "/etc/lmcache"
-#: NIXL's default kv_lease_duration: how long prefill holds blocks for decode to pull.
-NIXL_KV_LEASE_SECONDS: Final = 30
 #: The project's engine image (engine-image/): vLLM plus RDMA userspace and a transport check.
 ENGINE_IMAGE_REPOSITORY: Final = "ghcr.io/xpyd-operator/vllm-engine"
 ENGINE_ENTRYPOINT: Final = "/usr/local/bin/xpyd-engine-entrypoint"
@@ -69,11 +67,33 @@ def ucx_tls(spec: DisaggregatedServingSpec) -> str:
     return "rc,cuda_copy,cuda_ipc" if spec.kv_transfer.rdma else "tcp,cuda_copy,cuda_ipc"
 
 
-def kv_lease_seconds(spec: DisaggregatedServingSpec) -> int:
-    """How long a prefill engine keeps KV blocks for decode after answering (NIXL's lease)."""
+def _env_value(spec: DisaggregatedServingSpec, role: Role, name: str) -> str | None:
+    """The literal value the user gives `name` in the engine's env (the role's wins), if any."""
+    role_spec: RoleSpec = getattr(spec, role)
+    value = None
+    for var in [*spec.engine.env, *role_spec.env]:
+        if var.name == name:
+            value = var.value
+    return value
+
+
+def kv_lease_seconds(spec: DisaggregatedServingSpec, role: Role = "prefill") -> int:
+    """How long a prefill engine keeps KV blocks for decode after answering (NIXL only): the
+    `kv_lease_duration` of the extra config from vLLM 0.23, VLLM_NIXL_ABORT_REQUEST_TIMEOUT before."""
     if not spec.kv_transfer.connector.is_nixl:
         return 0
-    return int(spec.kv_transfer.extra_config.get("kv_lease_duration", NIXL_KV_LEASE_SECONDS))
+    lease: object
+    if vllm.parse_version(spec.engine.vllm_version) >= vllm.NIXL_KV_LEASE_ADDED:
+        default = vllm.NIXL_KV_LEASE_DEFAULT_SECONDS
+        lease = spec.kv_transfer.extra_config.get("kv_lease_duration", default)
+    else:
+        default = vllm.NIXL_ABORT_REQUEST_TIMEOUT_DEFAULT_SECONDS
+        lease = _env_value(spec, role, "VLLM_NIXL_ABORT_REQUEST_TIMEOUT")
+    try:
+        seconds = float(lease)  # type: ignore[arg-type]
+    except (TypeError, ValueError):  # None (unset) or a value vLLM refuses at start-up
+        return default
+    return max(0, math.ceil(seconds)) if math.isfinite(seconds) else default
 
 
 def command(spec: DisaggregatedServingSpec) -> list[str]:
@@ -212,13 +232,13 @@ def node_selector(role_spec: RoleSpec) -> dict[str, str]:
 
 def drain_command(spec: DisaggregatedServingSpec, role: Role) -> list[str]:
     role_spec: RoleSpec = getattr(spec, role)
-    hold = kv_lease_seconds(spec) if role == "prefill" else 0
+    hold = kv_lease_seconds(spec, role) if role == "prefill" else 0
     return ["python3", "-c", _DRAIN_SOURCE, str(spec.engine.port), str(role_spec.drain_timeout_seconds), str(hold)]
 
 
 def termination_grace_seconds(spec: DisaggregatedServingSpec, role: Role) -> int:
     role_spec: RoleSpec = getattr(spec, role)
-    hold = kv_lease_seconds(spec) if role == "prefill" else 0
+    hold = kv_lease_seconds(spec, role) if role == "prefill" else 0
     return role_spec.drain_timeout_seconds + hold + SHUTDOWN_MARGIN_SECONDS
 
 
