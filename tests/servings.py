@@ -26,6 +26,7 @@ VALID = {
                                                "gpu": {"count": 8}}}),
     "lmcache": serving({"kvTransfer": {"connector": "LMCacheConnectorV1",
                                        "lmcache": {"configMapRef": {"name": "cfg"}}}}),
+    "nixl mooncake backend": serving({"kvTransfer": {"nixl": {"backends": ["Mooncake", "UCX"]}}}),
     "mooncake block": serving({"kvTransfer": {"connector": "MooncakeConnector", "mooncake": {"protocol": "tcp"}}}),
     "auto": serving({"autoscaling": {"mode": "Auto", "prometheus": {"url": "http://p:9090"}, "gpuBudget": 2}}),
     "prometheus token and ca secret": serving({"autoscaling": {"mode": "Auto", "prometheus": {
@@ -106,6 +107,8 @@ INVALID = [
 # message naming the field; the API server's schema does the same (e2e).
 SCHEMA_INVALID = [
     ("unknown connector", serving({"kvTransfer": {"connector": "Bogus"}}), "spec.kvTransfer.connector"),
+    ("nixl backend upper-case", serving({"kvTransfer": {"nixl": {"backends": ["MOONCAKE"]}}}),
+     "spec.kvTransfer.nixl.backends[0]"),
     ("negative replicas", serving({"decode": {"replicas": -1}}), "spec.decode.replicas"),
     ("bad version", serving({"engine": {"vllmVersion": "latest"}}), "spec.engine.vllmVersion"),
     ("unknown field", serving({"prefill": {"gpus": 2}}), "spec.prefill.gpus"),

@@ -113,6 +113,11 @@ def test_kv_transfer_config_per_connector(connector: str, role: str, expected: d
     assert {key: config[key] for key in expected} == expected
 
 
+def test_nixl_backends_as_nixl_names_its_plugins() -> None:
+    config = kv_config({"kvTransfer": {"nixl": {"backends": ["Mooncake", "UCX"]}}})
+    assert config["kv_connector_extra_config"] == {"backends": ["Mooncake", "UCX"]}
+
+
 def test_p2p_nccl_config_on_0_23() -> None:
     spec = {"kvTransfer": {"connector": "P2pNcclConnector", "p2pNccl": {"bufferSize": "8G"}},
             "engine": {"vllmVersion": "0.23"}}

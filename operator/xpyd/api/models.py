@@ -281,7 +281,9 @@ class UCXSpec(APIModel):
     )
 
 
-NixlBackend = Literal["UCX", "LIBFABRIC", "GDS", "MOONCAKE"]
+#: NIXL plugin names, as NIXL spells them: vLLM passes `backends` to NIXL unchanged, and NIXL's
+#: Mooncake plugin is `Mooncake` (a plugin name NIXL does not know fails the agent's creation).
+NixlBackend = Literal["UCX", "LIBFABRIC", "GDS", "Mooncake"]
 
 
 class NixlSpec(APIModel):
@@ -291,7 +293,7 @@ class NixlSpec(APIModel):
         default_factory=lambda: list[NixlBackend](["UCX"]),
         min_length=1,
         max_length=4,
-        description="NIXL backends, in order.",
+        description="NIXL backends, in order, spelled as NIXL names its plugins: UCX, LIBFABRIC, GDS, Mooncake.",
     )
     side_channel_port: Port = Field(
         default=5600,
