@@ -819,6 +819,12 @@ def _nixl_push_supported(spec: DisaggregatedServingSpec) -> bool:
     return vllm.parse_version(spec.engine.vllm_version) >= vllm.NIXL_PUSH_ADDED
 
 
+def _mooncake_supported(spec: DisaggregatedServingSpec) -> bool:
+    if spec.kv_transfer.connector != Connector.MOONCAKE:
+        return True
+    return vllm.parse_version(spec.engine.vllm_version) >= vllm.MOONCAKE_BOOTSTRAP_ADDED
+
+
 def _gpu_budget_holds(spec: DisaggregatedServingSpec) -> bool:
     budget = spec.autoscaling.gpu_budget
     if budget is None:
@@ -873,6 +879,17 @@ class DisaggregatedServingSpec(APIModel):
             f"!self.engine.vllmVersion.matches('{vllm.UP_TO_0_23_REGEX}')",
             message=f"NixlPushConnector needs engine.vllmVersion >= {vllm.format_version(vllm.NIXL_PUSH_ADDED)}",
             check=_nixl_push_supported,
+        ),
+        # MooncakeConnector before 0.16 (v1/mooncake_connector.py of the 0.13.0 wheel) hands off with
+        # remote_host/remote_port in prefill's answer; the proxy speaks only the transfer_id and
+        # bootstrap (/register, /query) protocol of v1/mooncake/ in the 0.16.0 wheel.
+        Rule(
+            cel=f"self.kvTransfer.connector != 'MooncakeConnector' || "
+            f"!self.engine.vllmVersion.matches('{vllm.BEFORE_0_16_REGEX}')",
+            message=f"MooncakeConnector needs engine.vllmVersion >= "
+            f"{vllm.format_version(vllm.MOONCAKE_BOOTSTRAP_ADDED)}: older releases hand off with "
+            "remote_host/remote_port instead of the transfer id and bootstrap server the proxy uses",
+            check=_mooncake_supported,
         ),
         Rule(
             cel="!has(self.autoscaling.gpuBudget) || self.autoscaling.prefill.minReplicas * "
