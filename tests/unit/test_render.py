@@ -113,6 +113,18 @@ def test_kv_transfer_config_per_connector(connector: str, role: str, expected: d
     assert {key: config[key] for key in expected} == expected
 
 
+@pytest.mark.parametrize(("parallel", "ranks"), [
+    ({}, 1), ({"tensorParallelSize": 4}, 4), ({"tensorParallelSize": 2, "pipelineParallelSize": 2}, 4),
+    ({"tensorParallelSize": 2, "dataParallelSize": 2}, 4),
+])
+def test_p2p_nccl_declares_one_zmq_port_per_rank(parallel: dict[str, Any], ranks: int) -> None:
+    spec = {"kvTransfer": {"connector": "P2pNcclConnector"}, "engine": {"vllmVersion": "0.23"},
+            "prefill": parallel, "decode": parallel}
+    for role in ("prefill", "decode"):
+        zmq = [p for p in container(spec, role)["ports"] if p["name"].startswith("p2p-zmq-")]
+        assert zmq == [{"name": f"p2p-zmq-{r}", "containerPort": 14579 + r, "protocol": "TCP"} for r in range(ranks)]
+
+
 def test_nixl_backends_as_nixl_names_its_plugins() -> None:
     config = kv_config({"kvTransfer": {"nixl": {"backends": ["Mooncake", "UCX"]}}})
     assert config["kv_connector_extra_config"] == {"backends": ["Mooncake", "UCX"]}

@@ -12,7 +12,7 @@ from xpyd.api.models import Connector, DisaggregatedServingSpec, EnvVar, RoleSpe
 from xpyd.api.naming import Role
 from xpyd.common.jsontypes import JSON
 from xpyd.render import drain
-from xpyd.render.kvconfig import kv_transfer_config
+from xpyd.render.kvconfig import P2P_NCCL_KV_PORT, kv_transfer_config
 
 MODEL_MOUNT: Final = "/models"
 HF_HOME: Final = "/cache/huggingface"
@@ -169,6 +169,12 @@ def ports(spec: DisaggregatedServingSpec, role: Role) -> list[JSON]:
     result: list[JSON] = [{"name": "http", "containerPort": spec.engine.port, "protocol": "TCP"}]
     if kv.connector.is_nixl:
         result.append({"name": "nixl", "containerPort": kv.nixl_settings.side_channel_port, "protocol": "TCP"})
+    if kv.connector == Connector.P2P_NCCL:
+        # Each rank binds a ZMQ ROUTER on kv_port + its world rank (p2p_nccl_connector.py passes
+        # get_world_group().rank as port_offset), and the world spans TP x PP x DP in one pod.
+        role_spec: RoleSpec = getattr(spec, role)
+        result += [{"name": f"p2p-zmq-{rank}", "containerPort": P2P_NCCL_KV_PORT + rank, "protocol": "TCP"}
+                   for rank in range(role_spec.parallel_gpus)]
     if kv.connector == Connector.MOONCAKE and role == "prefill":
         result.append(
             {"name": "mooncake", "containerPort": kv.mooncake_settings.bootstrap_port, "protocol": "TCP"}
