@@ -125,6 +125,20 @@ def test_p2p_nccl_declares_one_zmq_port_per_rank(parallel: dict[str, Any], ranks
         assert zmq == [{"name": f"p2p-zmq-{r}", "containerPort": 14579 + r, "protocol": "TCP"} for r in range(ranks)]
 
 
+def test_gpu_nic_mapping_renders_both_variables() -> None:
+    mapping = [{"gpu": "0000:18:00.0", "nic": "0000:19:00.0"}, {"gpu": "2a:00.0", "nic": "2b:00.1"}]
+    spec = {"kvTransfer": {"rdma": {"gpuNicMapping": mapping}}}
+    for role in ("prefill", "decode"):
+        env = env_of(spec, role)
+        assert env["VLLM_GPU_NIC_PCIE_MAPPING"] == "0000:18:00.0=0000:19:00.0,2a:00.0=2b:00.1"
+        assert env["VLLM_NIC_SELECTION_VARS"] == "UCX_NET_DEVICES:1"
+    custom = {"kvTransfer": {"rdma": {"gpuNicMapping": mapping,
+                                      "nicSelectionVars": ["UCX_NET_DEVICES:1", "NCCL_IB_HCA"]}}}
+    assert env_of(custom)["VLLM_NIC_SELECTION_VARS"] == "UCX_NET_DEVICES:1,NCCL_IB_HCA"
+    # Neither without a mapping: vLLM refuses one without the other.
+    assert {"VLLM_GPU_NIC_PCIE_MAPPING", "VLLM_NIC_SELECTION_VARS"}.isdisjoint(env_of({"kvTransfer": {"rdma": {}}}))
+
+
 def test_nixl_backends_as_nixl_names_its_plugins() -> None:
     config = kv_config({"kvTransfer": {"nixl": {"backends": ["Mooncake", "UCX"]}}})
     assert config["kv_connector_extra_config"] == {"backends": ["Mooncake", "UCX"]}

@@ -147,6 +147,13 @@ def env(spec: DisaggregatedServingSpec, role: Role) -> list[JSON]:
             result.append(_env("UCX_NET_DEVICES", kv.ucx.net_devices))
         # UCX logs the transport it picked per endpoint: the way to tell RDMA from TCP fallback.
         result.append(_env("UCX_PROTO_INFO", "y"))
+    version = vllm.parse_version(spec.engine.vllm_version)
+    if kv.rdma is not None and kv.rdma.gpu_nic_mapping and version >= vllm.GPU_NIC_MAPPING_ADDED:
+        # Both or neither: vLLM refuses to start with one of them (vllm_net_devices.py).
+        result += [
+            _env("VLLM_GPU_NIC_PCIE_MAPPING", ",".join(f"{m.gpu}={m.nic}" for m in kv.rdma.gpu_nic_mapping)),
+            _env("VLLM_NIC_SELECTION_VARS", ",".join(kv.rdma.nic_selection_vars)),
+        ]
     if kv.connector == Connector.MOONCAKE and role == "prefill":
         result.append(_env("VLLM_MOONCAKE_BOOTSTRAP_PORT", str(kv.mooncake_settings.bootstrap_port)))
     if kv.lmcache is not None:
