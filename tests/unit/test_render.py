@@ -18,6 +18,7 @@ import yaml
 from tests.servings import serving
 from xpyd import vllm
 from xpyd.api.load import load_servings, parse_serving
+from xpyd.api.models import LMCACHE_PD_PROXY_PORT
 from xpyd.cli import main
 from xpyd.render import RenderOptions, render
 
@@ -245,6 +246,24 @@ def test_mooncake_bootstrap_port_only_on_prefill() -> None:
     spec = {"kvTransfer": {"connector": "MooncakeConnector"}}
     assert env_of(spec, "prefill")["VLLM_MOONCAKE_BOOTSTRAP_PORT"] == "8998"
     assert "VLLM_MOONCAKE_BOOTSTRAP_PORT" not in env_of(spec, "decode")
+
+
+@pytest.mark.parametrize("tp", [1, 2])
+def test_lmcache_pd_addresses_and_ports(tp: int) -> None:
+    spec = {"kvTransfer": {"connector": "LMCacheConnectorV1", "lmcache": {"configMapRef": {"name": "c"}}},
+            "prefill": {"tensorParallelSize": tp}, "decode": {"tensorParallelSize": tp}}
+    prefill, decode = env_of(spec, "prefill"), env_of(spec, "decode")
+    # Prefill's sender notifies the proxy; each decode engine receives on its own address.
+    assert prefill["LMCACHE_PD_PROXY_HOST"] == "llama-proxy.ns.svc"
+    assert prefill["LMCACHE_PD_PROXY_PORT"] == str(LMCACHE_PD_PROXY_PORT) == "7500"
+    assert decode["LMCACHE_PD_PEER_HOST"] == {"fieldRef": {"fieldPath": "status.podIP"}}
+    assert "LMCACHE_PD_PEER_HOST" not in prefill and "LMCACHE_PD_PROXY_HOST" not in decode
+    ports = {p["name"]: p["containerPort"] for p in container(spec, "decode")["ports"]}
+    assert {n: v for n, v in ports.items() if n.startswith("lmc-")} == {
+        **{f"lmc-init-{r}": 7300 + r for r in range(tp)}, **{f"lmc-alloc-{r}": 7400 + r for r in range(tp)}}
+    assert not any(p["name"].startswith("lmc-") for p in container(spec, "prefill")["ports"])
+    for role in ("prefill", "decode"):
+        assert "--no-enable-prefix-caching" in container(spec, role)["args"]
 
 
 def test_lmcache_same_hash_seed_and_role_config() -> None:

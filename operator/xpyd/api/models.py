@@ -355,12 +355,24 @@ class MooncakeSpec(APIModel):
     )
 
 
+#: LMCache P/D (enable_pd): the port the prefillers' senders notify (pd_proxy_port), on the proxy
+#: Service. The render points prefill engines at it and the proxy listens on it: one number for both.
+LMCACHE_PD_PROXY_PORT: Final = 7500
+#: The first ports of a decode engine's LMCache receiver (pd_peer_init_port, pd_peer_alloc_port): one
+#: of each per tensor-parallel rank, counting up from these (the values of vLLM's LMCache P/D example).
+LMCACHE_PD_PEER_INIT_PORT: Final = 7300
+LMCACHE_PD_PEER_ALLOC_PORT: Final = 7400
+
+
 class LMCacheSpec(APIModel):
     """Settings of LMCacheConnectorV1."""
 
     config_map_ref: LocalObjectReference = Field(
         description="ConfigMap with the LMCache configuration: key prefill.yaml for prefill engines and "
-        "decode.yaml for decode engines (mounted as LMCACHE_CONFIG_FILE)."
+        "decode.yaml for decode engines (mounted as LMCACHE_CONFIG_FILE). For P/D they need enable_pd, "
+        "transfer_channel, pd_role, pd_buffer_size and pd_buffer_device; decode.yaml also pd_peer_init_port "
+        "and pd_peer_alloc_port (one per tensor-parallel rank from 7300 and 7400). The hosts and the proxy "
+        "port are rendered as LMCACHE_* variables (docs/connectors.md)."
     )
     python_hash_seed: str = Field(
         default="0",

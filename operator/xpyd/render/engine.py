@@ -8,7 +8,15 @@ import math
 from typing import Any, Final
 
 from xpyd import vllm
-from xpyd.api.models import Connector, DisaggregatedServingSpec, EnvVar, RoleSpec
+from xpyd.api.models import (
+    LMCACHE_PD_PEER_ALLOC_PORT,
+    LMCACHE_PD_PEER_INIT_PORT,
+    LMCACHE_PD_PROXY_PORT,
+    Connector,
+    DisaggregatedServingSpec,
+    EnvVar,
+    RoleSpec,
+)
 from xpyd.api.naming import Role
 from xpyd.common.jsontypes import JSON
 from xpyd.render import drain
@@ -126,12 +134,16 @@ def args(spec: DisaggregatedServingSpec, role: Role, proxy_host: str) -> list[st
         result.append(f"--revision={spec.model.source.hub.revision}")
     if version >= vllm.SHUTDOWN_TIMEOUT_ADDED:
         result.append(f"--shutdown-timeout={role_spec.drain_timeout_seconds}")
+    if spec.kv_transfer.connector == Connector.LMCACHE:
+        # vLLM's LMCache P/D example runs both roles without vLLM's own prefix cache.
+        result.append("--no-enable-prefix-caching")
     result.append(f"--kv-transfer-config={kv_transfer_config(spec, role, proxy_host).to_json()}")
     return result + list(spec.engine.extra_args) + list(role_spec.extra_args)
 
 
-def env(spec: DisaggregatedServingSpec, role: Role) -> list[JSON]:
-    """Environment of the engine container: connector settings, then the user's (which win)."""
+def env(spec: DisaggregatedServingSpec, role: Role, proxy_host: str = "") -> list[JSON]:
+    """Environment of the engine container: connector settings, then the user's (which win).
+    `proxy_host` is the proxy Service's DNS name (LMCache's prefill senders notify it)."""
     kv = spec.kv_transfer
     # What the engine image's entrypoint compares with the devices the pod really has.
     result = [_field_env("POD_IP", "status.podIP"), _env("XPYD_EXPECT_TRANSPORT", transport(spec))]
@@ -161,6 +173,13 @@ def env(spec: DisaggregatedServingSpec, role: Role) -> list[JSON]:
             _env("LMCACHE_CONFIG_FILE", f"{LMCACHE_MOUNT}/{role}.yaml"),
             _env("PYTHONHASHSEED", kv.lmcache.python_hash_seed),
         ]
+        # LMCache reads LMCACHE_<KEY> over its file: what only the pod knows goes here. Prefill's
+        # sender notifies the proxy; every decode engine receives on its own address.
+        if role == "prefill":
+            result += [_env("LMCACHE_PD_PROXY_HOST", proxy_host),
+                       _env("LMCACHE_PD_PROXY_PORT", str(LMCACHE_PD_PROXY_PORT))]
+        else:
+            result.append(_field_env("LMCACHE_PD_PEER_HOST", "status.podIP"))
     if spec.model.source.hub is not None:
         result.append(_env("HF_HOME", HF_HOME))
     if spec.model.hf_token_secret_ref is not None:
@@ -182,6 +201,13 @@ def ports(spec: DisaggregatedServingSpec, role: Role) -> list[JSON]:
         role_spec: RoleSpec = getattr(spec, role)
         result += [{"name": f"p2p-zmq-{rank}", "containerPort": P2P_NCCL_KV_PORT + rank, "protocol": "TCP"}
                    for rank in range(role_spec.parallel_gpus)]
+    if kv.connector == Connector.LMCACHE and role == "decode":
+        # The receiver of each tensor-parallel rank listens on its own init and alloc ports.
+        tp = spec.decode.tensor_parallel_size
+        result += [{"name": f"lmc-init-{rank}", "containerPort": LMCACHE_PD_PEER_INIT_PORT + rank, "protocol": "TCP"}
+                   for rank in range(tp)]
+        result += [{"name": f"lmc-alloc-{rank}", "containerPort": LMCACHE_PD_PEER_ALLOC_PORT + rank,
+                    "protocol": "TCP"} for rank in range(tp)]
     if kv.connector == Connector.MOONCAKE and role == "prefill":
         result.append(
             {"name": "mooncake", "containerPort": kv.mooncake_settings.bootstrap_port, "protocol": "TCP"}
