@@ -17,7 +17,7 @@ import yaml
 
 from tests.servings import serving
 from xpyd import vllm
-from xpyd.api.load import load_servings, parse_serving
+from xpyd.api.load import SpecError, load_servings, parse_serving
 from xpyd.api.models import LMCACHE_PD_PROXY_PORT
 from xpyd.cli import main
 from xpyd.render import RenderOptions, render
@@ -51,6 +51,29 @@ def test_sample_matches_golden(sample: Path) -> None:
 def test_sample_objects_are_valid_kubernetes(sample: Path) -> None:
     for obj in yaml.safe_load_all(render_file(sample)):
         kubernetes_validate.validate(obj, K8S_VERSION, strict=True)
+
+
+#: One release of each range the boundaries in xpyd.vllm cut (and both sides of each boundary).
+RELEASES = ["0.10", "0.12", "0.13", "0.15", "0.16", "0.17", "0.18", "0.22", "0.23", "0.24", "0.31", "0.32",
+            "0.33"]
+
+
+@pytest.mark.parametrize("sample", SAMPLES, ids=[s.stem for s in SAMPLES])
+def test_sample_renders_for_every_release_it_allows(sample: Path) -> None:
+    allowed = []
+    for version in RELEASES:
+        try:
+            servings = load_servings(sample.read_text(), str(sample), vllm_version=version)
+        except SpecError:
+            continue
+        allowed.append(version)
+        for s in servings:
+            for obj in render(s.metadata.name, s.metadata.namespace, s.spec):
+                if obj["kind"] in ("Deployment", "Service"):  # what the release changes
+                    kubernetes_validate.validate(obj, K8S_VERSION, strict=True)
+    # The release the sample names is among them.
+    own = load_servings(sample.read_text())[0].spec.engine.vllm_version
+    assert vllm.format_version(vllm.parse_version(own)) in allowed
 
 
 def test_every_connector_has_a_sample() -> None:
