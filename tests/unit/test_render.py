@@ -21,6 +21,7 @@ from xpyd.api.load import SpecError, load_servings, parse_serving
 from xpyd.api.models import LMCACHE_PD_PROXY_PORT
 from xpyd.cli import main
 from xpyd.render import RenderOptions, render
+from xpyd.render.lmcache import pd_config_problems
 
 pytestmark = pytest.mark.unit
 
@@ -456,3 +457,62 @@ def test_render_command_rejects_bad_files(tmp_path: Path, capsys: pytest.Capture
     assert main(["render", "-f", str(path)]) == 1
     captured = capsys.readouterr()
     assert message in captured.err and captured.out == ""
+
+
+# ------------------------------------------------------------------------------------------------
+# LMCache P/D files
+
+
+LMCACHE_SAMPLE = ROOT / "manifests" / "samples" / "lmcache.yaml"
+
+
+def lmcache_files() -> dict[str, str]:
+    (config_map,) = [d for d in yaml.safe_load_all(LMCACHE_SAMPLE.read_text()) if d["kind"] == "ConfigMap"]
+    return config_map["data"]  # type: ignore[no-any-return]
+
+
+def lmcache_spec(tp: int = 1) -> Any:
+    return parse_serving(serving({"kvTransfer": {"connector": "LMCacheConnectorV1",
+                                                 "lmcache": {"configMapRef": {"name": "lmcache-pd"}}},
+                                  "prefill": {"tensorParallelSize": tp}, "decode": {"tensorParallelSize": tp}})).spec
+
+
+def test_the_lmcache_sample_files_fit_pd_and_the_declared_ports() -> None:
+    files, spec = lmcache_files(), lmcache_spec()
+    for role in ("prefill", "decode"):
+        assert pd_config_problems(spec, role, files[f"{role}.yaml"]) == []
+    declared = {p["containerPort"] for p in container({"kvTransfer": {
+        "connector": "LMCacheConnectorV1", "lmcache": {"configMapRef": {"name": "c"}}}}, "decode")["ports"]}
+    config = yaml.safe_load(files["decode.yaml"])
+    assert set(config["pd_peer_init_port"]) | set(config["pd_peer_alloc_port"]) <= declared
+
+
+@pytest.mark.parametrize(("role", "edit", "problem"), [
+    ("prefill", {"enable_pd": False}, "enable_pd must be true"),
+    ("prefill", {"pd_role": "receiver"}, "pd_role must be sender"),
+    ("decode", {"pd_role": "sender"}, "pd_role must be receiver"),
+    ("decode", {"pd_buffer_size": None}, "pd_buffer_size is missing"),
+    ("decode", {"pd_peer_init_port": 7301}, "pd_peer_init_port must be [7300]"),
+    ("decode", {"pd_peer_alloc_port": None}, "pd_peer_alloc_port must be [7400]"),
+])
+def test_lmcache_file_problems(role: str, edit: dict[str, Any], problem: str) -> None:
+    config = {**yaml.safe_load(lmcache_files()[f"{role}.yaml"]), **edit}
+    config = {k: v for k, v in config.items() if v is not None}
+    problems = pd_config_problems(lmcache_spec(), role, yaml.safe_dump(config))  # type: ignore[arg-type]
+    assert any(problem in p for p in problems), problems
+
+
+def test_lmcache_receiver_ports_per_tensor_parallel_rank() -> None:
+    config = {**yaml.safe_load(lmcache_files()["decode.yaml"]), "pd_peer_init_port": [7300, 7301],
+              "pd_peer_alloc_port": [7400, 7401]}
+    assert pd_config_problems(lmcache_spec(tp=2), "decode", yaml.safe_dump(config)) == []
+    assert pd_config_problems(lmcache_spec(tp=2), "decode", lmcache_files()["decode.yaml"]) != []
+
+
+def test_render_command_checks_an_lmcache_configmap_in_the_same_file(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    path = tmp_path / "lmcache.yaml"
+    path.write_text(LMCACHE_SAMPLE.read_text().replace("pd_role: receiver", "pd_role: sender"))
+    assert main(["render", "-f", str(path)]) == 1
+    captured = capsys.readouterr()
+    assert "lmcache-pd: decode.yaml: pd_role must be receiver" in captured.err and captured.out == ""

@@ -9,8 +9,6 @@ from typing import Any, Final
 
 from xpyd import vllm
 from xpyd.api.models import (
-    LMCACHE_PD_PEER_ALLOC_PORT,
-    LMCACHE_PD_PEER_INIT_PORT,
     LMCACHE_PD_PROXY_PORT,
     Connector,
     DisaggregatedServingSpec,
@@ -19,7 +17,7 @@ from xpyd.api.models import (
 )
 from xpyd.api.naming import Role
 from xpyd.common.jsontypes import JSON
-from xpyd.render import drain
+from xpyd.render import drain, lmcache
 from xpyd.render.kvconfig import P2P_NCCL_KV_PORT, kv_transfer_config
 
 MODEL_MOUNT: Final = "/models"
@@ -203,11 +201,9 @@ def ports(spec: DisaggregatedServingSpec, role: Role) -> list[JSON]:
                    for rank in range(role_spec.parallel_gpus)]
     if kv.connector == Connector.LMCACHE and role == "decode":
         # The receiver of each tensor-parallel rank listens on its own init and alloc ports.
-        tp = spec.decode.tensor_parallel_size
-        result += [{"name": f"lmc-init-{rank}", "containerPort": LMCACHE_PD_PEER_INIT_PORT + rank, "protocol": "TCP"}
-                   for rank in range(tp)]
-        result += [{"name": f"lmc-alloc-{rank}", "containerPort": LMCACHE_PD_PEER_ALLOC_PORT + rank,
-                    "protocol": "TCP"} for rank in range(tp)]
+        for key, prefix in (("pd_peer_init_port", "lmc-init"), ("pd_peer_alloc_port", "lmc-alloc")):
+            result += [{"name": f"{prefix}-{rank}", "containerPort": port, "protocol": "TCP"}
+                       for rank, port in enumerate(lmcache.receiver_ports(spec)[key])]
     if kv.connector == Connector.MOONCAKE and role == "prefill":
         result.append(
             {"name": "mooncake", "containerPort": kv.mooncake_settings.bootstrap_port, "protocol": "TCP"}
