@@ -952,7 +952,8 @@ class DisaggregatedServingSpec(APIModel):
         ),
         # VLLM_GPU_NIC_PCIE_MAPPING is read by vllm/v1/executor/vllm_net_devices.py, new in the 0.23.0 wheel.
         Rule(
-            cel="!has(self.kvTransfer.rdma) || size(self.kvTransfer.rdma.gpuNicMapping) == 0 || "
+            cel="!has(self.kvTransfer.rdma) || !has(self.kvTransfer.rdma.gpuNicMapping) || "
+            "size(self.kvTransfer.rdma.gpuNicMapping) == 0 || "
             f"!self.engine.vllmVersion.matches('{vllm.BEFORE_0_23_REGEX}')",
             message=f"kvTransfer.rdma.gpuNicMapping needs engine.vllmVersion >= "
             f"{vllm.format_version(vllm.GPU_NIC_MAPPING_ADDED)} (VLLM_GPU_NIC_PCIE_MAPPING is new in it)",

@@ -74,7 +74,8 @@ def ucx_tls(spec: DisaggregatedServingSpec) -> str:
 
 
 def _env_value(spec: DisaggregatedServingSpec, role: Role, name: str) -> str | None:
-    """The literal value the user gives `name` in the engine's env (the role's wins), if any."""
+    """The literal value the user gives `name` in the engine's env (the role's wins), if any; None
+    also when it comes from a Secret or ConfigMap (valueFrom), which the render cannot read."""
     role_spec: RoleSpec = getattr(spec, role)
     value = None
     for var in [*spec.engine.env, *role_spec.env]:
