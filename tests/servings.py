@@ -26,6 +26,10 @@ VALID = {
                                                "gpu": {"count": 8}}}),
     "lmcache": serving({"kvTransfer": {"connector": "LMCacheConnectorV1",
                                        "lmcache": {"configMapRef": {"name": "cfg"}}}}),
+    "nixl mooncake backend": serving({"kvTransfer": {"nixl": {"backends": ["Mooncake", "UCX"]}}}),
+    "mooncake 0.16": serving({"kvTransfer": {"connector": "MooncakeConnector"}, "engine": {"vllmVersion": "0.16"}}),
+    "gpu nic mapping 0.23": serving({"engine": {"vllmVersion": "0.23"}, "kvTransfer": {"rdma": {
+        "gpuNicMapping": [{"gpu": "0000:18:00.0", "nic": "0000:19:00.0"}, {"gpu": "2a:00.0", "nic": "2b:00.1"}]}}}),
     "mooncake block": serving({"kvTransfer": {"connector": "MooncakeConnector", "mooncake": {"protocol": "tcp"}}}),
     "auto": serving({"autoscaling": {"mode": "Auto", "prometheus": {"url": "http://p:9090"}, "gpuBudget": 2}}),
     "prometheus token and ca secret": serving({"autoscaling": {"mode": "Auto", "prometheus": {
@@ -56,6 +60,17 @@ INVALID = [
     ("p2pnccl tp unequal", serving({"kvTransfer": {"connector": "P2pNcclConnector"}, "engine": {"vllmVersion": "0.23"},
                                     "prefill": {"tensorParallelSize": 2}, "decode": {"tensorParallelSize": 4}}),
      "prefill and decode tensorParallelSize are incompatible with the connector"),
+    ("mooncake on 0.15", serving({"kvTransfer": {"connector": "MooncakeConnector"},
+                                  "engine": {"vllmVersion": "0.15.1"}}),
+     "MooncakeConnector needs engine.vllmVersion >= 0.16"),
+    ("mooncake on 0.13", serving({"kvTransfer": {"connector": "MooncakeConnector"}, "engine": {"vllmVersion": "0.13"}}),
+     "MooncakeConnector needs engine.vllmVersion >= 0.16"),
+    ("gpu nic mapping on 0.22", serving({"engine": {"vllmVersion": "0.22"}, "kvTransfer": {"rdma": {
+        "gpuNicMapping": [{"gpu": "18:00.0", "nic": "19:00.0"}]}}}),
+     "kvTransfer.rdma.gpuNicMapping needs engine.vllmVersion >= 0.23"),
+    ("gpu nic mapping twice", serving({"kvTransfer": {"rdma": {"gpuNicMapping": [
+        {"gpu": "18:00.0", "nic": "19:00.0"}, {"gpu": "18:00.0", "nic": "2b:00.0"}]}}}),
+     "kvTransfer.rdma.gpuNicMapping lists a GPU more than once"),
     ("p2pnccl on 0.24", serving({"kvTransfer": {"connector": "P2pNcclConnector"}, "engine": {"vllmVersion": "0.24"}}),
      "P2pNcclConnector was removed in vLLM 0.24"),
     ("p2pnccl on 1.0", serving({"kvTransfer": {"connector": "P2pNcclConnector"}, "engine": {"vllmVersion": "1.0"}}),
@@ -106,6 +121,14 @@ INVALID = [
 # message naming the field; the API server's schema does the same (e2e).
 SCHEMA_INVALID = [
     ("unknown connector", serving({"kvTransfer": {"connector": "Bogus"}}), "spec.kvTransfer.connector"),
+    ("nixl backend upper-case", serving({"kvTransfer": {"nixl": {"backends": ["MOONCAKE"]}}}),
+     "spec.kvTransfer.nixl.backends[0]"),
+    ("gpu bdf without function", serving({"kvTransfer": {"rdma": {"gpuNicMapping": [
+        {"gpu": "0000:18:00", "nic": "19:00.0"}]}}}), "spec.kvTransfer.rdma.gpuNicMapping[0].gpu"),
+    ("nic bdf bad device", serving({"kvTransfer": {"rdma": {"gpuNicMapping": [
+        {"gpu": "18:00.0", "nic": "19:2z.0"}]}}}), "spec.kvTransfer.rdma.gpuNicMapping[0].nic"),
+    ("selection var with comma", serving({"kvTransfer": {"rdma": {"nicSelectionVars": ["UCX_NET_DEVICES:1,X"]}}}),
+     "spec.kvTransfer.rdma.nicSelectionVars[0]"),
     ("negative replicas", serving({"decode": {"replicas": -1}}), "spec.decode.replicas"),
     ("bad version", serving({"engine": {"vllmVersion": "latest"}}), "spec.engine.vllmVersion"),
     ("unknown field", serving({"prefill": {"gpus": 2}}), "spec.prefill.gpus"),

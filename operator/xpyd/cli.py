@@ -6,10 +6,14 @@ import argparse
 import sys
 from collections.abc import Sequence
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import yaml
 
 from xpyd import __version__
+
+if TYPE_CHECKING:
+    from xpyd.api.models import DisaggregatedServing
 
 
 def _cmd_crd(args: argparse.Namespace) -> int:
@@ -17,6 +21,27 @@ def _cmd_crd(args: argparse.Namespace) -> int:
 
     sys.stdout.write(crd_yaml())
     return 0
+
+
+def _lmcache_problems(text: str, servings: list[DisaggregatedServing]) -> list[str]:
+    """Checks the LMCache ConfigMaps that come in the same file as the servings that use them."""
+    from xpyd.render.lmcache import pd_config_problems
+
+    config_maps = {doc["metadata"]["name"]: doc.get("data") or {} for doc in yaml.safe_load_all(text)
+                   if isinstance(doc, dict) and doc.get("kind") == "ConfigMap" and doc.get("metadata", {}).get("name")}
+    problems = []
+    for s in servings:
+        lmcache = s.spec.kv_transfer.lmcache
+        if lmcache is None or lmcache.config_map_ref.name not in config_maps:
+            continue
+        data = config_maps[lmcache.config_map_ref.name]
+        for role in ("prefill", "decode"):
+            if f"{role}.yaml" not in data:
+                problems.append(f"{lmcache.config_map_ref.name}: key {role}.yaml is missing")
+            else:
+                problems += [f"{lmcache.config_map_ref.name}: {p}"
+                             for p in pd_config_problems(s.spec, role, data[f"{role}.yaml"])]
+    return problems
 
 
 def _cmd_render(args: argparse.Namespace) -> int:
@@ -32,6 +57,11 @@ def _cmd_render(args: argparse.Namespace) -> int:
         servings = load_servings(text, source=args.file, vllm_version=args.vllm_version)
     except SpecError as error:
         print(f"xpyd render: {error}", file=sys.stderr)
+        return 1
+    problems = _lmcache_problems(text, servings)
+    if problems:
+        print("xpyd render: " + "\n  ".join([f"{args.file}: the LMCache ConfigMap does not fit P/D:", *problems]),
+              file=sys.stderr)
         return 1
     options = RenderOptions(operator_image=args.operator_image) if args.operator_image else RenderOptions()
     objects = [obj for s in servings for obj in render(s.metadata.name, s.metadata.namespace, s.spec, options)]

@@ -22,10 +22,26 @@ P2P_NCCL_LAST: Final[VersionTuple] = (0, 23)
 #: `kv_buffer_size`, `kv_rank`, `kv_parallel_size` and `kv_ip` were removed in 0.32; the config
 #: classes forbid unknown keys, so sending them to 0.32+ fails at start-up.
 LEGACY_KV_FIELDS_REMOVED: Final[VersionTuple] = (0, 32)
-#: `kv_load_failure_policy` came with vLLM PR #26813 (after 0.11.0); 0.12 is the first minor
-#: release certain to have it. Its default was `recompute` until early 2026, then `fail`: the
-#: operator always renders the user's choice explicitly.
-LOAD_FAILURE_POLICY_ADDED: Final[VersionTuple] = (0, 12)
+#: `kv_load_failure_policy` first appears in 0.13 (vllm/config/kv_transfer.py of the 0.13.0 wheel;
+#: absent from 0.12, whose config classes silently drop unknown keys). Its default is `recompute` up
+#: to 0.16 and `fail` from 0.18 (0.17 not checked): the operator always renders the user's choice.
+LOAD_FAILURE_POLICY_ADDED: Final[VersionTuple] = (0, 13)
+#: NIXL's `kv_lease_duration` extra-config key (default 30 s) exists from 0.23 on
+#: (vllm/distributed/kv_transfer/kv_connector/v1/nixl/scheduler.py of the 0.23.0 wheel). Before,
+#: prefill frees un-pulled blocks after env VLLM_NIXL_ABORT_REQUEST_TIMEOUT (vllm/envs.py of 0.13.0,
+#: 0.16.0 and 0.18.0; default 480 s; gone in 0.23). 0.19-0.22 were not checked: the boundary is 0.23.
+NIXL_KV_LEASE_ADDED: Final[VersionTuple] = (0, 23)
+#: NIXL's default kv_lease_duration (0.23+) and VLLM_NIXL_ABORT_REQUEST_TIMEOUT (before), seconds.
+NIXL_KV_LEASE_DEFAULT_SECONDS: Final = 30
+NIXL_ABORT_REQUEST_TIMEOUT_DEFAULT_SECONDS: Final = 480
+#: MooncakeConnector's transfer_id + bootstrap (/register, /query) protocol, the one the proxy speaks,
+#: exists from 0.16 (vllm/distributed/kv_transfer/kv_connector/v1/mooncake/mooncake_connector.py and
+#: mooncake_utils.py of the 0.16.0 wheel). 0.13's connector (v1/mooncake_connector.py) hands off with
+#: remote_host/remote_port in prefill's answer instead.
+MOONCAKE_BOOTSTRAP_ADDED: Final[VersionTuple] = (0, 16)
+#: VLLM_GPU_NIC_PCIE_MAPPING and VLLM_NIC_SELECTION_VARS (vllm/v1/executor/vllm_net_devices.py of the
+#: 0.23.0 wheel; absent from 0.18.0; 0.19-0.22 not checked).
+GPU_NIC_MAPPING_ADDED: Final[VersionTuple] = (0, 23)
 #: NixlPushConnector (PR #35264) was merged after the 0.23 release.
 NIXL_PUSH_ADDED: Final[VersionTuple] = (0, 24)
 #: `--shutdown-timeout` (drain in-flight requests on SIGTERM) exists from 0.18 on.
@@ -34,6 +50,12 @@ SHUTDOWN_TIMEOUT_ADDED: Final[VersionTuple] = (0, 18)
 #: CEL regex for "vLLM version <= 0.23", i.e. P2pNcclConnector's lifetime; its negation is
 #: "NixlPushConnector exists". A unit test keeps it in step with the two constants above.
 UP_TO_0_23_REGEX: Final = r"^0[.]([0-9]|1[0-9]|2[0-3])([.][0-9]+)?$"
+
+#: CEL regex for "vLLM version < 0.23": no kv_lease_duration, no GPU-to-NIC mapping.
+BEFORE_0_23_REGEX: Final = r"^0[.]([0-9]|1[0-9]|2[0-2])([.][0-9]+)?$"
+
+#: CEL regex for "vLLM version < 0.16": MooncakeConnector without the bootstrap protocol.
+BEFORE_0_16_REGEX: Final = r"^0[.]([0-9]|1[0-5])([.][0-9]+)?$"
 
 #: CEL regex for "vLLM version < 0.10" (older than OLDEST_SUPPORTED).
 BEFORE_OLDEST_REGEX: Final = r"^0[.][0-9]([.][0-9]+)?$"

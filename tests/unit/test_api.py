@@ -69,8 +69,12 @@ def test_version_regexes_agree_with_boundaries() -> None:
         text = f"0.{minor}"
         assert bool(re.match(vllm.UP_TO_0_23_REGEX, text)) == ((0, minor) <= vllm.P2P_NCCL_LAST)
         assert bool(re.match(vllm.UP_TO_0_23_REGEX, text)) == ((0, minor) < vllm.NIXL_PUSH_ADDED)
+        assert bool(re.match(vllm.BEFORE_0_16_REGEX, text)) == ((0, minor) < vllm.MOONCAKE_BOOTSTRAP_ADDED)
+        assert bool(re.match(vllm.BEFORE_0_23_REGEX, text)) == ((0, minor) < vllm.NIXL_KV_LEASE_ADDED)
+        assert bool(re.match(vllm.BEFORE_0_23_REGEX, text)) == ((0, minor) < vllm.GPU_NIC_MAPPING_ADDED)
         assert bool(re.match(vllm.BEFORE_OLDEST_REGEX, text)) == ((0, minor) < vllm.OLDEST_SUPPORTED)
-    assert not re.match(vllm.UP_TO_0_23_REGEX, "1.2")
+    for regex in (vllm.UP_TO_0_23_REGEX, vllm.BEFORE_0_16_REGEX, vllm.BEFORE_0_23_REGEX):
+        assert not re.match(regex, "1.2")
 
 
 def test_defaults_are_explicit_and_round_trip() -> None:

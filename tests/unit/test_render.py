@@ -16,9 +16,12 @@ import pytest
 import yaml
 
 from tests.servings import serving
-from xpyd.api.load import load_servings, parse_serving
+from xpyd import vllm
+from xpyd.api.load import SpecError, load_servings, parse_serving
+from xpyd.api.models import LMCACHE_PD_PROXY_PORT
 from xpyd.cli import main
 from xpyd.render import RenderOptions, render
+from xpyd.render.lmcache import pd_config_problems
 
 pytestmark = pytest.mark.unit
 
@@ -49,6 +52,29 @@ def test_sample_matches_golden(sample: Path) -> None:
 def test_sample_objects_are_valid_kubernetes(sample: Path) -> None:
     for obj in yaml.safe_load_all(render_file(sample)):
         kubernetes_validate.validate(obj, K8S_VERSION, strict=True)
+
+
+#: One release of each range the boundaries in xpyd.vllm cut (and both sides of each boundary).
+RELEASES = ["0.10", "0.12", "0.13", "0.15", "0.16", "0.17", "0.18", "0.22", "0.23", "0.24", "0.31", "0.32",
+            "0.33"]
+
+
+@pytest.mark.parametrize("sample", SAMPLES, ids=[s.stem for s in SAMPLES])
+def test_sample_renders_for_every_release_it_allows(sample: Path) -> None:
+    allowed = []
+    for version in RELEASES:
+        try:
+            servings = load_servings(sample.read_text(), str(sample), vllm_version=version)
+        except SpecError:
+            continue
+        allowed.append(version)
+        for s in servings:
+            for obj in render(s.metadata.name, s.metadata.namespace, s.spec):
+                if obj["kind"] in ("Deployment", "Service"):  # what the release changes
+                    kubernetes_validate.validate(obj, K8S_VERSION, strict=True)
+    # The release the sample names is among them.
+    own = load_servings(sample.read_text())[0].spec.engine.vllm_version
+    assert vllm.format_version(vllm.parse_version(own)) in allowed
 
 
 def test_every_connector_has_a_sample() -> None:
@@ -112,6 +138,37 @@ def test_kv_transfer_config_per_connector(connector: str, role: str, expected: d
     assert {key: config[key] for key in expected} == expected
 
 
+@pytest.mark.parametrize(("parallel", "ranks"), [
+    ({}, 1), ({"tensorParallelSize": 4}, 4), ({"tensorParallelSize": 2, "pipelineParallelSize": 2}, 4),
+    ({"tensorParallelSize": 2, "dataParallelSize": 2}, 4),
+])
+def test_p2p_nccl_declares_one_zmq_port_per_rank(parallel: dict[str, Any], ranks: int) -> None:
+    spec = {"kvTransfer": {"connector": "P2pNcclConnector"}, "engine": {"vllmVersion": "0.23"},
+            "prefill": parallel, "decode": parallel}
+    for role in ("prefill", "decode"):
+        zmq = [p for p in container(spec, role)["ports"] if p["name"].startswith("p2p-zmq-")]
+        assert zmq == [{"name": f"p2p-zmq-{r}", "containerPort": 14579 + r, "protocol": "TCP"} for r in range(ranks)]
+
+
+def test_gpu_nic_mapping_renders_both_variables() -> None:
+    mapping = [{"gpu": "0000:18:00.0", "nic": "0000:19:00.0"}, {"gpu": "2a:00.0", "nic": "2b:00.1"}]
+    spec = {"kvTransfer": {"rdma": {"gpuNicMapping": mapping}}}
+    for role in ("prefill", "decode"):
+        env = env_of(spec, role)
+        assert env["VLLM_GPU_NIC_PCIE_MAPPING"] == "0000:18:00.0=0000:19:00.0,2a:00.0=2b:00.1"
+        assert env["VLLM_NIC_SELECTION_VARS"] == "UCX_NET_DEVICES:1"
+    custom = {"kvTransfer": {"rdma": {"gpuNicMapping": mapping,
+                                      "nicSelectionVars": ["UCX_NET_DEVICES:1", "NCCL_IB_HCA"]}}}
+    assert env_of(custom)["VLLM_NIC_SELECTION_VARS"] == "UCX_NET_DEVICES:1,NCCL_IB_HCA"
+    # Neither without a mapping: vLLM refuses one without the other.
+    assert {"VLLM_GPU_NIC_PCIE_MAPPING", "VLLM_NIC_SELECTION_VARS"}.isdisjoint(env_of({"kvTransfer": {"rdma": {}}}))
+
+
+def test_nixl_backends_as_nixl_names_its_plugins() -> None:
+    config = kv_config({"kvTransfer": {"nixl": {"backends": ["Mooncake", "UCX"]}}})
+    assert config["kv_connector_extra_config"] == {"backends": ["Mooncake", "UCX"]}
+
+
 def test_p2p_nccl_config_on_0_23() -> None:
     spec = {"kvTransfer": {"connector": "P2pNcclConnector", "p2pNccl": {"bufferSize": "8G"}},
             "engine": {"vllmVersion": "0.23"}}
@@ -126,7 +183,7 @@ def test_p2p_nccl_config_on_0_23() -> None:
 
 
 @pytest.mark.parametrize(("version", "policy_rendered", "shutdown_rendered"), [
-    ("0.10", False, False), ("0.11", False, False), ("0.12", True, False),
+    ("0.10", False, False), ("0.11", False, False), ("0.12", False, False), ("0.13", True, False),
     ("0.17", True, False), ("0.18", True, True), ("0.33", True, True),
 ])
 def test_version_boundaries(version: str, policy_rendered: bool, shutdown_rendered: bool) -> None:
@@ -145,6 +202,40 @@ def test_user_extra_config_overrides_rendered() -> None:
     # The prefill drain holds the engine for the lease the user set.
     assert engine({"kvTransfer": {"extraConfig": {"kv_lease_duration": 60}}})["spec"]["template"]["spec"][
         "terminationGracePeriodSeconds"] == 60 + 60 + 30
+
+
+def grace(spec: dict[str, Any], role: str = "prefill") -> int:
+    return engine(spec, role)["spec"]["template"]["spec"]["terminationGracePeriodSeconds"]  # type: ignore[no-any-return]
+
+
+def hold(spec: dict[str, Any]) -> int:
+    return int(container(spec)["lifecycle"]["preStop"]["exec"]["command"][-1])
+
+
+@pytest.mark.parametrize(("version", "extra", "env", "expected_hold"), [
+    # 0.23+: NIXL's kv_lease_duration (default 30 s); VLLM_NIXL_ABORT_REQUEST_TIMEOUT is gone.
+    ("0.33", {}, [], 30),
+    ("0.23", {"kv_lease_duration": 45}, [{"name": "VLLM_NIXL_ABORT_REQUEST_TIMEOUT", "value": "100"}], 45),
+    # Before: un-pulled blocks are freed after VLLM_NIXL_ABORT_REQUEST_TIMEOUT (default 480 s).
+    ("0.22", {}, [], 480),
+    ("0.13", {"kv_lease_duration": 45}, [], 480),
+    ("0.18", {}, [{"name": "VLLM_NIXL_ABORT_REQUEST_TIMEOUT", "value": "120"}], 120),
+])
+def test_prefill_hold_follows_the_release_kv_timeout(version: str, extra: dict[str, Any], env: list[Any],
+                                                      expected_hold: int) -> None:
+    spec = {"engine": {"vllmVersion": version, "env": env}, "kvTransfer": {"extraConfig": extra}}
+    assert hold(spec) == expected_hold
+    assert grace(spec) == 60 + expected_hold + 30
+    assert grace(spec, "decode") == 60 + 30
+    # The key is rendered only for releases that have it.
+    assert ("kv_lease_duration" in kv_config(spec)["kv_connector_extra_config"]) == (
+        "kv_lease_duration" in extra and vllm.parse_version(version) >= vllm.NIXL_KV_LEASE_ADDED)
+
+
+def test_role_env_abort_timeout_wins_over_engine_env() -> None:
+    spec = {"engine": {"vllmVersion": "0.16", "env": [{"name": "VLLM_NIXL_ABORT_REQUEST_TIMEOUT", "value": "100"}]},
+            "prefill": {"env": [{"name": "VLLM_NIXL_ABORT_REQUEST_TIMEOUT", "value": "200"}]}}
+    assert hold(spec) == 200
 
 
 @pytest.mark.parametrize(("image", "command"), [
@@ -179,6 +270,24 @@ def test_mooncake_bootstrap_port_only_on_prefill() -> None:
     spec = {"kvTransfer": {"connector": "MooncakeConnector"}}
     assert env_of(spec, "prefill")["VLLM_MOONCAKE_BOOTSTRAP_PORT"] == "8998"
     assert "VLLM_MOONCAKE_BOOTSTRAP_PORT" not in env_of(spec, "decode")
+
+
+@pytest.mark.parametrize("tp", [1, 2])
+def test_lmcache_pd_addresses_and_ports(tp: int) -> None:
+    spec = {"kvTransfer": {"connector": "LMCacheConnectorV1", "lmcache": {"configMapRef": {"name": "c"}}},
+            "prefill": {"tensorParallelSize": tp}, "decode": {"tensorParallelSize": tp}}
+    prefill, decode = env_of(spec, "prefill"), env_of(spec, "decode")
+    # Prefill's sender notifies the proxy; each decode engine receives on its own address.
+    assert prefill["LMCACHE_PD_PROXY_HOST"] == "llama-proxy.ns.svc"
+    assert prefill["LMCACHE_PD_PROXY_PORT"] == str(LMCACHE_PD_PROXY_PORT) == "7500"
+    assert decode["LMCACHE_PD_PEER_HOST"] == {"fieldRef": {"fieldPath": "status.podIP"}}
+    assert "LMCACHE_PD_PEER_HOST" not in prefill and "LMCACHE_PD_PROXY_HOST" not in decode
+    ports = {p["name"]: p["containerPort"] for p in container(spec, "decode")["ports"]}
+    assert {n: v for n, v in ports.items() if n.startswith("lmc-")} == {
+        **{f"lmc-init-{r}": 7300 + r for r in range(tp)}, **{f"lmc-alloc-{r}": 7400 + r for r in range(tp)}}
+    assert not any(p["name"].startswith("lmc-") for p in container(spec, "prefill")["ports"])
+    for role in ("prefill", "decode"):
+        assert "--no-enable-prefix-caching" in container(spec, role)["args"]
 
 
 def test_lmcache_same_hash_seed_and_role_config() -> None:
@@ -348,3 +457,62 @@ def test_render_command_rejects_bad_files(tmp_path: Path, capsys: pytest.Capture
     assert main(["render", "-f", str(path)]) == 1
     captured = capsys.readouterr()
     assert message in captured.err and captured.out == ""
+
+
+# ------------------------------------------------------------------------------------------------
+# LMCache P/D files
+
+
+LMCACHE_SAMPLE = ROOT / "manifests" / "samples" / "lmcache.yaml"
+
+
+def lmcache_files() -> dict[str, str]:
+    (config_map,) = [d for d in yaml.safe_load_all(LMCACHE_SAMPLE.read_text()) if d["kind"] == "ConfigMap"]
+    return config_map["data"]  # type: ignore[no-any-return]
+
+
+def lmcache_spec(tp: int = 1) -> Any:
+    return parse_serving(serving({"kvTransfer": {"connector": "LMCacheConnectorV1",
+                                                 "lmcache": {"configMapRef": {"name": "lmcache-pd"}}},
+                                  "prefill": {"tensorParallelSize": tp}, "decode": {"tensorParallelSize": tp}})).spec
+
+
+def test_the_lmcache_sample_files_fit_pd_and_the_declared_ports() -> None:
+    files, spec = lmcache_files(), lmcache_spec()
+    for role in ("prefill", "decode"):
+        assert pd_config_problems(spec, role, files[f"{role}.yaml"]) == []
+    declared = {p["containerPort"] for p in container({"kvTransfer": {
+        "connector": "LMCacheConnectorV1", "lmcache": {"configMapRef": {"name": "c"}}}}, "decode")["ports"]}
+    config = yaml.safe_load(files["decode.yaml"])
+    assert set(config["pd_peer_init_port"]) | set(config["pd_peer_alloc_port"]) <= declared
+
+
+@pytest.mark.parametrize(("role", "edit", "problem"), [
+    ("prefill", {"enable_pd": False}, "enable_pd must be true"),
+    ("prefill", {"pd_role": "receiver"}, "pd_role must be sender"),
+    ("decode", {"pd_role": "sender"}, "pd_role must be receiver"),
+    ("decode", {"pd_buffer_size": None}, "pd_buffer_size is missing"),
+    ("decode", {"pd_peer_init_port": 7301}, "pd_peer_init_port must be [7300]"),
+    ("decode", {"pd_peer_alloc_port": None}, "pd_peer_alloc_port must be [7400]"),
+])
+def test_lmcache_file_problems(role: str, edit: dict[str, Any], problem: str) -> None:
+    config = {**yaml.safe_load(lmcache_files()[f"{role}.yaml"]), **edit}
+    config = {k: v for k, v in config.items() if v is not None}
+    problems = pd_config_problems(lmcache_spec(), role, yaml.safe_dump(config))  # type: ignore[arg-type]
+    assert any(problem in p for p in problems), problems
+
+
+def test_lmcache_receiver_ports_per_tensor_parallel_rank() -> None:
+    config = {**yaml.safe_load(lmcache_files()["decode.yaml"]), "pd_peer_init_port": [7300, 7301],
+              "pd_peer_alloc_port": [7400, 7401]}
+    assert pd_config_problems(lmcache_spec(tp=2), "decode", yaml.safe_dump(config)) == []
+    assert pd_config_problems(lmcache_spec(tp=2), "decode", lmcache_files()["decode.yaml"]) != []
+
+
+def test_render_command_checks_an_lmcache_configmap_in_the_same_file(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    path = tmp_path / "lmcache.yaml"
+    path.write_text(LMCACHE_SAMPLE.read_text().replace("pd_role: receiver", "pd_role: sender"))
+    assert main(["render", "-f", str(path)]) == 1
+    captured = capsys.readouterr()
+    assert "lmcache-pd: decode.yaml: pd_role must be receiver" in captured.err and captured.out == ""

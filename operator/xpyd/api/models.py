@@ -253,6 +253,21 @@ class Connector(StrEnum):
         return self in (Connector.NIXL, Connector.NIXL_PUSH)
 
 
+#: A PCI address as vLLM's vllm_net_devices.normalize_pci reads it: [domain:]bus:device.function (hex).
+PCI_BDF_PATTERN: Final = r"^(0[xX])?([0-9a-fA-F]{1,8}:)?[0-9a-fA-F]{1,2}:[01]?[0-9a-fA-F][.][0-7]$"
+#: An entry of VLLM_NIC_SELECTION_VARS: an environment variable name, optionally `:<suffix>`.
+NIC_SELECTION_VAR_PATTERN: Final = r"^[A-Za-z_][A-Za-z0-9_]*(:[^,]*)?$"
+
+
+class GPUNICPair(APIModel):
+    """One GPU and the NIC its worker should use, by PCI address."""
+
+    gpu: str = Field(pattern=PCI_BDF_PATTERN, max_length=20,
+                     description="PCI address of the GPU, e.g. 0000:18:00.0 (domain optional).")
+    nic: str = Field(pattern=PCI_BDF_PATTERN, max_length=20,
+                     description="PCI address of the RDMA NIC, e.g. 0000:19:00.0 (domain optional).")
+
+
 class RDMASpec(APIModel):
     """RDMA devices for the KV transfer. When set, engines request the device resource, get the
     IPC_LOCK capability and UCX is told to use RDMA transports."""
@@ -265,6 +280,31 @@ class RDMASpec(APIModel):
         "rdma/roce_gdr, nvidia.com/hostdev).",
     )
     per_replica: int = Field(default=1, ge=1, le=64, description="RDMA devices requested by each engine pod.")
+    gpu_nic_mapping: list[GPUNICPair] = Field(
+        default_factory=list,
+        max_length=64,
+        description="Which NIC each GPU of a node uses (vLLM 0.23 and later): rendered as "
+        "VLLM_GPU_NIC_PCIE_MAPPING, and each engine worker then sets the variables of nicSelectionVars "
+        "to its GPU's RDMA device. PCI addresses are per node type: read them with `nvidia-smi topo -m` "
+        "and `lspci`. Empty: every worker uses the same devices (ucx.netDevices or UCX's choice).",
+    )
+    nic_selection_vars: list[Annotated[str, Field(pattern=NIC_SELECTION_VAR_PATTERN, max_length=256)]] = Field(
+        default_factory=lambda: ["UCX_NET_DEVICES:1"],
+        min_length=1,
+        max_length=16,
+        description="VLLM_NIC_SELECTION_VARS, with gpuNicMapping: the variables each worker sets to its "
+        "GPU's RDMA device, each NAME or NAME:<suffix> (the suffix is appended to the device name: "
+        "UCX_NET_DEVICES:1 selects port 1 for UCX, which NIXL and LMCache use).",
+    )
+
+    rules = (
+        Rule(
+            cel="self.gpuNicMapping.all(m, self.gpuNicMapping.exists_one(n, n.gpu == m.gpu))",
+            message="kvTransfer.rdma.gpuNicMapping lists a GPU more than once",
+            check=lambda r: len({m.gpu.lower() for m in r.gpu_nic_mapping}) == len(r.gpu_nic_mapping),
+            field_path=".gpuNicMapping",
+        ),
+    )
 
 
 class UCXSpec(APIModel):
@@ -281,7 +321,9 @@ class UCXSpec(APIModel):
     )
 
 
-NixlBackend = Literal["UCX", "LIBFABRIC", "GDS", "MOONCAKE"]
+#: NIXL plugin names, as NIXL spells them: vLLM passes `backends` to NIXL unchanged, and NIXL's
+#: Mooncake plugin is `Mooncake` (a plugin name NIXL does not know fails the agent's creation).
+NixlBackend = Literal["UCX", "LIBFABRIC", "GDS", "Mooncake"]
 
 
 class NixlSpec(APIModel):
@@ -291,7 +333,7 @@ class NixlSpec(APIModel):
         default_factory=lambda: list[NixlBackend](["UCX"]),
         min_length=1,
         max_length=4,
-        description="NIXL backends, in order.",
+        description="NIXL backends, in order, spelled as NIXL names its plugins: UCX, LIBFABRIC, GDS, Mooncake.",
     )
     side_channel_port: Port = Field(
         default=5600,
@@ -313,12 +355,24 @@ class MooncakeSpec(APIModel):
     )
 
 
+#: LMCache P/D (enable_pd): the port the prefillers' senders notify (pd_proxy_port), on the proxy
+#: Service. The render points prefill engines at it and the proxy listens on it: one number for both.
+LMCACHE_PD_PROXY_PORT: Final = 7500
+#: The first ports of a decode engine's LMCache receiver (pd_peer_init_port, pd_peer_alloc_port): one
+#: of each per tensor-parallel rank, counting up from these (the values of vLLM's LMCache P/D example).
+LMCACHE_PD_PEER_INIT_PORT: Final = 7300
+LMCACHE_PD_PEER_ALLOC_PORT: Final = 7400
+
+
 class LMCacheSpec(APIModel):
     """Settings of LMCacheConnectorV1."""
 
     config_map_ref: LocalObjectReference = Field(
         description="ConfigMap with the LMCache configuration: key prefill.yaml for prefill engines and "
-        "decode.yaml for decode engines (mounted as LMCACHE_CONFIG_FILE)."
+        "decode.yaml for decode engines (mounted as LMCACHE_CONFIG_FILE). For P/D they need enable_pd, "
+        "transfer_channel, pd_role, pd_buffer_size and pd_buffer_device; decode.yaml also pd_peer_init_port "
+        "and pd_peer_alloc_port (one per tensor-parallel rank from 7300 and 7400). The hosts and the proxy "
+        "port are rendered as LMCACHE_* variables (docs/connectors.md)."
     )
     python_hash_seed: str = Field(
         default="0",
@@ -817,6 +871,19 @@ def _nixl_push_supported(spec: DisaggregatedServingSpec) -> bool:
     return vllm.parse_version(spec.engine.vllm_version) >= vllm.NIXL_PUSH_ADDED
 
 
+def _mooncake_supported(spec: DisaggregatedServingSpec) -> bool:
+    if spec.kv_transfer.connector != Connector.MOONCAKE:
+        return True
+    return vllm.parse_version(spec.engine.vllm_version) >= vllm.MOONCAKE_BOOTSTRAP_ADDED
+
+
+def _gpu_nic_mapping_supported(spec: DisaggregatedServingSpec) -> bool:
+    rdma = spec.kv_transfer.rdma
+    if rdma is None or not rdma.gpu_nic_mapping:
+        return True
+    return vllm.parse_version(spec.engine.vllm_version) >= vllm.GPU_NIC_MAPPING_ADDED
+
+
 def _gpu_budget_holds(spec: DisaggregatedServingSpec) -> bool:
     budget = spec.autoscaling.gpu_budget
     if budget is None:
@@ -871,6 +938,26 @@ class DisaggregatedServingSpec(APIModel):
             f"!self.engine.vllmVersion.matches('{vllm.UP_TO_0_23_REGEX}')",
             message=f"NixlPushConnector needs engine.vllmVersion >= {vllm.format_version(vllm.NIXL_PUSH_ADDED)}",
             check=_nixl_push_supported,
+        ),
+        # MooncakeConnector before 0.16 (v1/mooncake_connector.py of the 0.13.0 wheel) hands off with
+        # remote_host/remote_port in prefill's answer; the proxy speaks only the transfer_id and
+        # bootstrap (/register, /query) protocol of v1/mooncake/ in the 0.16.0 wheel.
+        Rule(
+            cel=f"self.kvTransfer.connector != 'MooncakeConnector' || "
+            f"!self.engine.vllmVersion.matches('{vllm.BEFORE_0_16_REGEX}')",
+            message=f"MooncakeConnector needs engine.vllmVersion >= "
+            f"{vllm.format_version(vllm.MOONCAKE_BOOTSTRAP_ADDED)}: older releases hand off with "
+            "remote_host/remote_port instead of the transfer id and bootstrap server the proxy uses",
+            check=_mooncake_supported,
+        ),
+        # VLLM_GPU_NIC_PCIE_MAPPING is read by vllm/v1/executor/vllm_net_devices.py, new in the 0.23.0 wheel.
+        Rule(
+            cel="!has(self.kvTransfer.rdma) || !has(self.kvTransfer.rdma.gpuNicMapping) || "
+            "size(self.kvTransfer.rdma.gpuNicMapping) == 0 || "
+            f"!self.engine.vllmVersion.matches('{vllm.BEFORE_0_23_REGEX}')",
+            message=f"kvTransfer.rdma.gpuNicMapping needs engine.vllmVersion >= "
+            f"{vllm.format_version(vllm.GPU_NIC_MAPPING_ADDED)} (VLLM_GPU_NIC_PCIE_MAPPING is new in it)",
+            check=_gpu_nic_mapping_supported,
         ),
         Rule(
             cel="!has(self.autoscaling.gpuBudget) || self.autoscaling.prefill.minReplicas * "

@@ -88,7 +88,7 @@ def _engine_objects(name: str, namespace: str, spec: DisaggregatedServingSpec, r
         rdma=spec.kv_transfer.rdma is not None,
         command=engine.command(spec),
         args=engine.args(spec, role, proxy_host(name, namespace)),
-        env=engine.env(spec, role),
+        env=engine.env(spec, role, proxy_host(name, namespace)),
         ports=ports,
         resources=engine.resources(spec, role),
         volumes=vols,

@@ -8,17 +8,21 @@ import math
 from typing import Any, Final
 
 from xpyd import vllm
-from xpyd.api.models import Connector, DisaggregatedServingSpec, EnvVar, RoleSpec
+from xpyd.api.models import (
+    LMCACHE_PD_PROXY_PORT,
+    Connector,
+    DisaggregatedServingSpec,
+    EnvVar,
+    RoleSpec,
+)
 from xpyd.api.naming import Role
 from xpyd.common.jsontypes import JSON
-from xpyd.render import drain
-from xpyd.render.kvconfig import kv_transfer_config
+from xpyd.render import drain, lmcache
+from xpyd.render.kvconfig import P2P_NCCL_KV_PORT, kv_transfer_config
 
 MODEL_MOUNT: Final = "/models"
 HF_HOME: Final = "/cache/huggingface"
 LMCACHE_MOUNT: Final = "/etc/lmcache"
-#: NIXL's default kv_lease_duration: how long prefill holds blocks for decode to pull.
-NIXL_KV_LEASE_SECONDS: Final = 30
 #: The project's engine image (engine-image/): vLLM plus RDMA userspace and a transport check.
 ENGINE_IMAGE_REPOSITORY: Final = "ghcr.io/xpyd-operator/vllm-engine"
 ENGINE_ENTRYPOINT: Final = "/usr/local/bin/xpyd-engine-entrypoint"
@@ -69,11 +73,34 @@ def ucx_tls(spec: DisaggregatedServingSpec) -> str:
     return "rc,cuda_copy,cuda_ipc" if spec.kv_transfer.rdma else "tcp,cuda_copy,cuda_ipc"
 
 
-def kv_lease_seconds(spec: DisaggregatedServingSpec) -> int:
-    """How long a prefill engine keeps KV blocks for decode after answering (NIXL's lease)."""
+def _env_value(spec: DisaggregatedServingSpec, role: Role, name: str) -> str | None:
+    """The literal value the user gives `name` in the engine's env (the role's wins), if any; None
+    also when it comes from a Secret or ConfigMap (valueFrom), which the render cannot read."""
+    role_spec: RoleSpec = getattr(spec, role)
+    value = None
+    for var in [*spec.engine.env, *role_spec.env]:
+        if var.name == name:
+            value = var.value
+    return value
+
+
+def kv_lease_seconds(spec: DisaggregatedServingSpec, role: Role = "prefill") -> int:
+    """How long a prefill engine keeps KV blocks for decode after answering (NIXL only): the
+    `kv_lease_duration` of the extra config from vLLM 0.23, VLLM_NIXL_ABORT_REQUEST_TIMEOUT before."""
     if not spec.kv_transfer.connector.is_nixl:
         return 0
-    return int(spec.kv_transfer.extra_config.get("kv_lease_duration", NIXL_KV_LEASE_SECONDS))
+    lease: object
+    if vllm.parse_version(spec.engine.vllm_version) >= vllm.NIXL_KV_LEASE_ADDED:
+        default = vllm.NIXL_KV_LEASE_DEFAULT_SECONDS
+        lease = spec.kv_transfer.extra_config.get("kv_lease_duration", default)
+    else:
+        default = vllm.NIXL_ABORT_REQUEST_TIMEOUT_DEFAULT_SECONDS
+        lease = _env_value(spec, role, "VLLM_NIXL_ABORT_REQUEST_TIMEOUT")
+    try:
+        seconds = float(lease)  # type: ignore[arg-type]
+    except (TypeError, ValueError):  # None (unset) or a value vLLM refuses at start-up
+        return default
+    return max(0, math.ceil(seconds)) if math.isfinite(seconds) else default
 
 
 def command(spec: DisaggregatedServingSpec) -> list[str]:
@@ -106,12 +133,16 @@ def args(spec: DisaggregatedServingSpec, role: Role, proxy_host: str) -> list[st
         result.append(f"--revision={spec.model.source.hub.revision}")
     if version >= vllm.SHUTDOWN_TIMEOUT_ADDED:
         result.append(f"--shutdown-timeout={role_spec.drain_timeout_seconds}")
+    if spec.kv_transfer.connector == Connector.LMCACHE:
+        # vLLM's LMCache P/D example runs both roles without vLLM's own prefix cache.
+        result.append("--no-enable-prefix-caching")
     result.append(f"--kv-transfer-config={kv_transfer_config(spec, role, proxy_host).to_json()}")
     return result + list(spec.engine.extra_args) + list(role_spec.extra_args)
 
 
-def env(spec: DisaggregatedServingSpec, role: Role) -> list[JSON]:
-    """Environment of the engine container: connector settings, then the user's (which win)."""
+def env(spec: DisaggregatedServingSpec, role: Role, proxy_host: str = "") -> list[JSON]:
+    """Environment of the engine container: connector settings, then the user's (which win).
+    `proxy_host` is the proxy Service's DNS name (LMCache's prefill senders notify it)."""
     kv = spec.kv_transfer
     # What the engine image's entrypoint compares with the devices the pod really has.
     result = [_field_env("POD_IP", "status.podIP"), _env("XPYD_EXPECT_TRANSPORT", transport(spec))]
@@ -127,6 +158,13 @@ def env(spec: DisaggregatedServingSpec, role: Role) -> list[JSON]:
             result.append(_env("UCX_NET_DEVICES", kv.ucx.net_devices))
         # UCX logs the transport it picked per endpoint: the way to tell RDMA from TCP fallback.
         result.append(_env("UCX_PROTO_INFO", "y"))
+    version = vllm.parse_version(spec.engine.vllm_version)
+    if kv.rdma is not None and kv.rdma.gpu_nic_mapping and version >= vllm.GPU_NIC_MAPPING_ADDED:
+        # Both or neither: vLLM refuses to start with one of them (vllm_net_devices.py).
+        result += [
+            _env("VLLM_GPU_NIC_PCIE_MAPPING", ",".join(f"{m.gpu}={m.nic}" for m in kv.rdma.gpu_nic_mapping)),
+            _env("VLLM_NIC_SELECTION_VARS", ",".join(kv.rdma.nic_selection_vars)),
+        ]
     if kv.connector == Connector.MOONCAKE and role == "prefill":
         result.append(_env("VLLM_MOONCAKE_BOOTSTRAP_PORT", str(kv.mooncake_settings.bootstrap_port)))
     if kv.lmcache is not None:
@@ -134,6 +172,13 @@ def env(spec: DisaggregatedServingSpec, role: Role) -> list[JSON]:
             _env("LMCACHE_CONFIG_FILE", f"{LMCACHE_MOUNT}/{role}.yaml"),
             _env("PYTHONHASHSEED", kv.lmcache.python_hash_seed),
         ]
+        # LMCache reads LMCACHE_<KEY> over its file: what only the pod knows goes here. Prefill's
+        # sender notifies the proxy; every decode engine receives on its own address.
+        if role == "prefill":
+            result += [_env("LMCACHE_PD_PROXY_HOST", proxy_host),
+                       _env("LMCACHE_PD_PROXY_PORT", str(LMCACHE_PD_PROXY_PORT))]
+        else:
+            result.append(_field_env("LMCACHE_PD_PEER_HOST", "status.podIP"))
     if spec.model.source.hub is not None:
         result.append(_env("HF_HOME", HF_HOME))
     if spec.model.hf_token_secret_ref is not None:
@@ -149,6 +194,17 @@ def ports(spec: DisaggregatedServingSpec, role: Role) -> list[JSON]:
     result: list[JSON] = [{"name": "http", "containerPort": spec.engine.port, "protocol": "TCP"}]
     if kv.connector.is_nixl:
         result.append({"name": "nixl", "containerPort": kv.nixl_settings.side_channel_port, "protocol": "TCP"})
+    if kv.connector == Connector.P2P_NCCL:
+        # Each rank binds a ZMQ ROUTER on kv_port + its world rank (p2p_nccl_connector.py passes
+        # get_world_group().rank as port_offset), and the world spans TP x PP x DP in one pod.
+        role_spec: RoleSpec = getattr(spec, role)
+        result += [{"name": f"p2p-zmq-{rank}", "containerPort": P2P_NCCL_KV_PORT + rank, "protocol": "TCP"}
+                   for rank in range(role_spec.parallel_gpus)]
+    if kv.connector == Connector.LMCACHE and role == "decode":
+        # The receiver of each tensor-parallel rank listens on its own init and alloc ports.
+        for key, prefix in (("pd_peer_init_port", "lmc-init"), ("pd_peer_alloc_port", "lmc-alloc")):
+            result += [{"name": f"{prefix}-{rank}", "containerPort": port, "protocol": "TCP"}
+                       for rank, port in enumerate(lmcache.receiver_ports(spec)[key])]
     if kv.connector == Connector.MOONCAKE and role == "prefill":
         result.append(
             {"name": "mooncake", "containerPort": kv.mooncake_settings.bootstrap_port, "protocol": "TCP"}
@@ -212,13 +268,13 @@ def node_selector(role_spec: RoleSpec) -> dict[str, str]:
 
 def drain_command(spec: DisaggregatedServingSpec, role: Role) -> list[str]:
     role_spec: RoleSpec = getattr(spec, role)
-    hold = kv_lease_seconds(spec) if role == "prefill" else 0
+    hold = kv_lease_seconds(spec, role) if role == "prefill" else 0
     return ["python3", "-c", _DRAIN_SOURCE, str(spec.engine.port), str(role_spec.drain_timeout_seconds), str(hold)]
 
 
 def termination_grace_seconds(spec: DisaggregatedServingSpec, role: Role) -> int:
     role_spec: RoleSpec = getattr(spec, role)
-    hold = kv_lease_seconds(spec) if role == "prefill" else 0
+    hold = kv_lease_seconds(spec, role) if role == "prefill" else 0
     return role_spec.drain_timeout_seconds + hold + SHUTDOWN_MARGIN_SECONDS
 
 

@@ -61,6 +61,9 @@ class KVTransferConfig(BaseModel):
                 "kv_load_failure_policy does not exist before vLLM "
                 + vllm.format_version(vllm.LOAD_FAILURE_POLICY_ADDED)
             )
+        if self.version < vllm.NIXL_KV_LEASE_ADDED and "kv_lease_duration" in self.kv_connector_extra_config:
+            raise ValueError("kv_lease_duration does not exist before vLLM "
+                             + vllm.format_version(vllm.NIXL_KV_LEASE_ADDED))
         return self
 
     def to_json(self) -> str:
@@ -107,6 +110,14 @@ def _p2p_nccl_buffer_bytes(spec: DisaggregatedServingSpec, role: Role) -> int:
     return P2P_NCCL_PUSHER_BUFFER_BYTES
 
 
+def _without_unknown_keys(extra: dict[str, Any], version: vllm.VersionTuple) -> dict[str, Any]:
+    """Drops `kv_lease_duration` before 0.23: the release ignores it (its prefill times out
+    un-pulled blocks after VLLM_NIXL_ABORT_REQUEST_TIMEOUT instead, which the drain follows)."""
+    if version < vllm.NIXL_KV_LEASE_ADDED:
+        return {k: v for k, v in extra.items() if k != "kv_lease_duration"}
+    return extra
+
+
 def kv_transfer_config(spec: DisaggregatedServingSpec, role: Role, proxy_host: str) -> KVTransferConfig:
     """The kv-transfer-config of `role`; `proxy_host` is the proxy Service's DNS name (P2pNccl only)."""
     kv = spec.kv_transfer
@@ -118,7 +129,8 @@ def kv_transfer_config(spec: DisaggregatedServingSpec, role: Role, proxy_host: s
         kv_role=KV_ROLE[role],
         kv_buffer_device=kv.buffer_device,
         kv_load_failure_policy=kv.load_failure_policy if version >= vllm.LOAD_FAILURE_POLICY_ADDED else None,
-        kv_connector_extra_config={**_extra_config(spec, role, proxy_host), **kv.extra_config},
+        kv_connector_extra_config=_without_unknown_keys(
+            {**_extra_config(spec, role, proxy_host), **kv.extra_config}, version),
         kv_buffer_size=_p2p_nccl_buffer_bytes(spec, role) if p2p_nccl else None,
         kv_port=P2P_NCCL_KV_PORT if p2p_nccl else None,
     )
