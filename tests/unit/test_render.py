@@ -288,6 +288,10 @@ def test_lmcache_pd_addresses_and_ports(tp: int) -> None:
     assert not any(p["name"].startswith("lmc-") for p in container(spec, "prefill")["ports"])
     for role in ("prefill", "decode"):
         assert "--no-enable-prefix-caching" in container(spec, role)["args"]
+    # The proxy tells prefill where to push: the same first ports and the decode TP it spans.
+    proxy_args = container(spec, "proxy")["args"]
+    assert {"--lmcache-init-port=7300", "--lmcache-alloc-port=7400",
+            f"--decode-tensor-parallel-size={tp}"} <= set(proxy_args)
 
 
 def test_lmcache_same_hash_seed_and_role_config() -> None:

@@ -59,6 +59,9 @@ Name = Annotated[str, Field(min_length=1, max_length=253)]
 
 #: The most data-parallel ranks one engine pod may run (`dataParallelSize`; the proxy bounds its flag by it).
 MAX_DATA_PARALLEL = 64
+#: The most tensor-parallel ranks of one engine (`tensorParallelSize`; the proxy bounds
+#: `--decode-tensor-parallel-size` by it).
+MAX_TENSOR_PARALLEL = 64
 #: The most seconds a stopping proxy keeps serving while it fails readiness (`--drain-seconds`), and the
 #: most its requests in flight get afterwards (`--finish-timeout`): a stopping proxy must not hold its
 #: pod for long. The proxy refuses longer values; the render caps what it passes by them.
@@ -551,7 +554,7 @@ class RoleSpec(APIModel):
     replicas: int = Field(
         default=1, ge=0, le=1024, description="Engine pods. Set by the autoscaler when autoscaling.mode is Auto."
     )
-    tensor_parallel_size: int = Field(default=1, ge=1, le=64, description="--tensor-parallel-size.")
+    tensor_parallel_size: int = Field(default=1, ge=1, le=MAX_TENSOR_PARALLEL, description="--tensor-parallel-size.")
     pipeline_parallel_size: int = Field(default=1, ge=1, le=64, description="--pipeline-parallel-size.")
     data_parallel_size: int = Field(
         default=1, ge=1, le=MAX_DATA_PARALLEL, description="--data-parallel-size, all ranks inside one pod."

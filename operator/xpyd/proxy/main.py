@@ -34,6 +34,7 @@ from xpyd.api.models import (
     MAX_DATA_PARALLEL,
     MAX_PROXY_DRAIN_SECONDS,
     MAX_PROXY_FINISH_SECONDS,
+    MAX_TENSOR_PARALLEL,
     Connector,
     RoutingPolicy,
 )
@@ -182,8 +183,8 @@ def _check(args: argparse.Namespace) -> str | None:
         return "at least one --prefill URL is needed (or --decode-only-fallback)"
     if not 1 <= args.prefill_data_parallel_size <= MAX_DATA_PARALLEL:
         return f"--prefill-data-parallel-size must be within 1..{MAX_DATA_PARALLEL}"
-    if not 1 <= args.decode_tensor_parallel_size <= protocol.MAX_TENSOR_PARALLEL:
-        return f"--decode-tensor-parallel-size must be within 1..{protocol.MAX_TENSOR_PARALLEL}"
+    if not 1 <= args.decode_tensor_parallel_size <= MAX_TENSOR_PARALLEL:
+        return f"--decode-tensor-parallel-size must be within 1..{MAX_TENSOR_PARALLEL}"
     for flag, port in (("--lmcache-init-port", args.lmcache_init_port),
                        ("--lmcache-alloc-port", args.lmcache_alloc_port)):
         if not 1 <= port <= 65536 - args.decode_tensor_parallel_size:

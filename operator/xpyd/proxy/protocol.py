@@ -44,7 +44,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, Final
 
-from xpyd.api.models import Connector
+from xpyd.api.models import LMCACHE_PD_PEER_ALLOC_PORT, LMCACHE_PD_PEER_INIT_PORT, Connector
 from xpyd.common.jsontypes import JSON
 
 #: The prefill leg's `kv_transfer_params` for NIXL (pull and push), exactly as vLLM's proxies send them.
@@ -67,11 +67,9 @@ PUSH_IDENTITY_OPTIONAL: Final = ("pp_size", "dcp_size")
 #: vLLM's MooncakeConnector bootstrap port default (VLLM_MOONCAKE_BOOTSTRAP_PORT).
 MOONCAKE_BOOTSTRAP_PORT: Final = 8998
 #: LMCache P/D: the decode side's first `pd_peer_init_port` and `pd_peer_alloc_port` (tensor-parallel
-#: rank i listens on port + i), as LMCache's P/D example configures them.
-LMCACHE_INIT_PORT: Final = 7300
-LMCACHE_ALLOC_PORT: Final = 7400
-#: The largest `--decode-tensor-parallel-size` (the API's bound on tensorParallelSize).
-MAX_TENSOR_PARALLEL: Final = 64
+#: rank i listens on port + i), as LMCache's P/D example configures them (one source: the API's).
+LMCACHE_INIT_PORT: Final = LMCACHE_PD_PEER_INIT_PORT
+LMCACHE_ALLOC_PORT: Final = LMCACHE_PD_PEER_ALLOC_PORT
 #: The header that pins a request to one data-parallel rank of a vLLM server (internal load balancing).
 DP_RANK_HEADER: Final = "X-data-parallel-rank"
 #: vLLM's P2pNcclConnector first ZMQ port (kv_port; rank r listens on kv_port + r).

@@ -17,7 +17,14 @@ import yaml
 
 from xpyd import __version__
 from xpyd.api import naming
-from xpyd.api.models import MAX_PROXY_DRAIN_SECONDS, MAX_PROXY_FINISH_SECONDS, Connector, DisaggregatedServingSpec
+from xpyd.api.models import (
+    LMCACHE_PD_PEER_ALLOC_PORT,
+    LMCACHE_PD_PEER_INIT_PORT,
+    MAX_PROXY_DRAIN_SECONDS,
+    MAX_PROXY_FINISH_SECONDS,
+    Connector,
+    DisaggregatedServingSpec,
+)
 from xpyd.api.naming import Role
 from xpyd.common.args import last_flag_value
 from xpyd.common.jsontypes import JSON
@@ -115,6 +122,11 @@ def proxy_args(name: str, namespace: str, spec: DisaggregatedServingSpec) -> lis
     if kv.connector == Connector.MOONCAKE:
         # Decode dials prefill's bootstrap server at this port; the proxy asks it for the engine ids.
         connector.append(f"--mooncake-bootstrap-port={kv.mooncake_settings.bootstrap_port}")
+    if kv.connector == Connector.LMCACHE:
+        # Prefill pushes each request's KV to the decode pod picked: its LMCache ports, one per TP rank.
+        connector += [f"--lmcache-init-port={LMCACHE_PD_PEER_INIT_PORT}",
+                      f"--lmcache-alloc-port={LMCACHE_PD_PEER_ALLOC_PORT}",
+                      f"--decode-tensor-parallel-size={spec.decode.tensor_parallel_size}"]
     if kv.connector == Connector.NIXL_PUSH and spec.prefill.data_parallel_size > 1:
         # It learns each rank's identity and pins prefill legs to ranks (Mooncake asks /query instead).
         connector.append(f"--prefill-data-parallel-size={spec.prefill.data_parallel_size}")
