@@ -1,11 +1,11 @@
 """What the operator renders, checked against vLLM's own released code (issue 12).
 
-For every sample and every release of `vllm_release.RELEASES` the API accepts it with, the engines'
-`--kv-transfer-config` must validate with that release's KVTransferConfig and carry only its fields
-(0.13 ignores unknown keys silently), every `vllm serve` flag must exist in that release, and every
-`VLLM_*` variable must be one the release reads. The API's connector boundaries are checked against
-the release's connector registry. The releases come from `bash e2e/build/vllm-wheels.sh` (`make
-tools`); without them these tests fail, they never skip.
+For every sample (and a few variants of the spec) and every release of `vllm_release.RELEASES` the
+API accepts it with, the engines' `--kv-transfer-config` must validate with that release's
+KVTransferConfig and carry only its fields (0.13 ignores unknown keys silently), every `vllm serve`
+flag must exist in that release, and every `VLLM_*` variable must be one the release reads. The
+API's connector boundaries are checked against the release's connector registry. The releases come
+from `bash e2e/build/vllm-wheels.sh` (`make tools`); without them these tests fail, they never skip.
 """
 
 from __future__ import annotations
@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import yaml
 
 from tests.conformance import vllm_release
 from tests.conformance.vllm_release import RELEASES
@@ -38,11 +39,36 @@ def minor(release: str) -> str:
     return ".".join(release.split(".")[:2])
 
 
+#: Specs beyond the samples, so that every optional flag, key and variable the renderer has is
+#: rendered at least once (merged over tests.servings.serving(); the release is set per case).
+VARIANTS: dict[str, dict[str, Any]] = {
+    "parallel-and-model-flags": {
+        "model": {"name": "m", "maxModelLen": 8192, "source": {"hub": {"revision": "main"}}},
+        "prefill": {"pipelineParallelSize": 2, "dataParallelSize": 2}},
+    "nixl-cpu-buffer-ucx-devices": {"kvTransfer": {"bufferDevice": "cpu", "nixl": {"backends": ["UCX", "Mooncake"]},
+                                                   "ucx": {"tls": "rc,cuda_copy", "netDevices": "mlx5_0:1"},
+                                                   "rdma": {}}},
+    "nixl-lease": {"kvTransfer": {"extraConfig": {"kv_lease_duration": 60}}},
+    "nixl-push-dp": {"kvTransfer": {"connector": "NixlPushConnector"}, "prefill": {"dataParallelSize": 2}},
+    "mooncake-tcp-device-workers": {"kvTransfer": {"connector": "MooncakeConnector", "mooncake": {
+        "protocol": "tcp", "deviceName": "mlx5_0", "numWorkers": 4, "bootstrapPort": 9000}}},
+    "p2pnccl-get": {"kvTransfer": {"connector": "P2pNcclConnector", "p2pNccl": {"sendType": "GET"}}},
+    "lmcache-tp2": {"kvTransfer": {"connector": "LMCacheConnectorV1", "lmcache": {"configMapRef": {"name": "c"}}},
+                    "prefill": {"tensorParallelSize": 2}, "decode": {"tensorParallelSize": 2}},
+}
+
+#: What is rendered, by case name: each sample's file, each variant as YAML.
+SOURCES: dict[str, str] = {
+    **{sample.stem: sample.read_text() for sample in SAMPLES},
+    **{f"variant-{name}": yaml.safe_dump(serving(spec)) for name, spec in VARIANTS.items()},
+}
+
+
 @cache
-def engine_containers(sample: Path, release: str) -> list[tuple[str, dict[str, Any]]]:
-    """(`<serving>/<Deployment>`, container) of every vLLM engine the sample renders for the release."""
+def engine_containers(source: str, release: str) -> list[tuple[str, dict[str, Any]]]:
+    """(`<serving>/<Deployment>`, container) of every vLLM engine the case renders for the release."""
     out = []
-    for s in load_servings(sample.read_text(), str(sample), vllm_version=minor(release)):
+    for s in load_servings(SOURCES[source], source, vllm_version=minor(release)):
         for obj in render(s.metadata.name, s.metadata.namespace, s.spec):
             if obj["kind"] != "Deployment":
                 continue
@@ -52,27 +78,27 @@ def engine_containers(sample: Path, release: str) -> list[tuple[str, dict[str, A
     return out
 
 
-def accepted(sample: Path, release: str) -> bool:
+def accepted(source: str, release: str) -> bool:
     try:
-        load_servings(sample.read_text(), str(sample), vllm_version=minor(release))
+        load_servings(SOURCES[source], source, vllm_version=minor(release))
     except SpecError:
         return False
     return True
 
 
-#: (sample, release) for every release the API accepts the sample with (its own rules decide).
-CASES = [(sample, release) for sample in SAMPLES for release in RELEASES if accepted(sample, release)]
-IDS = [f"{sample.stem}-{release}" for sample, release in CASES]
+#: (case, release) for every release the API accepts the case with (its own rules decide).
+CASES = [(source, release) for source in SOURCES for release in RELEASES if accepted(source, release)]
+IDS = [f"{source}-{release}" for source, release in CASES]
 
 
 def flag_name(arg: str) -> str:
     return arg.split("=", 1)[0]
 
 
-def kv_configs(sample: Path, release: str) -> list[tuple[str, str]]:
-    """(where, JSON text) of every `--kv-transfer-config=...` the sample's engines get."""
+def kv_configs(source: str, release: str) -> list[tuple[str, str]]:
+    """(where, JSON text) of every `--kv-transfer-config=...` the source's engines get."""
     rendered = []
-    for where, container in engine_containers(sample, release):
+    for where, container in engine_containers(source, release):
         for arg in container.get("args", []):
             if flag_name(arg) == KV_FLAG:
                 assert "=" in arg, f"{where}: {KV_FLAG} without =JSON"
@@ -82,17 +108,17 @@ def kv_configs(sample: Path, release: str) -> list[tuple[str, str]]:
 
 @cache
 def kv_check(release: str) -> tuple[frozenset[str], dict[str, str | None]]:
-    """The release's KVTransferConfig fields, and its verdict on every config any sample renders
+    """The release's KVTransferConfig fields, and its verdict on every config any source renders
     for it (one subprocess per release)."""
-    texts = sorted({text for sample, r in CASES if r == release for _, text in kv_configs(sample, release)})
+    texts = sorted({text for source, r in CASES if r == release for _, text in kv_configs(source, release)})
     check = vllm_release.validate_kv_transfer_configs(release, texts)
     return check.fields, dict(zip(texts, check.errors, strict=True))
 
 
-@pytest.mark.parametrize(("sample", "release"), CASES, ids=IDS)
-def test_kv_transfer_config_is_accepted_whole(sample: Path, release: str) -> None:
-    rendered = kv_configs(sample, release)
-    assert rendered, f"{sample.name} renders no {KV_FLAG} for vLLM {release}"
+@pytest.mark.parametrize(("source", "release"), CASES, ids=IDS)
+def test_kv_transfer_config_is_accepted_whole(source: str, release: str) -> None:
+    rendered = kv_configs(source, release)
+    assert rendered, f"{source} renders no {KV_FLAG} for vLLM {release}"
     fields, verdicts = kv_check(release)
     problems = []
     for where, text in rendered:
@@ -106,31 +132,31 @@ def test_kv_transfer_config_is_accepted_whole(sample: Path, release: str) -> Non
     assert not problems, "\n".join(problems)
 
 
-@pytest.mark.parametrize(("sample", "release"), CASES, ids=IDS)
-def test_engine_flags_exist(sample: Path, release: str) -> None:
+@pytest.mark.parametrize(("source", "release"), CASES, ids=IDS)
+def test_engine_flags_exist(source: str, release: str) -> None:
     known = vllm_release.serve_flags(release)
     problems = []
-    for where, container in engine_containers(sample, release):
+    for where, container in engine_containers(source, release):
         for arg in container.get("args", []):
             if arg.startswith("--") and flag_name(arg) not in known:
                 problems.append(f"{where}: vLLM {release} has no {flag_name(arg)} (rendered {arg[:80]})")
     assert not problems, "\n".join(problems)
 
 
-@pytest.mark.parametrize(("sample", "release"), CASES, ids=IDS)
-def test_engine_vllm_env_vars_are_read(sample: Path, release: str) -> None:
+@pytest.mark.parametrize(("source", "release"), CASES, ids=IDS)
+def test_engine_vllm_env_vars_are_read(source: str, release: str) -> None:
     known = vllm_release.env_vars(release)
     problems = []
-    for where, container in engine_containers(sample, release):
+    for where, container in engine_containers(source, release):
         for var in container.get("env", []):
             if var["name"].startswith("VLLM_") and var["name"] not in known:
                 problems.append(f"{where}: vLLM {release} does not read {var['name']} (not in vllm/envs.py)")
     assert not problems, "\n".join(problems)
 
 
-def test_every_sample_is_checked_on_some_release() -> None:
-    unchecked = [s.name for s in SAMPLES if not any(sample == s for sample, _ in CASES)]
-    assert not unchecked, f"samples no release of {RELEASES} accepts: {unchecked}"
+def test_every_case_is_checked_on_some_release() -> None:
+    unchecked = [source for source in SOURCES if not any(source == s for s, _ in CASES)]
+    assert not unchecked, f"cases no release of {RELEASES} accepts: {unchecked}"
 
 
 def connector_serving(connector: Connector, release: str) -> dict[str, Any]:
