@@ -180,3 +180,31 @@ def registered_connectors(version: str) -> frozenset[str]:
             names.add(node.args[0].value)
     assert names, f"vLLM {version}: no register_connector calls in {FACTORY}"
     return frozenset(names)
+
+
+@cache
+def connector_strings(version: str, connector: str) -> frozenset[str]:
+    """Every string literal of the files next to the connector's module (the module path its
+    `register_connector` call names, not its sub-packages): the keys its code can read from
+    kv_connector_extra_config."""
+    root = release_root(version)
+    module = None
+    for node in ast.walk(_parse(root / FACTORY)):
+        if (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute)
+                and node.func.attr == "register_connector" and len(node.args) >= 2
+                and isinstance(node.args[0], ast.Constant) and node.args[0].value == connector
+                and isinstance(node.args[1], ast.Constant) and isinstance(node.args[1].value, str)):
+            module = node.args[1].value
+    assert module, f"vLLM {version} does not register {connector}"
+    path = root / (module.replace(".", "/") + ".py")
+    if not path.is_file():  # a package
+        path = root / module.replace(".", "/") / "__init__.py"
+    files = list(path.parent.glob("*.py"))
+    if connector == "LMCacheConnectorV1":  # vLLM's bundled copy of LMCache's adapter, where it has one
+        files += (path.parent / "lmcache_integration").glob("*.py")
+    strings = set()
+    for file in files:
+        for node in ast.walk(_parse(file)):
+            if isinstance(node, ast.Constant) and isinstance(node.value, str):
+                strings.add(node.value)
+    return frozenset(strings)
