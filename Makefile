@@ -19,10 +19,12 @@ demo: $(BIN)/xpyd tools
 test: lint typecheck tools
 	$(BIN)/python -m pytest
 
-# The local control plane's binaries, built from Go modules and cached in ~/.cache/xpyd.
+# The local control plane's binaries, built from Go modules and cached in ~/.cache/xpyd, and the
+# vLLM releases tests/conformance checks the renderer against (their wheels' Python files).
 tools:
 	bash e2e/build/build.sh
 	bash e2e/build/prometheus.sh
+	PYTHON=$(PYTHON) bash e2e/build/vllm-wheels.sh
 
 lint: $(BIN)/xpyd
 	$(BIN)/ruff check .
