@@ -412,8 +412,17 @@ async def test_prefill_leg_returns_kv_transfer_params_and_holds_kv() -> None:
         assert params["do_remote_prefill"] is True and params["do_remote_decode"] is False
         assert params["remote_engine_id"] == prefill.engine.engine_id
         assert params["remote_host"] == side_host == HOST and params["remote_port"] == side_port != prefill.http_port
-        assert params["tp_size"] == 2 and params["remote_request_id"].startswith("cmpl-r1")
-        assert len(params["remote_block_ids"]) == 7   # ceil(100 / 16)
+        # NixlConnector's (pull) answer in 0.33: exactly these fields.
+        assert set(params) == {"do_remote_prefill", "do_remote_decode", "remote_block_ids", "remote_engine_id",
+                               "remote_request_id", "remote_host", "remote_port", "tp_size", "dcp_size", "pp_size",
+                               "remote_num_tokens", "remote_blocks_expiry_time", "transfer_mode",
+                               "remote_registration_generation"}
+        assert params["tp_size"] == 2 and params["dcp_size"] == params["pp_size"] == 1
+        # vLLM's internal id: cmpl-{X-Request-Id}-{prompt index}-{8 random hex digits}.
+        assert re.fullmatch(r"cmpl-r1-0-[0-9a-f]{8}", params["remote_request_id"]), params["remote_request_id"]
+        assert [len(group) for group in params["remote_block_ids"]] == [7]   # one KV-cache group, ceil(100 / 16)
+        assert params["remote_num_tokens"] == 100 and params["remote_blocks_expiry_time"] is None
+        assert params["transfer_mode"] == "pull" and params["remote_registration_generation"] == 2
         # A do_remote_decode request stops after one token even if it asked for more.
         status, body = await post(session, f"{prefill.url}/v1/completions", {
             "prompt": token_prompt(100), "max_tokens": 50, "kv_transfer_params": PREFILL_KV})
@@ -466,6 +475,32 @@ async def test_decode_leg_waits_for_the_transfer_and_decodes_only() -> None:
         prefill_metrics = await scrape(session, prefill)
         assert prefill_metrics.value("vllm:kv_cache_usage_perc") == 0
         assert prefill_metrics.value("vllm:nixl_num_kv_expired_reqs_total") == 0
+
+
+async def test_decode_leg_takes_block_ids_per_group_or_flat_and_rejects_other_shapes() -> None:
+    async with engine(kv_role="kv_producer") as prefill, engine(kv_role="kv_consumer") as decode, \
+            client_session() as session:
+        body = {"prompt": token_prompt(40), "max_tokens": 3}
+        params = await prefill_leg(session, prefill.url, body, "groups")
+        status, answer = await post(session, f"{decode.url}/v1/completions", {**body, "kv_transfer_params": params})
+        assert status == 200 and answer["usage"]["completion_tokens"] == 3
+        params = await prefill_leg(session, prefill.url, body, "flat")   # as vLLM before 0.18 sent them
+        flat = {**params, "remote_block_ids": params["remote_block_ids"][0]}
+        status, answer = await post(session, f"{decode.url}/v1/completions", {**body, "kv_transfer_params": flat})
+        assert status == 200 and answer["usage"]["completion_tokens"] == 3
+        params = await prefill_leg(session, prefill.url, body, "bad")
+        bad = {**params, "remote_block_ids": [["x"]]}
+        status, answer = await post(session, f"{decode.url}/v1/completions", {**body, "kv_transfer_params": bad})
+        assert status == 500 and "remote_block_ids" in answer["error"]["message"]
+
+
+async def test_chat_prefill_leg_names_the_request_as_vllm_does() -> None:
+    async with engine(kv_role="kv_producer") as prefill, client_session() as session:
+        status, body = await post(session, f"{prefill.url}/v1/chat/completions", {
+            "messages": [{"role": "user", "content": "hi"}], "max_tokens": 1, "kv_transfer_params": PREFILL_KV},
+            headers={"X-Request-Id": "c1"})
+        assert status == 200 and body["id"] == "chatcmpl-c1"
+        assert re.fullmatch(r"chatcmpl-c1-[0-9a-f]{8}", body["kv_transfer_params"]["remote_request_id"])
 
 
 async def test_transfer_faster_than_the_producers_answer_waits_for_it() -> None:

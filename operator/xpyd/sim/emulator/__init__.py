@@ -55,10 +55,18 @@ P/D (NixlConnector, pull), when a KV connector is configured (`--kv-transfer-con
 
 Roles follow the request, as in vLLM; `kv_role` only names the engine's intent.
 
+- Request ids are vLLM's: the response's `id` is `cmpl-{X-Request-Id}` (`chatcmpl-` for chat; a random
+  hex id without the header), and the engine's internal id adds the prompt index for completions
+  (`-0`) and, as vLLM has since 0.16, 8 random hex digits (`cmpl-r1-0-1a2b3c4d`).
 - `kv_transfer_params.do_remote_decode` (the prefill leg): the request stops after its first token and
-  the response carries `kv_transfer_params` `{do_remote_prefill: true, do_remote_decode: false,
-  remote_engine_id, remote_block_ids (synthetic, one per 16 tokens), remote_host, remote_port,
-  remote_request_id, tp_size}`. `remote_host`/`remote_port` are the NIXL side channel:
+  the response carries NixlConnector's (pull) `kv_transfer_params`: `{do_remote_prefill: true,
+  do_remote_decode: false, remote_block_ids (synthetic, one per 16 tokens, one list per KV-cache group:
+  `[[...]]`), remote_engine_id, remote_request_id (the internal id), remote_host, remote_port, tp_size,
+  dcp_size: 1, pp_size: 1, remote_num_tokens (the prompt's tokens), remote_blocks_expiry_time: null (vLLM
+  sets it only for blocks pinned on a decode engine), transfer_mode: "pull",
+  remote_registration_generation (tp_size: one handshake payload published per rank)}`. The decode leg
+  takes `remote_block_ids` per group or flat (before 0.18), and ignores the ids.
+  `remote_host`/`remote_port` are the NIXL side channel:
   `VLLM_NIXL_SIDE_CHANNEL_HOST` (default `--host`) and `VLLM_NIXL_SIDE_CHANNEL_PORT` (default 5600; 0
   picks a free port). The engine serves its HTTP API on that address too and holds the request's KV
   until the consumer releases it or the lease (`kv_lease_duration` from the connector's extra config,

@@ -58,12 +58,14 @@ async def _generate(request: web.Request, chat: bool) -> web.StreamResponse:
         return error_response(error.status, error.message, error.error_type)
     base = request.headers.get("X-Request-Id") or uuid.uuid4().hex
     response_id = f"{'chatcmpl' if chat else 'cmpl'}-{base}"
+    # The engine's request id: a completion's prompt i is `{response_id}-{i}` (one prompt here).
+    internal_id = response_id if chat else f"{response_id}-0"
     engine.in_flight += 1
     stream: Stream | None = None
     try:
         if generation.stream:
-            return await _stream(request, engine, generation, response_id)
-        stream = engine.submit(response_id, generation.prompt_tokens, generation.max_tokens,
+            return await _stream(request, engine, generation, response_id, internal_id)
+        stream = engine.submit(internal_id, generation.prompt_tokens, generation.max_tokens,
                                generation.kv_transfer_params)
         while not stream.finished:
             await stream.wait()
@@ -96,13 +98,13 @@ def _full_response(engine: Engine, stream: Stream, generation: Generation, respo
 
 
 async def _stream(request: web.Request, engine: Engine, generation: Generation,
-                  response_id: str) -> web.StreamResponse:
+                  response_id: str, internal_id: str) -> web.StreamResponse:
     response = web.StreamResponse(headers={"Content-Type": "text/event-stream; charset=utf-8"})
     await response.prepare(request)
     chunks = Chunks(response_id, engine.config.model_name, int(time.time()), generation)
     if generation.chat:
         await response.write(sse_event(chunks.event(None, role=True)).encode())
-    stream = engine.submit(response_id, generation.prompt_tokens, generation.max_tokens,
+    stream = engine.submit(internal_id, generation.prompt_tokens, generation.max_tokens,
                            generation.kv_transfer_params)
     try:
         sent = 0
