@@ -358,7 +358,7 @@ async def test_metrics_names_types_labels_and_buckets() -> None:
     assert metrics.value("vllm:generation_tokens_total") == 30
     assert metrics.value("vllm:request_success_total", finished_reason="length") == 3
     assert {lab["finished_reason"] for n, lab, _ in metrics.samples if n == "vllm:request_success_total"} == {
-        "stop", "length", "abort", "error"}
+        "stop", "length", "abort", "error", "repetition"}
     assert metrics.value("vllm:prompt_tokens_by_source_total", source="local_compute") == 300
     assert metrics.value("vllm:prompt_tokens_by_source_total", source="external_kv_transfer") == 0
     assert metrics.value("vllm:request_generation_tokens_sum") == 30

@@ -17,8 +17,8 @@ from xpyd.sim.core import BucketHistogram, EngineCore
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 
-FINISHED_REASONS = ("stop", "length", "abort", "error")
-"""vLLM's `FinishReason` values: one `vllm:request_success_total` series each."""
+FINISHED_REASONS = ("stop", "length", "abort", "error", "repetition")
+"""vLLM 0.33's `FINISH_REASON_STRINGS`: one `vllm:request_success_total` series each."""
 
 NIXL_XFER_TIME_BUCKETS: tuple[float, ...] = (0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.2, 0.3, 0.5, 0.75, 1.0, 5.0)
 """`vllm:nixl_xfer_time_seconds` buckets (vLLM's NixlPromMetrics)."""
@@ -137,7 +137,7 @@ def render_metrics(core: EngineCore, connector: ConnectorMetrics, model_name: st
                 [({}, metrics.generation_tokens_total)])
     # Every emulated request generates exactly max_tokens tokens, so it finishes by length.
     outcomes = {"stop": 0, "length": metrics.request_success_total, "abort": connector.aborted_total,
-                "error": connector.errored_total}
+                "error": connector.errored_total, "repetition": 0}
     out.counter("vllm:request_success_total", "Count of successfully processed requests.",
                 [({"finished_reason": reason}, outcomes[reason]) for reason in FINISHED_REASONS])
     histograms = metrics.histograms()
