@@ -688,9 +688,11 @@ async def test_sigterm_drains_in_flight_requests() -> None:
                 await asyncio.sleep(0.3)
                 process.process.send_signal(signal.SIGTERM)
                 await asyncio.sleep(0.2)
-                with pytest.raises(aiohttp.ClientConnectionError):
-                    async with aiohttp.ClientSession() as fresh, fresh.get(f"{process.url}/health"):
-                        pass
+                # vLLM keeps serving HTTP while it drains: healthy, new requests aborted.
+                async with aiohttp.ClientSession() as fresh, fresh.get(f"{process.url}/health") as response:
+                    assert response.status == 200
+                status, body = await post(session, url, {"prompt": token_prompt(10), "max_tokens": 5})
+                assert status == 200 and body["choices"][0]["finish_reason"] == "abort"
                 result = await asyncio.wait_for(task, timeout=10)
                 assert result.done and len(result.token_times) == 250
                 exit_code = await asyncio.get_running_loop().run_in_executor(None, process.process.wait, 10)
@@ -698,6 +700,39 @@ async def test_sigterm_drains_in_flight_requests() -> None:
         finally:
             process.stop()
         assert "draining" in process.output()
+
+
+async def test_a_draining_engine_stays_healthy_and_aborts_new_requests() -> None:
+    async with engine(kv_role="kv_producer", shutdown_timeout_s=20.0) as server, client_session() as session:
+        url = f"{server.url}/v1/completions"
+        task = asyncio.create_task(stream(session, url, {"prompt": token_prompt(100), "max_tokens": 250}))
+        while server.engine.in_flight == 0:
+            await asyncio.sleep(0.005)
+        drain = asyncio.create_task(server.drain())
+        await asyncio.sleep(0.02)
+        assert server.engine.draining and not drain.done()
+        for path in ("/health", "/ping", "/v1/models"):
+            async with session.get(f"{server.url}{path}") as response:
+                assert response.status == 200, path
+        # What vLLM's client gets for a request EngineCore rejects in shutdown: a finished, empty answer.
+        status, body = await post(session, url, {"prompt": token_prompt(10), "max_tokens": 5,
+                                                 "kv_transfer_params": PREFILL_KV})
+        assert status == 200 and body["choices"][0]["finish_reason"] == "abort" and body["choices"][0]["text"] == ""
+        assert body["usage"]["completion_tokens"] == 0 and body["usage"]["prompt_tokens"] == 10
+        assert body["kv_transfer_params"] is None and server.engine.num_held == 0
+        chat = await stream(session, f"{server.url}/v1/chat/completions", {
+            "messages": [{"role": "user", "content": "hi"}], "max_tokens": 5,
+            "stream_options": {"include_usage": True}})
+        assert chat.status == 200 and chat.done and chat.text == "" and chat.usage is not None
+        assert [e["choices"][0]["finish_reason"] for e in chat.events if e["choices"]] == [None, "abort"]
+        assert chat.usage["completion_tokens"] == 0
+        status, body = await post(session, url, {"prompt": "x", "max_tokens": 0})
+        assert status == 400   # validation still comes first
+        metrics = await scrape(session, server)
+        assert metrics.value("vllm:request_success_total", finished_reason="abort") == 2
+        result = await asyncio.wait_for(task, timeout=20)   # the request in flight finishes intact
+        assert result.done and len(result.token_times) == 250
+        await asyncio.wait_for(drain, timeout=5)
 
 
 def test_cli_registers_engine_sim() -> None:
