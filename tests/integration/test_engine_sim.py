@@ -314,10 +314,12 @@ async def test_bad_requests_get_vllm_error_envelopes() -> None:
 
 # --- metrics ----------------------------------------------------------------------------------------
 
-GAUGES = ("vllm:num_requests_running", "vllm:num_requests_waiting", "vllm:kv_cache_usage_perc")
+GAUGES = ("vllm:num_requests_running", "vllm:num_requests_waiting", "vllm:kv_cache_usage_perc",
+          "vllm:num_requests_waiting_by_reason")
 COUNTERS = ("vllm:prompt_tokens_total", "vllm:generation_tokens_total", "vllm:request_success_total",
-            "vllm:prompt_tokens_by_source_total", "vllm:num_preemptions_total",
-            "vllm:nixl_num_failed_transfers_total", "vllm:nixl_num_kv_expired_reqs_total")
+            "vllm:prompt_tokens_by_source_total", "vllm:prompt_tokens_cached_total", "vllm:num_preemptions_total",
+            "vllm:nixl_num_failed_transfers_total", "vllm:nixl_num_kv_expired_reqs_total",
+            "vllm:nixl_num_failed_notifications_total", "vllm:nixl_num_notifications_after_expiry_total")
 HISTOGRAMS: dict[str, Sequence[float]] = {
     "vllm:time_to_first_token_seconds": TTFT_BUCKETS,
     "vllm:inter_token_latency_seconds": ITL_BUCKETS,
@@ -329,6 +331,13 @@ HISTOGRAMS: dict[str, Sequence[float]] = {
     "vllm:request_decode_time_seconds": REQUEST_LATENCY_BUCKETS,
     "vllm:request_prompt_tokens": build_1_2_5_buckets(131072),
     "vllm:request_generation_tokens": build_1_2_5_buckets(131072),
+    # vLLM 0.33's defaults (vllm/v1/metrics/buckets.py), written out.
+    "vllm:iteration_tokens_total": [1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384],
+    "vllm:request_max_num_generation_tokens": build_1_2_5_buckets(131072),
+    "vllm:request_params_max_tokens": build_1_2_5_buckets(131072),
+    "vllm:request_prefill_kv_computed_tokens": build_1_2_5_buckets(131072),
+    "vllm:request_params_n": [1, 2, 5, 10, 20],
+    "vllm:request_num_preemptions": [1, 2, 3, 4, 5, 10, 20],
     "vllm:nixl_xfer_time_seconds": NIXL_XFER_TIME_BUCKETS,
     "vllm:nixl_bytes_transferred": NIXL_BYTES_BUCKETS,
 }
@@ -362,6 +371,17 @@ async def test_metrics_names_types_labels_and_buckets() -> None:
     assert metrics.value("vllm:prompt_tokens_by_source_total", source="local_compute") == 300
     assert metrics.value("vllm:prompt_tokens_by_source_total", source="external_kv_transfer") == 0
     assert metrics.value("vllm:request_generation_tokens_sum") == 30
+    assert metrics.value("vllm:request_max_num_generation_tokens_sum") == 30
+    assert metrics.value("vllm:request_params_max_tokens_sum") == 30
+    assert metrics.value("vllm:request_params_n_sum") == metrics.value("vllm:request_params_n_count") == 3
+    assert metrics.value("vllm:request_num_preemptions_sum") == 0
+    assert metrics.value("vllm:request_num_preemptions_count") == 3
+    assert metrics.value("vllm:request_prefill_kv_computed_tokens_sum") == 300
+    # Every pass's computed prompt tokens plus generated tokens: all 300 + 30 of them.
+    assert metrics.value("vllm:iteration_tokens_total_sum") == 330
+    assert metrics.value("vllm:prompt_tokens_cached_total") == 0
+    assert metrics.value("vllm:num_requests_waiting_by_reason", reason="capacity") == 0
+    assert metrics.value("vllm:num_requests_waiting_by_reason", reason="deferred") == 0
     assert metrics.value("vllm:inter_token_latency_seconds_count") == 27
     # Wall seconds at time scale 10: a 100-token prefill of ~19.5 ms modelled shows ~2 ms.
     ttft = metrics.value("vllm:time_to_first_token_seconds_sum") / 3
@@ -439,6 +459,7 @@ async def test_prefill_leg_returns_kv_transfer_params_and_holds_kv() -> None:
             assert response.status == 200
         async with session.post(f"{kv_url}/release") as response:
             assert response.status == 404
+        assert (await scrape(session, prefill)).value("vllm:nixl_num_notifications_after_expiry_total") == 1
         metrics = await scrape(session, prefill)
         assert metrics.value("vllm:kv_cache_usage_perc") == pytest.approx(101 / prefill.engine.core.capacity)
 
@@ -464,6 +485,8 @@ async def test_decode_leg_waits_for_the_transfer_and_decodes_only() -> None:
         decode_metrics = await scrape(session, decode)
         assert decode_metrics.value("vllm:prompt_tokens_by_source_total", source="external_kv_transfer") == 400
         assert decode_metrics.value("vllm:prompt_tokens_by_source_total", source="local_compute") == 0
+        assert decode_metrics.value("vllm:prompt_tokens_cached_total") == 400
+        assert decode_metrics.value("vllm:request_prefill_kv_computed_tokens_sum") == 0
         assert decode_metrics.value("vllm:nixl_xfer_time_seconds_sum") == pytest.approx(transfer_s)
         assert decode_metrics.value("vllm:nixl_bytes_transferred_sum") == 400 * KV_BYTES
         assert decode_metrics.value("vllm:nixl_num_failed_transfers_total") == 0

@@ -280,6 +280,7 @@ class Engine:
     def release_kv(self, request_id: str) -> bool:
         """The consumer has the KV: free it now. False if it was not held."""
         if self._held.pop(request_id, None) is None:
+            self.connector.nixl_num_notifications_after_expiry_total += 1
             return False
         released = self.core.release_kv(request_id, self.now())
         self._kick()
