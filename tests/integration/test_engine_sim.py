@@ -314,10 +314,12 @@ async def test_bad_requests_get_vllm_error_envelopes() -> None:
 
 # --- metrics ----------------------------------------------------------------------------------------
 
-GAUGES = ("vllm:num_requests_running", "vllm:num_requests_waiting", "vllm:kv_cache_usage_perc")
+GAUGES = ("vllm:num_requests_running", "vllm:num_requests_waiting", "vllm:kv_cache_usage_perc",
+          "vllm:num_requests_waiting_by_reason")
 COUNTERS = ("vllm:prompt_tokens_total", "vllm:generation_tokens_total", "vllm:request_success_total",
-            "vllm:prompt_tokens_by_source_total", "vllm:num_preemptions_total",
-            "vllm:nixl_num_failed_transfers_total", "vllm:nixl_num_kv_expired_reqs_total")
+            "vllm:prompt_tokens_by_source_total", "vllm:prompt_tokens_cached_total", "vllm:num_preemptions_total",
+            "vllm:nixl_num_failed_transfers_total", "vllm:nixl_num_kv_expired_reqs_total",
+            "vllm:nixl_num_failed_notifications_total", "vllm:nixl_num_notifications_after_expiry_total")
 HISTOGRAMS: dict[str, Sequence[float]] = {
     "vllm:time_to_first_token_seconds": TTFT_BUCKETS,
     "vllm:inter_token_latency_seconds": ITL_BUCKETS,
@@ -329,6 +331,13 @@ HISTOGRAMS: dict[str, Sequence[float]] = {
     "vllm:request_decode_time_seconds": REQUEST_LATENCY_BUCKETS,
     "vllm:request_prompt_tokens": build_1_2_5_buckets(131072),
     "vllm:request_generation_tokens": build_1_2_5_buckets(131072),
+    # vLLM 0.33's defaults (vllm/v1/metrics/buckets.py), written out.
+    "vllm:iteration_tokens_total": [1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384],
+    "vllm:request_max_num_generation_tokens": build_1_2_5_buckets(131072),
+    "vllm:request_params_max_tokens": build_1_2_5_buckets(131072),
+    "vllm:request_prefill_kv_computed_tokens": build_1_2_5_buckets(131072),
+    "vllm:request_params_n": [1, 2, 5, 10, 20],
+    "vllm:request_num_preemptions": [1, 2, 3, 4, 5, 10, 20],
     "vllm:nixl_xfer_time_seconds": NIXL_XFER_TIME_BUCKETS,
     "vllm:nixl_bytes_transferred": NIXL_BYTES_BUCKETS,
 }
@@ -358,10 +367,21 @@ async def test_metrics_names_types_labels_and_buckets() -> None:
     assert metrics.value("vllm:generation_tokens_total") == 30
     assert metrics.value("vllm:request_success_total", finished_reason="length") == 3
     assert {lab["finished_reason"] for n, lab, _ in metrics.samples if n == "vllm:request_success_total"} == {
-        "stop", "length", "abort", "error"}
+        "stop", "length", "abort", "error", "repetition"}
     assert metrics.value("vllm:prompt_tokens_by_source_total", source="local_compute") == 300
     assert metrics.value("vllm:prompt_tokens_by_source_total", source="external_kv_transfer") == 0
     assert metrics.value("vllm:request_generation_tokens_sum") == 30
+    assert metrics.value("vllm:request_max_num_generation_tokens_sum") == 30
+    assert metrics.value("vllm:request_params_max_tokens_sum") == 30
+    assert metrics.value("vllm:request_params_n_sum") == metrics.value("vllm:request_params_n_count") == 3
+    assert metrics.value("vllm:request_num_preemptions_sum") == 0
+    assert metrics.value("vllm:request_num_preemptions_count") == 3
+    assert metrics.value("vllm:request_prefill_kv_computed_tokens_sum") == 300
+    # Every pass's computed prompt tokens plus generated tokens: all 300 + 30 of them.
+    assert metrics.value("vllm:iteration_tokens_total_sum") == 330
+    assert metrics.value("vllm:prompt_tokens_cached_total") == 0
+    assert metrics.value("vllm:num_requests_waiting_by_reason", reason="capacity") == 0
+    assert metrics.value("vllm:num_requests_waiting_by_reason", reason="deferred") == 0
     assert metrics.value("vllm:inter_token_latency_seconds_count") == 27
     # Wall seconds at time scale 10: a 100-token prefill of ~19.5 ms modelled shows ~2 ms.
     ttft = metrics.value("vllm:time_to_first_token_seconds_sum") / 3
@@ -412,8 +432,17 @@ async def test_prefill_leg_returns_kv_transfer_params_and_holds_kv() -> None:
         assert params["do_remote_prefill"] is True and params["do_remote_decode"] is False
         assert params["remote_engine_id"] == prefill.engine.engine_id
         assert params["remote_host"] == side_host == HOST and params["remote_port"] == side_port != prefill.http_port
-        assert params["tp_size"] == 2 and params["remote_request_id"].startswith("cmpl-r1")
-        assert len(params["remote_block_ids"]) == 7   # ceil(100 / 16)
+        # NixlConnector's (pull) answer in 0.33: exactly these fields.
+        assert set(params) == {"do_remote_prefill", "do_remote_decode", "remote_block_ids", "remote_engine_id",
+                               "remote_request_id", "remote_host", "remote_port", "tp_size", "dcp_size", "pp_size",
+                               "remote_num_tokens", "remote_blocks_expiry_time", "transfer_mode",
+                               "remote_registration_generation"}
+        assert params["tp_size"] == 2 and params["dcp_size"] == params["pp_size"] == 1
+        # vLLM's internal id: cmpl-{X-Request-Id}-{prompt index}-{8 random hex digits}.
+        assert re.fullmatch(r"cmpl-r1-0-[0-9a-f]{8}", params["remote_request_id"]), params["remote_request_id"]
+        assert [len(group) for group in params["remote_block_ids"]] == [7]   # one KV-cache group, ceil(100 / 16)
+        assert params["remote_num_tokens"] == 100 and params["remote_blocks_expiry_time"] is None
+        assert params["transfer_mode"] == "pull" and params["remote_registration_generation"] == 2
         # A do_remote_decode request stops after one token even if it asked for more.
         status, body = await post(session, f"{prefill.url}/v1/completions", {
             "prompt": token_prompt(100), "max_tokens": 50, "kv_transfer_params": PREFILL_KV})
@@ -430,6 +459,7 @@ async def test_prefill_leg_returns_kv_transfer_params_and_holds_kv() -> None:
             assert response.status == 200
         async with session.post(f"{kv_url}/release") as response:
             assert response.status == 404
+        assert (await scrape(session, prefill)).value("vllm:nixl_num_notifications_after_expiry_total") == 1
         metrics = await scrape(session, prefill)
         assert metrics.value("vllm:kv_cache_usage_perc") == pytest.approx(101 / prefill.engine.core.capacity)
 
@@ -455,6 +485,8 @@ async def test_decode_leg_waits_for_the_transfer_and_decodes_only() -> None:
         decode_metrics = await scrape(session, decode)
         assert decode_metrics.value("vllm:prompt_tokens_by_source_total", source="external_kv_transfer") == 400
         assert decode_metrics.value("vllm:prompt_tokens_by_source_total", source="local_compute") == 0
+        assert decode_metrics.value("vllm:prompt_tokens_cached_total") == 400
+        assert decode_metrics.value("vllm:request_prefill_kv_computed_tokens_sum") == 0
         assert decode_metrics.value("vllm:nixl_xfer_time_seconds_sum") == pytest.approx(transfer_s)
         assert decode_metrics.value("vllm:nixl_bytes_transferred_sum") == 400 * KV_BYTES
         assert decode_metrics.value("vllm:nixl_num_failed_transfers_total") == 0
@@ -466,6 +498,32 @@ async def test_decode_leg_waits_for_the_transfer_and_decodes_only() -> None:
         prefill_metrics = await scrape(session, prefill)
         assert prefill_metrics.value("vllm:kv_cache_usage_perc") == 0
         assert prefill_metrics.value("vllm:nixl_num_kv_expired_reqs_total") == 0
+
+
+async def test_decode_leg_takes_block_ids_per_group_or_flat_and_rejects_other_shapes() -> None:
+    async with engine(kv_role="kv_producer") as prefill, engine(kv_role="kv_consumer") as decode, \
+            client_session() as session:
+        body = {"prompt": token_prompt(40), "max_tokens": 3}
+        params = await prefill_leg(session, prefill.url, body, "groups")
+        status, answer = await post(session, f"{decode.url}/v1/completions", {**body, "kv_transfer_params": params})
+        assert status == 200 and answer["usage"]["completion_tokens"] == 3
+        params = await prefill_leg(session, prefill.url, body, "flat")   # as vLLM before 0.18 sent them
+        flat = {**params, "remote_block_ids": params["remote_block_ids"][0]}
+        status, answer = await post(session, f"{decode.url}/v1/completions", {**body, "kv_transfer_params": flat})
+        assert status == 200 and answer["usage"]["completion_tokens"] == 3
+        params = await prefill_leg(session, prefill.url, body, "bad")
+        bad = {**params, "remote_block_ids": [["x"]]}
+        status, answer = await post(session, f"{decode.url}/v1/completions", {**body, "kv_transfer_params": bad})
+        assert status == 500 and "remote_block_ids" in answer["error"]["message"]
+
+
+async def test_chat_prefill_leg_names_the_request_as_vllm_does() -> None:
+    async with engine(kv_role="kv_producer") as prefill, client_session() as session:
+        status, body = await post(session, f"{prefill.url}/v1/chat/completions", {
+            "messages": [{"role": "user", "content": "hi"}], "max_tokens": 1, "kv_transfer_params": PREFILL_KV},
+            headers={"X-Request-Id": "c1"})
+        assert status == 200 and body["id"] == "chatcmpl-c1"
+        assert re.fullmatch(r"chatcmpl-c1-[0-9a-f]{8}", body["kv_transfer_params"]["remote_request_id"])
 
 
 async def test_transfer_faster_than_the_producers_answer_waits_for_it() -> None:
@@ -653,9 +711,11 @@ async def test_sigterm_drains_in_flight_requests() -> None:
                 await asyncio.sleep(0.3)
                 process.process.send_signal(signal.SIGTERM)
                 await asyncio.sleep(0.2)
-                with pytest.raises(aiohttp.ClientConnectionError):
-                    async with aiohttp.ClientSession() as fresh, fresh.get(f"{process.url}/health"):
-                        pass
+                # vLLM keeps serving HTTP while it drains: healthy, new requests aborted.
+                async with aiohttp.ClientSession() as fresh, fresh.get(f"{process.url}/health") as response:
+                    assert response.status == 200
+                status, body = await post(session, url, {"prompt": token_prompt(10), "max_tokens": 5})
+                assert status == 200 and body["choices"][0]["finish_reason"] == "abort"
                 result = await asyncio.wait_for(task, timeout=10)
                 assert result.done and len(result.token_times) == 250
                 exit_code = await asyncio.get_running_loop().run_in_executor(None, process.process.wait, 10)
@@ -663,6 +723,39 @@ async def test_sigterm_drains_in_flight_requests() -> None:
         finally:
             process.stop()
         assert "draining" in process.output()
+
+
+async def test_a_draining_engine_stays_healthy_and_aborts_new_requests() -> None:
+    async with engine(kv_role="kv_producer", shutdown_timeout_s=20.0) as server, client_session() as session:
+        url = f"{server.url}/v1/completions"
+        task = asyncio.create_task(stream(session, url, {"prompt": token_prompt(100), "max_tokens": 250}))
+        while server.engine.in_flight == 0:
+            await asyncio.sleep(0.005)
+        drain = asyncio.create_task(server.drain())
+        await asyncio.sleep(0.02)
+        assert server.engine.draining and not drain.done()
+        for path in ("/health", "/ping", "/v1/models"):
+            async with session.get(f"{server.url}{path}") as response:
+                assert response.status == 200, path
+        # What vLLM's client gets for a request EngineCore rejects in shutdown: a finished, empty answer.
+        status, body = await post(session, url, {"prompt": token_prompt(10), "max_tokens": 5,
+                                                 "kv_transfer_params": PREFILL_KV})
+        assert status == 200 and body["choices"][0]["finish_reason"] == "abort" and body["choices"][0]["text"] == ""
+        assert body["usage"]["completion_tokens"] == 0 and body["usage"]["prompt_tokens"] == 10
+        assert body["kv_transfer_params"] is None and server.engine.num_held == 0
+        chat = await stream(session, f"{server.url}/v1/chat/completions", {
+            "messages": [{"role": "user", "content": "hi"}], "max_tokens": 5,
+            "stream_options": {"include_usage": True}})
+        assert chat.status == 200 and chat.done and chat.text == "" and chat.usage is not None
+        assert [e["choices"][0]["finish_reason"] for e in chat.events if e["choices"]] == [None, "abort"]
+        assert chat.usage["completion_tokens"] == 0
+        status, body = await post(session, url, {"prompt": "x", "max_tokens": 0})
+        assert status == 400   # validation still comes first
+        metrics = await scrape(session, server)
+        assert metrics.value("vllm:request_success_total", finished_reason="abort") == 2
+        result = await asyncio.wait_for(task, timeout=20)   # the request in flight finishes intact
+        assert result.done and len(result.token_times) == 250
+        await asyncio.wait_for(drain, timeout=5)
 
 
 def test_cli_registers_engine_sim() -> None:

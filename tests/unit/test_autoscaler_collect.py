@@ -60,6 +60,8 @@ def pod(role: str, *, ready: bool = False, scheduled: bool = True, deleting: boo
     ("kv_max", f'max by (xpyd_io_role) (vllm:kv_cache_usage_perc{{{SELECT},xpyd_io_role=~"prefill|decode"}})'),
     ("prompt_tps", f'sum by (xpyd_io_role) (rate(vllm:prompt_tokens_total{{{SELECT},'
                    'xpyd_io_role=~"prefill|decode"}[60s]))'),
+    ("success_rps", f'sum by (xpyd_io_role) (rate(vllm:request_success_total{{{SELECT},'
+                    'xpyd_io_role=~"prefill|decode",finished_reason=~"stop|length|repetition"}[60s]))'),
     ("proxy_rps", f'sum(rate(xpyd_proxy_requests_total{{{SELECT},xpyd_io_role=~"proxy",'
                   'outcome!="unauthorized"}[60s]))'),
     ("isl.p90", f'histogram_quantile(0.9, sum by (le) (rate(vllm:request_prompt_tokens_bucket{{{SELECT},'

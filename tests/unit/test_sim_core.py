@@ -389,6 +389,37 @@ VLLM_033_HELP = {
     "vllm:request_queue_time_seconds": "Histogram of time spent in WAITING phase for request.",
     "vllm:request_prefill_time_seconds": "Histogram of time spent in PREFILL phase for request.",
     "vllm:request_decode_time_seconds": "Histogram of time spent in DECODE phase for request.",
+    "vllm:e2e_request_latency_seconds": "Histogram of e2e request latency in seconds.",
+    "vllm:request_inference_time_seconds": "Histogram of time spent in RUNNING phase for request.",
+    "vllm:num_requests_waiting_by_reason": "Number of waiting requests by reason. Reason labels: 'capacity' = "
+                                           "waiting for scheduling capacity; 'deferred' = deferred by transient "
+                                           "constraints (LoRA budget, KV transfer, blocked status). Sum of all "
+                                           "reasons equals vllm:num_requests_waiting.",
+    "vllm:prompt_tokens_cached_total": "Number of cached prompt tokens (local + external).",
+    "vllm:request_success_total": "Count of successfully processed requests.",
+    "vllm:iteration_tokens_total": "Histogram of number of tokens per engine_step.",
+    "vllm:request_max_num_generation_tokens": "Histogram of maximum number of requested generation tokens.",
+    "vllm:request_params_n": "Histogram of the n request parameter.",
+    "vllm:request_params_max_tokens": "Histogram of the max_tokens request parameter.",
+    "vllm:request_num_preemptions": "Histogram of the number of times a request was preempted.",
+    "vllm:request_prefill_kv_computed_tokens": "Histogram of new KV tokens computed during prefill (excluding "
+                                               "cached tokens).",
+    # vllm/distributed/kv_transfer/kv_connector/v1/nixl/stats.py
+    "vllm:nixl_xfer_time_seconds": "Histogram of transfer duration for NIXL KV Cache transfers.",
+    "vllm:nixl_bytes_transferred": "Histogram of bytes transferred per NIXL KV Cache transfers.",
+    "vllm:nixl_num_failed_transfers_total": "Number of failed NIXL KV Cache transfers, including handshake and "
+                                            "notification failures. NOTE: KV expiry is tracked separately in "
+                                            "vllm:nixl_num_kv_expired_reqs.",
+    "vllm:nixl_num_failed_notifications_total": "Number of failed NIXL KV Cache notifications. Retained for "
+                                                "compatibility; these failures are also included in "
+                                                "vllm:nixl_num_failed_transfers.",
+    "vllm:nixl_num_kv_expired_reqs_total": "Number of requests that had their KV expire. NOTE: This metric is "
+                                           "tracked on the P instance.",
+    "vllm:nixl_num_notifications_after_expiry_total": "Number of completion notifications for requests that were "
+                                                      "no longer tracked, usually because their KV lease expired. "
+                                                      "The KV blocks may have been reused before the transfer "
+                                                      "finished. Counted per notification (one per remote rank), "
+                                                      "not per request.",
 }
 
 

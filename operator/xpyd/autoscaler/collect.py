@@ -101,6 +101,11 @@ def _histogram_queries(key: str, series: str, selector: str, window: str, by: st
     return result
 
 
+#: The `finished_reason` values of vLLM 0.33's `vllm:request_success_total` that are successes (its
+#: `FINISH_REASON_STRINGS` also has "abort" and "error").
+SUCCESS_REASONS = "stop|length|repetition"
+
+
 def queries(scope: Scope) -> dict[str, str]:
     """Every query of one observation, by name. Names with a role dimension answer one sample per
     role (`by (xpyd_io_role)`); the others answer a single sample (or none)."""
@@ -115,7 +120,9 @@ def queries(scope: Scope) -> dict[str, str]:
         "kv_max": f"max by ({by}) (vllm:kv_cache_usage_perc{{{engines}}})",
         "prompt_tps": f"sum by ({by}) (rate(vllm:prompt_tokens_total{{{engines}}}{window}))",
         "generation_tps": f"sum by ({by}) (rate(vllm:generation_tokens_total{{{engines}}}{window}))",
-        "success_rps": f"sum by ({by}) (rate(vllm:request_success_total{{{engines}}}{window}))",
+        # Successes only: vLLM counts aborted and errored requests in the same family.
+        "success_rps": (f"sum by ({by}) (rate(vllm:request_success_total{{{engines},"
+                        f"finished_reason=~\"{SUCCESS_REASONS}\"}}{window}))"),
         "proxy_up": f"count(up{{{proxy}}} == 1)",
         # Every request offered, refused at the concurrency limit too (demand), except unauthorised ones.
         "proxy_rps": f"sum(rate({PROXY_REQUESTS}{{{proxy},outcome!=\"unauthorized\"}}{window}))",

@@ -47,7 +47,7 @@ class RoleObservation:
     request_queue_time_seconds: Quantiles = field(default_factory=Quantiles)   # vllm:request_queue_time_seconds
     prompt_tokens_per_s: float = 0.0      # rate(vllm:prompt_tokens_total)
     generation_tokens_per_s: float = 0.0  # rate(vllm:generation_tokens_total)
-    requests_per_s: float = 0.0           # rate(vllm:request_success_total)
+    requests_per_s: float = 0.0           # rate(vllm:request_success_total{finished_reason=~"stop|length|repetition"})
 
 
 @dataclass(frozen=True)

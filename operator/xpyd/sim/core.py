@@ -86,6 +86,14 @@ REQUEST_LATENCY_BUCKETS: tuple[float, ...] = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5,
                                               50.0, 60.0, 120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0)
 
 
+ITERATION_TOKENS_BUCKETS: tuple[float, ...] = (1.0, 8.0, 16.0, 32.0, 64.0, 128.0, 256.0, 512.0, 1024.0, 2048.0,
+                                               4096.0, 8192.0, 16384.0)
+REQUEST_PARAMS_N_BUCKETS: tuple[float, ...] = (1.0, 2.0, 5.0, 10.0, 20.0)
+REQUEST_NUM_PREEMPTIONS_BUCKETS: tuple[float, ...] = (1.0, 2.0, 3.0, 4.0, 5.0, 10.0, 20.0)
+"""vLLM 0.33's default buckets (`vllm/v1/metrics/buckets.py`) of `vllm:iteration_tokens_total`,
+`vllm:request_params_n` and `vllm:request_num_preemptions`."""
+
+
 def build_1_2_5_buckets(max_value: int) -> tuple[float, ...]:
     """vLLM's token-count buckets: 1, 2, 5, 10, 20, 50, ... up to `max_value`."""
     buckets: list[float] = []
@@ -201,10 +209,19 @@ class EngineMetrics:
         default_factory=lambda: BucketHistogram(REQUEST_LATENCY_BUCKETS))
     request_prompt_tokens: BucketHistogram = field(init=False)
     request_generation_tokens: BucketHistogram = field(init=False)
+    request_max_num_generation_tokens: BucketHistogram = field(init=False)   # n = 1: the generated tokens
+    request_params_max_tokens: BucketHistogram = field(init=False)
+    request_prefill_kv_computed_tokens: BucketHistogram = field(init=False)  # prompt minus KV received
+    request_params_n: BucketHistogram = field(default_factory=lambda: BucketHistogram(REQUEST_PARAMS_N_BUCKETS))
+    request_num_preemptions: BucketHistogram = field(
+        default_factory=lambda: BucketHistogram(REQUEST_NUM_PREEMPTIONS_BUCKETS))
+    iteration_tokens_total: BucketHistogram = field(   # per forward pass: prompt tokens computed + tokens generated
+        default_factory=lambda: BucketHistogram(ITERATION_TOKENS_BUCKETS))
 
     def __post_init__(self) -> None:
-        self.request_prompt_tokens = BucketHistogram(build_1_2_5_buckets(self.max_model_len))
-        self.request_generation_tokens = BucketHistogram(build_1_2_5_buckets(self.max_model_len))
+        for name in ("request_prompt_tokens", "request_generation_tokens", "request_max_num_generation_tokens",
+                     "request_params_max_tokens", "request_prefill_kv_computed_tokens"):
+            setattr(self, name, BucketHistogram(build_1_2_5_buckets(self.max_model_len)))
 
     def histograms(self) -> dict[str, BucketHistogram]:
         """Every histogram by its `vllm:` name (without the prefix)."""
@@ -545,6 +562,15 @@ class EngineCore:
         metrics = self.metrics
         events: list[Event] = []
         batch = len(step.decode)
+        # vllm:iteration_tokens_total: prompt tokens computed plus tokens generated, per pass (a prefill
+        # that completes generates its first token in its last chunk's pass).
+        computed = sum(tokens for _, tokens in step.prefill)
+        first_tokens = sum(1 for request, tokens in step.prefill if request.computed_tokens + tokens
+                           >= request.prompt_tokens)
+        if computed + batch:
+            metrics.iteration_tokens_total.observe(computed + first_tokens + batch)
+            if step.num_steps > 1 and batch:
+                metrics.iteration_tokens_total.observe(batch, step.num_steps - 1)
         if batch:
             passes = step.num_steps
             self._decode_steps += passes
@@ -601,6 +627,12 @@ class EngineCore:
     def num_requests_waiting(self) -> int:
         """`vllm:num_requests_waiting` (including requests waiting for their remote KV)."""
         return len(self._waiting) + len(self._transferring) + len(self._ready)
+
+    @property
+    def num_requests_waiting_deferred(self) -> int:
+        """The waiting requests vLLM counts as `reason="deferred"` (here: waiting for their remote KV); the
+        others wait for capacity."""
+        return len(self._transferring) + len(self._ready)
 
     @property
     def kv_cache_usage_perc(self) -> float:
@@ -662,6 +694,11 @@ class EngineCore:
         metrics.request_inference_time_seconds.observe(now - request.scheduled_time)
         metrics.request_prompt_tokens.observe(request.prompt_tokens)
         metrics.request_generation_tokens.observe(generated)
+        metrics.request_max_num_generation_tokens.observe(generated)
+        metrics.request_params_max_tokens.observe(request.max_tokens)
+        metrics.request_params_n.observe(1)
+        metrics.request_num_preemptions.observe(0)
+        metrics.request_prefill_kv_computed_tokens.observe(request.prompt_tokens if request.local_prefill else 0)
         metrics.request_time_per_output_token_seconds.observe(decode_time / (generated - 1) if generated > 1 else 0.0)
         if request.do_remote_decode:
             request.phase = Phase.HELD

@@ -39,26 +39,39 @@ Wire behaviour (vLLM 0.33 unless noted)
 - Errors use vLLM's envelope `{"error": {"message", "type", "param", "code"}}`: 400
   `BadRequestError` for bad JSON, bad types, `max_tokens < 1`, prompt + max_tokens over
   `--max-model-len`, `stream_options` without `stream`; 404 `NotFoundError` ("The model `x` does not
-  exist.") for an unknown model (an absent `model` is the served model, as in vLLM); 503 while loading
-  or draining; 500 `InternalServerError` when a KV load fails under `kv_load_failure_policy: fail` (in a
+  exist.") for an unknown model (an absent `model` is the served model, as in vLLM); 503 while loading;
+  500 `InternalServerError` when a KV load fails under `kv_load_failure_policy: fail` (in a
   stream: an error event, then `data: [DONE]`).
-- `/health` and `/ping` answer 200 when ready and 503 while "loading" (`--startup-delay-s`) or
-  draining; so do the generation endpoints. Real vLLM refuses connections until loaded; the 503
-  window lets probes and proxies be tested against a loading engine. Idle keep-alive connections are
-  closed after 5 s, as vLLM's uvicorn does.
-- SIGTERM: stop listening for HTTP, answer 503 on connections still open, finish in-flight requests
-  and wait for held KV to be pulled (the NIXL side channel stays up), up to `--shutdown-timeout`
-  (default 0: abort them at once), then exit 0.
+- `/health` and `/ping` answer 200 when ready, draining too (vLLM's handler answers 503 only for a
+  dead engine), and 503 while "loading" (`--startup-delay-s`); so do the generation endpoints. Real
+  vLLM refuses connections until loaded; the 503 window lets probes and proxies be tested against a
+  loading engine. Idle keep-alive connections are closed after 5 s, as vLLM's uvicorn does.
+- SIGTERM, as vLLM's launcher and EngineCore handle it: HTTP keeps serving -- `/health` 200, and a new
+  generation request (once validated) is rejected at once as vLLM's EngineCore rejects requests in
+  shutdown: 200 with `finish_reason: "abort"`, no text, 0 completion tokens and no
+  `kv_transfer_params` (streamed: the same as one event, then usage if asked and `[DONE]`), counted in
+  `vllm:request_success_total{finished_reason="abort"}` -- while in-flight requests finish and held KV
+  is pulled (the NIXL side channel stays up), up to `--shutdown-timeout` (default 0: abort them at
+  once); then the engine closes and exits 0. A proxy stops routing to a draining pod because discovery
+  sees its deletionTimestamp, not through `/health`.
 
 P/D (NixlConnector, pull), when a KV connector is configured (`--kv-transfer-config` or `--role`)
 ==============================================================================================
 
 Roles follow the request, as in vLLM; `kv_role` only names the engine's intent.
 
+- Request ids are vLLM's: the response's `id` is `cmpl-{X-Request-Id}` (`chatcmpl-` for chat; a random
+  hex id without the header), and the engine's internal id adds the prompt index for completions
+  (`-0`) and, as vLLM has since 0.16, 8 random hex digits (`cmpl-r1-0-1a2b3c4d`).
 - `kv_transfer_params.do_remote_decode` (the prefill leg): the request stops after its first token and
-  the response carries `kv_transfer_params` `{do_remote_prefill: true, do_remote_decode: false,
-  remote_engine_id, remote_block_ids (synthetic, one per 16 tokens), remote_host, remote_port,
-  remote_request_id, tp_size}`. `remote_host`/`remote_port` are the NIXL side channel:
+  the response carries NixlConnector's (pull) `kv_transfer_params`: `{do_remote_prefill: true,
+  do_remote_decode: false, remote_block_ids (synthetic, one per 16 tokens, one list per KV-cache group:
+  `[[...]]`), remote_engine_id, remote_request_id (the internal id), remote_host, remote_port, tp_size,
+  dcp_size: 1, pp_size: 1, remote_num_tokens (the prompt's tokens), remote_blocks_expiry_time: null (vLLM
+  sets it only for blocks pinned on a decode engine), transfer_mode: "pull",
+  remote_registration_generation (tp_size: one handshake payload published per rank)}`. The decode leg
+  takes `remote_block_ids` per group or flat (before 0.18), and ignores the ids.
+  `remote_host`/`remote_port` are the NIXL side channel:
   `VLLM_NIXL_SIDE_CHANNEL_HOST` (default `--host`) and `VLLM_NIXL_SIDE_CHANNEL_PORT` (default 5600; 0
   picks a free port). The engine serves its HTTP API on that address too and holds the request's KV
   until the consumer releases it or the lease (`kv_lease_duration` from the connector's extra config,

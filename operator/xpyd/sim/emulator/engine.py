@@ -171,7 +171,7 @@ class Engine:
         """Queue a request (see the module docstring for what `kv_transfer_params` do)."""
         arrival = self.now()
         params = kv_transfer_params if self.config.kv_role is not None and kv_transfer_params else {}
-        request = EngineRequest(f"{request_id}-{next(self._seq)}", prompt_tokens, max_tokens,
+        request = EngineRequest(self._internal_id(request_id), prompt_tokens, max_tokens,
                                 do_remote_decode=bool(params.get("do_remote_decode")),
                                 do_remote_prefill=bool(params.get("do_remote_prefill")))
         stream = Stream(request)
@@ -188,6 +188,14 @@ class Engine:
         if not stream.finished:
             self._enqueue(arrival, stream)
         return stream
+
+    def _internal_id(self, request_id: str) -> str:
+        """vLLM's internal request id: the serving layer's id plus 8 random hex digits
+        (`InputProcessor.assign_request_id`, from 0.16), unique among the requests this engine knows."""
+        while True:
+            internal = f"{request_id}-{self._rng.getrandbits(32):08x}"
+            if internal not in self._held:
+                return internal
 
     def _enqueue(self, arrival: float, stream: Stream) -> None:
         heapq.heappush(self._inbox, (arrival, next(self._seq), stream))
@@ -272,6 +280,7 @@ class Engine:
     def release_kv(self, request_id: str) -> bool:
         """The consumer has the KV: free it now. False if it was not held."""
         if self._held.pop(request_id, None) is None:
+            self.connector.nixl_num_notifications_after_expiry_total += 1
             return False
         released = self.core.release_kv(request_id, self.now())
         self._kick()
@@ -284,10 +293,16 @@ class Engine:
         first = self._next_block
         self._next_block = (first + blocks) % pool
         host, port = self.side_channel
+        tp_size = self.config.tensor_parallel_size
+        # One block list per KV-cache group (a dense model has one). A prefill engine sends no expiry time
+        # (vLLM sets it only for blocks pinned on a decode engine); its registration generation counts the
+        # handshake payloads published, one per (pp, tp) rank at start-up.
         return {"do_remote_prefill": True, "do_remote_decode": False,
-                "remote_block_ids": [(first + i) % pool for i in range(blocks)],
+                "remote_block_ids": [[(first + i) % pool for i in range(blocks)]],
                 "remote_engine_id": self.engine_id, "remote_request_id": stream.request.request_id,
-                "remote_host": host, "remote_port": port, "tp_size": self.config.tensor_parallel_size}
+                "remote_host": host, "remote_port": port, "tp_size": tp_size, "dcp_size": 1, "pp_size": 1,
+                "remote_num_tokens": stream.request.prompt_tokens, "remote_blocks_expiry_time": None,
+                "remote_registration_generation": tp_size, "transfer_mode": "pull"}
 
     def metrics_text(self) -> str:
         """The `/metrics` exposition."""
@@ -490,6 +505,9 @@ def _remote_kv(params: dict[str, Any]) -> RemoteKV:
             or not isinstance(request_id, str) or not (engine_id is None or isinstance(engine_id, str)):
         raise KVLoadError("kv_transfer_params with do_remote_prefill need remote_host, remote_port and "
                           "remote_request_id (as a prefill engine returns them)")
+    if params.get("remote_block_ids") is not None and not _block_ids(params["remote_block_ids"]):
+        raise KVLoadError("remote_block_ids must be a list of block ids per KV-cache group (or one flat list, "
+                          "as vLLM before 0.18 sent)")
     try:
         require_loopback(host, "NIXL side channel")
     except NonLoopbackAddress as error:
@@ -497,3 +515,11 @@ def _remote_kv(params: dict[str, Any]) -> RemoteKV:
     return RemoteKV(host, port, request_id, engine_id)
 
 
+
+
+def _block_ids(value: Any) -> bool:
+    """Whether `remote_block_ids` has a shape vLLM sends: one list of ints per KV-cache group (0.18 and
+    later) or one flat list of ints (before)."""
+    def ints(items: Any) -> bool:
+        return isinstance(items, list | tuple) and all(isinstance(i, int) and not isinstance(i, bool) for i in items)
+    return ints(value) or (isinstance(value, list | tuple) and bool(value) and all(ints(group) for group in value))

@@ -5,6 +5,13 @@ names, types, label names (`model_name`, `engine`; `finished_reason`, `source` w
 bucket bounds and number formatting (`floatToGoString`: `1.0`, `+Inf`, `1e+06`), so a Prometheus
 scrape or a parser written against vLLM reads the emulator unchanged. As `prometheus_client` does
 in this format, a counter's `# TYPE` line carries its `_total` name.
+
+Families vLLM 0.33 has and the emulator leaves out: `vllm:nixl_post_time_seconds` and
+`vllm:nixl_num_descriptors` (NIXL's posting and descriptor lists are not modelled: any value would be
+invented), prefix-cache families (`vllm:prefix_cache_*`, `vllm:external_prefix_cache_*`,
+`vllm:prompt_tokens_cached_by_source`; there is no prefix cache), `vllm:num_requests_kv_fetch_by_stage`,
+`vllm:engine_sleep_state`, `vllm:admission_rejections`, the KV-block residency histograms, LoRA,
+multi-modal, spec-decode and cache-config info families.
 """
 
 from __future__ import annotations
@@ -17,14 +24,33 @@ from xpyd.sim.core import BucketHistogram, EngineCore
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 
-FINISHED_REASONS = ("stop", "length", "abort", "error")
-"""vLLM's `FinishReason` values: one `vllm:request_success_total` series each."""
+FINISHED_REASONS = ("stop", "length", "abort", "error", "repetition")
+"""vLLM 0.33's `FINISH_REASON_STRINGS`: one `vllm:request_success_total` series each."""
 
 NIXL_XFER_TIME_BUCKETS: tuple[float, ...] = (0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.2, 0.3, 0.5, 0.75, 1.0, 5.0)
 """`vllm:nixl_xfer_time_seconds` buckets (vLLM's NixlPromMetrics)."""
 
 NIXL_BYTES_BUCKETS: tuple[float, ...] = tuple(float(2 ** (10 + i)) for i in range(1, 25, 2))
 """`vllm:nixl_bytes_transferred` buckets: 2 KiB to 8 GiB (vLLM's NixlPromMetrics)."""
+
+
+WAITING_BY_REASON_HELP = ("Number of waiting requests by reason. Reason labels: 'capacity' = waiting for scheduling "
+                          "capacity; 'deferred' = deferred by transient constraints (LoRA budget, KV transfer, "
+                          "blocked status). Sum of all reasons equals vllm:num_requests_waiting.")
+
+NIXL_HELP = {
+    "nixl_num_failed_transfers": "Number of failed NIXL KV Cache transfers, including handshake and notification "
+                                 "failures. NOTE: KV expiry is tracked separately in vllm:nixl_num_kv_expired_reqs.",
+    "nixl_num_failed_notifications": "Number of failed NIXL KV Cache notifications. Retained for compatibility; "
+                                     "these failures are also included in vllm:nixl_num_failed_transfers.",
+    "nixl_num_kv_expired_reqs": "Number of requests that had their KV expire. NOTE: This metric is tracked on the "
+                                "P instance.",
+    "nixl_num_notifications_after_expiry": "Number of completion notifications for requests that were no longer "
+                                           "tracked, usually because their KV lease expired. The KV blocks may have "
+                                           "been reused before the transfer finished. Counted per notification (one "
+                                           "per remote rank), not per request.",
+}
+"""HELP texts of vLLM 0.33's NIXL counters (`nixl/stats.py`)."""
 
 
 @dataclass
@@ -36,6 +62,7 @@ class ConnectorMetrics:
     errored_total: int = 0
     nixl_num_failed_transfers_total: int = 0
     nixl_num_kv_expired_reqs_total: int = 0
+    nixl_num_notifications_after_expiry_total: int = 0   # a release for KV no longer held
     nixl_xfer_time_seconds: BucketHistogram = field(default_factory=lambda: BucketHistogram(NIXL_XFER_TIME_BUCKETS))
     nixl_bytes_transferred: BucketHistogram = field(default_factory=lambda: BucketHistogram(NIXL_BYTES_BUCKETS))
 
@@ -81,6 +108,12 @@ class Exposition:
         self._header(name, "gauge", help_text)
         self.lines.append(f"{name}{_labels(self.labels)} {format_value(value)}")
 
+    def gauges(self, name: str, help_text: str, series: Iterable[tuple[Mapping[str, str], float]]) -> None:
+        """A gauge family: one series per (extra labels, value)."""
+        self._header(name, "gauge", help_text)
+        for extra, value in series:
+            self.lines.append(f"{name}{_labels({**self.labels, **extra})} {format_value(value)}")
+
     def counter(self, name: str, help_text: str, series: Iterable[tuple[Mapping[str, str], float]]) -> None:
         """A counter family (`name` ends in `_total`): one series per (extra labels, value)."""
         self._header(name, "counter", help_text)
@@ -113,6 +146,13 @@ _HISTOGRAMS: tuple[tuple[str, str], ...] = (
     ("request_decode_time_seconds", "Histogram of time spent in DECODE phase for request."),
     ("request_prompt_tokens", "Number of prefill tokens processed."),
     ("request_generation_tokens", "Number of generation tokens processed."),
+    ("iteration_tokens_total", "Histogram of number of tokens per engine_step."),
+    ("request_max_num_generation_tokens", "Histogram of maximum number of requested generation tokens."),
+    ("request_params_n", "Histogram of the n request parameter."),
+    ("request_params_max_tokens", "Histogram of the max_tokens request parameter."),
+    ("request_num_preemptions", "Histogram of the number of times a request was preempted."),
+    ("request_prefill_kv_computed_tokens",
+     "Histogram of new KV tokens computed during prefill (excluding cached tokens)."),
 )
 
 
@@ -124,6 +164,9 @@ def render_metrics(core: EngineCore, connector: ConnectorMetrics, model_name: st
     out.gauge("vllm:num_requests_running", "Number of requests in model execution batches.",
               core.num_requests_running)
     out.gauge("vllm:num_requests_waiting", "Number of requests waiting to be processed.", core.num_requests_waiting)
+    deferred = core.num_requests_waiting_deferred
+    out.gauges("vllm:num_requests_waiting_by_reason", WAITING_BY_REASON_HELP, [
+        ({"reason": "capacity"}, core.num_requests_waiting - deferred), ({"reason": "deferred"}, deferred)])
     out.gauge("vllm:kv_cache_usage_perc", "KV-cache usage. 1 means 100 percent usage.", core.kv_cache_usage_perc)
     out.counter("vllm:num_preemptions_total", "Cumulative number of preemption from the engine.",
                 [({}, metrics.num_preemptions_total)])
@@ -133,11 +176,13 @@ def render_metrics(core: EngineCore, connector: ConnectorMetrics, model_name: st
         ({"source": "local_cache_hit"}, 0),
         ({"source": "external_kv_transfer"}, metrics.prompt_tokens_external_kv_transfer),
     ])
+    out.counter("vllm:prompt_tokens_cached_total", "Number of cached prompt tokens (local + external).",
+                [({}, metrics.prompt_tokens_external_kv_transfer)])
     out.counter("vllm:generation_tokens_total", "Number of generation tokens processed.",
                 [({}, metrics.generation_tokens_total)])
     # Every emulated request generates exactly max_tokens tokens, so it finishes by length.
     outcomes = {"stop": 0, "length": metrics.request_success_total, "abort": connector.aborted_total,
-                "error": connector.errored_total}
+                "error": connector.errored_total, "repetition": 0}
     out.counter("vllm:request_success_total", "Count of successfully processed requests.",
                 [({"finished_reason": reason}, outcomes[reason]) for reason in FINISHED_REASONS])
     histograms = metrics.histograms()
@@ -147,8 +192,12 @@ def render_metrics(core: EngineCore, connector: ConnectorMetrics, model_name: st
                   connector.nixl_xfer_time_seconds)
     out.histogram("vllm:nixl_bytes_transferred", "Histogram of bytes transferred per NIXL KV Cache transfers.",
                   connector.nixl_bytes_transferred)
-    out.counter("vllm:nixl_num_failed_transfers_total", "Number of failed NIXL KV Cache transfers.",
+    out.counter("vllm:nixl_num_failed_transfers_total", NIXL_HELP["nixl_num_failed_transfers"],
                 [({}, connector.nixl_num_failed_transfers_total + metrics.kv_transfer_failures_total)])
-    out.counter("vllm:nixl_num_kv_expired_reqs_total", "Number of requests that had their KV expire.",
+    out.counter("vllm:nixl_num_failed_notifications_total", NIXL_HELP["nixl_num_failed_notifications"],
+                [({}, 0)])
+    out.counter("vllm:nixl_num_kv_expired_reqs_total", NIXL_HELP["nixl_num_kv_expired_reqs"],
                 [({}, connector.nixl_num_kv_expired_reqs_total)])
+    out.counter("vllm:nixl_num_notifications_after_expiry_total", NIXL_HELP["nixl_num_notifications_after_expiry"],
+                [({}, connector.nixl_num_notifications_after_expiry_total)])
     return out.text()

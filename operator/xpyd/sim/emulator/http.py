@@ -32,8 +32,6 @@ ENGINE: web.AppKey[Engine] = web.AppKey("engine", Engine)
 
 
 def _not_ready(engine: Engine) -> web.Response | None:
-    if engine.draining:
-        return error_response(503, "The server is shutting down.", "ServiceUnavailableError")
     if not engine.ready:
         return error_response(503, f"The model is loading (ready in {engine.loading_left_s:.1f} s).",
                               "ServiceUnavailableError")
@@ -58,51 +56,80 @@ async def _generate(request: web.Request, chat: bool) -> web.StreamResponse:
         return error_response(error.status, error.message, error.error_type)
     base = request.headers.get("X-Request-Id") or uuid.uuid4().hex
     response_id = f"{'chatcmpl' if chat else 'cmpl'}-{base}"
+    # The engine's request id: a completion's prompt i is `{response_id}-{i}` (one prompt here).
+    internal_id = response_id if chat else f"{response_id}-0"
+    if engine.draining:
+        return await _rejected(request, engine, generation, response_id)
     engine.in_flight += 1
     stream: Stream | None = None
     try:
         if generation.stream:
-            return await _stream(request, engine, generation, response_id)
-        stream = engine.submit(response_id, generation.prompt_tokens, generation.max_tokens,
+            return await _stream(request, engine, generation, response_id, internal_id)
+        stream = engine.submit(internal_id, generation.prompt_tokens, generation.max_tokens,
                                generation.kv_transfer_params)
         while not stream.finished:
             await stream.wait()
         if stream.error is not None:
             return error_response(500, stream.error, "InternalServerError")
-        return web.json_response(_full_response(engine, stream, generation, response_id))
+        params = engine.kv_transfer_params(stream) if stream.request.do_remote_decode else None
+        return web.json_response(_full_response(engine, generation, response_id, stream.tokens, "length", params))
     finally:
         engine.in_flight -= 1
         if stream is not None:
             engine.abort(stream)   # no-op once finished
 
 
-def _full_response(engine: Engine, stream: Stream, generation: Generation, response_id: str) -> dict[str, Any]:
-    text = TOKEN_TEXT * stream.tokens
-    params = engine.kv_transfer_params(stream) if stream.request.do_remote_decode else None
+async def _rejected(request: web.Request, engine: Engine, generation: Generation,
+                    response_id: str) -> web.StreamResponse:
+    """A request that arrives while the engine drains: vLLM's EngineCore rejects it at once with
+    finish_reason "abort" (`_reject_add_in_shutdown`), which the OpenAI layer answers like any finished
+    request -- 200, no text, no `kv_transfer_params` (the connector hands nothing off for an abort)."""
+    engine.connector.aborted_total += 1
+    if not generation.stream:
+        return web.json_response(_full_response(engine, generation, response_id, 0, "abort", None))
+    response = web.StreamResponse(headers={"Content-Type": "text/event-stream; charset=utf-8"})
+    await response.prepare(request)
+    chunks = Chunks(response_id, engine.config.model_name, int(time.time()), generation)
+    events = [sse_event(chunks.event(None, role=True))] if generation.chat else []
+    events.append(chunks.aborted())
+    if generation.include_usage:
+        events.append(chunks.usage(0))
+    events.append("data: [DONE]\n\n")
+    try:
+        await response.write("".join(events).encode())
+        await response.write_eof()
+    except ConnectionResetError:
+        log.debug("client of %s went away", response_id)
+    return response
+
+
+def _full_response(engine: Engine, generation: Generation, response_id: str, tokens: int, finish_reason: str,
+                   params: dict[str, Any] | None) -> dict[str, Any]:
+    text = TOKEN_TEXT * tokens
     head = {"id": response_id, "created": int(time.time()), "model": engine.config.model_name}
-    usage = usage_body(generation.prompt_tokens, stream.tokens)
+    usage = usage_body(generation.prompt_tokens, tokens)
     if generation.chat:
         message: dict[str, Any] = {"role": "assistant", "content": text, "refusal": None, "annotations": None,
                                    "audio": None, "function_call": None, "tool_calls": [], "reasoning_content": None}
         return {**head, "object": "chat.completion",
-                "choices": [{"index": 0, "message": message, "logprobs": None, "finish_reason": "length",
+                "choices": [{"index": 0, "message": message, "logprobs": None, "finish_reason": finish_reason,
                              "stop_reason": None}],
                 "service_tier": None, "system_fingerprint": None, "usage": usage, "prompt_logprobs": None,
                 "kv_transfer_params": params}
     return {**head, "object": "text_completion",
-            "choices": [{"index": 0, "text": text, "logprobs": None, "finish_reason": "length", "stop_reason": None,
-                         "prompt_logprobs": None}],
+            "choices": [{"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason,
+                         "stop_reason": None, "prompt_logprobs": None}],
             "service_tier": None, "system_fingerprint": None, "usage": usage, "kv_transfer_params": params}
 
 
 async def _stream(request: web.Request, engine: Engine, generation: Generation,
-                  response_id: str) -> web.StreamResponse:
+                  response_id: str, internal_id: str) -> web.StreamResponse:
     response = web.StreamResponse(headers={"Content-Type": "text/event-stream; charset=utf-8"})
     await response.prepare(request)
     chunks = Chunks(response_id, engine.config.model_name, int(time.time()), generation)
     if generation.chat:
         await response.write(sse_event(chunks.event(None, role=True)).encode())
-    stream = engine.submit(response_id, generation.prompt_tokens, generation.max_tokens,
+    stream = engine.submit(internal_id, generation.prompt_tokens, generation.max_tokens,
                            generation.kv_transfer_params)
     try:
         sent = 0
@@ -160,7 +187,8 @@ async def models(request: web.Request) -> web.Response:
 
 
 async def health(request: web.Request) -> web.Response:
-    """`GET /health` and `/ping`: 200 with an empty body when ready, 503 while loading or draining."""
+    """`GET /health` and `/ping`: 200 with an empty body when ready (draining too, as vLLM: its handler
+    answers 503 only for a dead engine), 503 while loading."""
     unavailable = _not_ready(request.app[ENGINE])
     return unavailable if unavailable is not None else web.Response(status=200)
 
@@ -238,12 +266,12 @@ class EmulatorServer:
         return f"http://{self.engine.config.host}:{self.http_port}"
 
     async def drain(self) -> None:
-        """Graceful stop (SIGTERM): stop listening, finish in-flight requests and held KV up to the
-        shutdown timeout, then close everything."""
+        """Graceful stop (SIGTERM), as vLLM's launcher does it: HTTP keeps serving (`/health` 200, new
+        generation requests aborted at once) while in-flight requests and held KV finish, up to the
+        shutdown timeout; then close everything."""
         engine = self.engine
         engine.draining = True
         deadline = time.monotonic() + engine.config.shutdown_timeout_s
-        await self.http_site.stop()
         while (engine.in_flight or engine.num_held) and time.monotonic() < deadline:
             await asyncio.sleep(0.01)
         if engine.in_flight or engine.num_held:

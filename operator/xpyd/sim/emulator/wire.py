@@ -164,12 +164,12 @@ class Chunks:
         self.token = sse_event(self.event(None))
 
     def event(self, finish_reason: str | None, usage: dict[str, Any] | None = None,
-              role: bool = False) -> dict[str, Any]:
+              role: bool = False, text: str = TOKEN_TEXT) -> dict[str, Any]:
         if self.generation.chat:
-            delta = {"role": "assistant", "content": ""} if role else {"content": TOKEN_TEXT}
+            delta = {"role": "assistant", "content": ""} if role else {"content": text}
             choice: dict[str, Any] = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish_reason}
         else:
-            choice = {"index": 0, "text": TOKEN_TEXT, "logprobs": None, "finish_reason": finish_reason,
+            choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason,
                       "stop_reason": None}
         payload: dict[str, Any] = {**self.head, "choices": [choice]}
         if usage is not None:
@@ -186,6 +186,12 @@ class Chunks:
         if first + count < total:
             return self.token * count
         return self.token * (count - 1) + sse_event(self.event("length"))
+
+    def aborted(self) -> str:
+        """The event of a request the engine aborted before its first token: no text, `abort`."""
+        generation = self.generation
+        usage = usage_body(generation.prompt_tokens, 0) if generation.continuous_usage else None
+        return sse_event(self.event("abort", usage, text=""))
 
     def usage(self, completion_tokens: int) -> str:
         usage = usage_body(self.generation.prompt_tokens, completion_tokens)
