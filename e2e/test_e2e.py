@@ -27,14 +27,14 @@ OPERATOR_SA = f"system:serviceaccount:{OPERATOR_NAMESPACE}:{RELEASE}"
 
 # The reviewed RBAC of the operator: resource -> verbs (kubectl auth can-i --list, cluster-wide).
 OPERATOR_RBAC = {
-    "disaggregatedservings.xpyd.io": {"get", "list", "watch", "patch"},
+    "disaggregatedservings.xpyd.io": {"get", "list", "watch"},
     "disaggregatedservings.xpyd.io/status": {"get", "patch"},
     "deployments.apps": {"get", "list", "watch", "create", "patch"},
     "services": {"get", "list", "watch", "create", "patch"},
-    "serviceaccounts": {"get", "create", "patch"},
-    "poddisruptionbudgets.policy": {"get", "create", "patch"},
-    "roles.rbac.authorization.k8s.io": {"get", "create", "patch"},
-    "rolebindings.rbac.authorization.k8s.io": {"get", "create", "patch"},
+    "serviceaccounts": {"get", "list", "watch", "create", "patch"},
+    "poddisruptionbudgets.policy": {"get", "list", "watch", "create", "patch"},
+    "roles.rbac.authorization.k8s.io": {"get", "list", "watch", "create", "patch"},
+    "rolebindings.rbac.authorization.k8s.io": {"get", "list", "watch", "create", "patch"},
     "pods": {"get", "list", "watch"},
     "events": {"create"},
     "configmaps": {"get"},

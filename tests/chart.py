@@ -27,25 +27,25 @@ Rule = tuple[str, str]  # (apiGroup, resource)
 #: for the status, and because the operator creates Roles granting pods get/list/watch to its
 #: proxies, which RBAC allows only to holders of those permissions.
 OPERATOR_RULES: dict[Rule, set[str]] = {
-    ("xpyd.io", "disaggregatedservings"): {"get", "list", "watch", "patch"},
+    ("xpyd.io", "disaggregatedservings"): {"get", "list", "watch"},
     ("xpyd.io", "disaggregatedservings/status"): {"get", "patch"},
     ("apps", "deployments"): {"get", "list", "watch", "create", "patch"},
     ("", "services"): {"get", "list", "watch", "create", "patch"},
-    ("", "serviceaccounts"): {"get", "create", "patch"},
+    ("", "serviceaccounts"): {"get", "list", "watch", "create", "patch"},
     ("", "pods"): {"get", "list", "watch"},
     ("", "events"): {"create"},
     ("", "configmaps"): {"get"},
     ("", "secrets"): {"get"},
-    ("policy", "poddisruptionbudgets"): {"get", "create", "patch"},
-    ("rbac.authorization.k8s.io", "roles"): {"get", "create", "patch"},
-    ("rbac.authorization.k8s.io", "rolebindings"): {"get", "create", "patch"},
+    ("policy", "poddisruptionbudgets"): {"get", "list", "watch", "create", "patch"},
+    ("rbac.authorization.k8s.io", "roles"): {"get", "list", "watch", "create", "patch"},
+    ("rbac.authorization.k8s.io", "rolebindings"): {"get", "list", "watch", "create", "patch"},
 }
 
 #: Verbs the operator must never hold.
 FORBIDDEN_VERBS = {"*", "delete", "deletecollection", "escalate", "bind", "impersonate"}
 
 OPERATOR_ARGS = ["-A", "--liveness=http://0.0.0.0:8080/healthz", "--metrics=http://0.0.0.0:8081/metrics",
-                 f"--operator-image={IMAGE}", "--resync-seconds=60"]
+                 f"--operator-image={IMAGE}", "--resync-seconds=600", "--workers=8"]
 
 
 def rule_table(rules: list[dict[str, Any]]) -> dict[Rule, set[str]]:

@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING
 import yaml
 
 from xpyd import __version__
+from xpyd.common.args import positive_float, positive_int
 
 if TYPE_CHECKING:
     from xpyd.api.models import DisaggregatedServing
@@ -74,7 +75,7 @@ def _cmd_operator(args: argparse.Namespace) -> int:
 
     return run(namespaces=args.namespace, all_namespaces=args.all_namespaces, liveness=args.liveness,
                operator_image=args.operator_image, resync_seconds=args.resync_seconds, verbose=args.verbose,
-               metrics=args.metrics or None)
+               metrics=args.metrics or None, workers=args.workers)
 
 
 def _cmd_cluster(args: argparse.Namespace) -> int:
@@ -141,8 +142,11 @@ def build_parser() -> argparse.ArgumentParser:
                           help="URL the operator's Prometheus metrics are served on (empty to disable)")
     operator.add_argument("--operator-image", default=None, help="image the proxy Deployments run "
                           "(default: this operator's release image)")
-    operator.add_argument("--resync-seconds", type=float, default=60.0,
-                          help="period of the drift check of every DisaggregatedServing")
+    operator.add_argument("--resync-seconds", type=positive_float, default=600.0,
+                          help="period of the resync that reconciles every DisaggregatedServing from the "
+                          "operator's watch-fed cache (drift is otherwise repaired on its watch event)")
+    operator.add_argument("--workers", type=positive_int, default=8,
+                          help="DisaggregatedServings reconciled at once (and autoscaler decisions made at once)")
     operator.add_argument("-v", "--verbose", action="store_true", help="debug logging")
     operator.set_defaults(func=_cmd_operator)
     cluster = commands.add_parser("cluster", help="the local control plane (real API server, fake GPU nodes)")

@@ -31,6 +31,7 @@ from pathlib import Path
 from typing import Any
 
 from xpyd.autoscaler.sizing import DEFAULT_MAX_NUM_SEQS, PoolModel, PromptMix
+from xpyd.common.args import positive_float, positive_int
 from xpyd.perf.model import PerfModel, link_seconds
 from xpyd.perf.shapes import DTYPE_BYTES, ModelShape, lookup_gpu, lookup_model
 from xpyd.traces import read_trace
@@ -294,26 +295,6 @@ def _count(text: str) -> float:
     return value
 
 
-def _positive_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"not an integer: {text!r}") from None
-    if value <= 0:
-        raise argparse.ArgumentTypeError(f"must be positive: {text!r}")
-    return value
-
-
-def _positive_float(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"not a number: {text!r}") from None
-    if not value > 0 or not math.isfinite(value):
-        raise argparse.ArgumentTypeError(f"must be positive: {text!r}")
-    return value
-
-
 def add_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     """Register `xpyd plan` on `subparsers`."""
     dtypes = sorted(DTYPE_BYTES)
@@ -323,9 +304,9 @@ def add_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) 
     model = parser.add_argument_group("model (a known name, explicit shape flags, or both: flags override)")
     model.add_argument("--model", help="known model (Llama-3.1-8B/70B/405B, Qwen2.5-7B/72B, DeepSeek-V3, "
                        "Mixtral-8x7B, Llama-2-70B, BLOOM-176B) or its Hugging Face id")
-    model.add_argument("--layers", type=_positive_int, help="transformer layers")
-    model.add_argument("--kv-heads", type=_positive_int, help="KV heads (GQA groups)")
-    model.add_argument("--head-dim", type=_positive_int, help="dimension of one attention head")
+    model.add_argument("--layers", type=positive_int, help="transformer layers")
+    model.add_argument("--kv-heads", type=positive_int, help="KV heads (GQA groups)")
+    model.add_argument("--head-dim", type=positive_int, help="dimension of one attention head")
     model.add_argument("--params", type=_count, help="total parameters (70e9 or 70B)")
     model.add_argument("--active-params", type=_count, help="parameters per token (MoE; default --params)")
     model.add_argument("--kv-dtype", choices=dtypes, default="bf16", help="KV-cache dtype (default bf16)")
@@ -338,34 +319,34 @@ def add_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) 
     source.add_argument("--splitwise", metavar="CSV", help="splitwise_perf_model.csv rows for --model, "
                         "--splitwise-hardware and --tp")
     hardware.add_argument("--splitwise-hardware", help="hardware column for --splitwise (a100-80gb, h100-80gb, ...)")
-    hardware.add_argument("--tp", type=_positive_int, default=1, help="GPUs per replica (tensor parallel; "
+    hardware.add_argument("--tp", type=positive_int, default=1, help="GPUs per replica (tensor parallel; "
                           "default 1; a profile's own TP)")
-    hardware.add_argument("--prefill-gpus", type=_positive_int, help="GPUs per prefill replica with --gpu "
+    hardware.add_argument("--prefill-gpus", type=positive_int, help="GPUs per prefill replica with --gpu "
                           "(default --tp)")
-    hardware.add_argument("--tflops", type=_positive_float, help="effective dense TFLOP/s per GPU with --gpu "
+    hardware.add_argument("--tflops", type=positive_float, help="effective dense TFLOP/s per GPU with --gpu "
                           "(replaces --mfu x datasheet)")
-    hardware.add_argument("--mfu", type=_positive_float, default=0.5, help="share of datasheet FLOP/s reached "
+    hardware.add_argument("--mfu", type=positive_float, default=0.5, help="share of datasheet FLOP/s reached "
                           "with --gpu (default 0.5)")
-    hardware.add_argument("--mbu", type=_positive_float, default=0.7, help="share of datasheet HBM bandwidth "
+    hardware.add_argument("--mbu", type=positive_float, default=0.7, help="share of datasheet HBM bandwidth "
                           "reached with --gpu (default 0.7)")
-    hardware.add_argument("--max-kv-tokens", type=_positive_int, help="KV capacity of one replica (default: the "
+    hardware.add_argument("--max-kv-tokens", type=positive_int, help="KV capacity of one replica (default: the "
                           "profile's 945029, or what the memory leaves)")
-    hardware.add_argument("--link-gbps", type=_positive_float, default=100.0, help="prefill-to-decode link "
+    hardware.add_argument("--link-gbps", type=positive_float, default=100.0, help="prefill-to-decode link "
                           "bandwidth in Gb/s (default 100)")
     workload = parser.add_argument_group("workload (--isl/--osl/--rate, or a --trace; flags override the trace)")
-    workload.add_argument("--isl", type=_positive_int, help="prompt tokens per request")
-    workload.add_argument("--osl", type=_positive_int, help="output tokens per request")
-    workload.add_argument("--rate", type=_positive_float, help="requests per second")
+    workload.add_argument("--isl", type=positive_int, help="prompt tokens per request")
+    workload.add_argument("--osl", type=positive_int, help="output tokens per request")
+    workload.add_argument("--rate", type=positive_float, help="requests per second")
     workload.add_argument("--trace", help="CSV (TIMESTAMP,ContextTokens,GeneratedTokens) or Mooncake JSONL")
     workload.add_argument("--isl-cv2", type=float, default=1.0, help="squared coefficient of variation of "
                           "prompt lengths without a trace (default 1)")
     slo = parser.add_argument_group("SLOs")
-    slo.add_argument("--slo-ttft-ms", type=_positive_float, default=500.0, help="TTFT target (default 500)")
-    slo.add_argument("--slo-tpot-ms", type=_positive_float, default=50.0, help="TPOT target (default 50)")
-    slo.add_argument("--slo-percentile", type=_positive_float, default=90.0, help="TTFT percentile (default 90)")
-    slo.add_argument("--itl-margin", type=_positive_float, default=0.9, help="decode ITL budget as a share of the "
+    slo.add_argument("--slo-ttft-ms", type=positive_float, default=500.0, help="TTFT target (default 500)")
+    slo.add_argument("--slo-tpot-ms", type=positive_float, default=50.0, help="TPOT target (default 50)")
+    slo.add_argument("--slo-percentile", type=positive_float, default=90.0, help="TTFT percentile (default 90)")
+    slo.add_argument("--itl-margin", type=positive_float, default=0.9, help="decode ITL budget as a share of the "
                      "TPOT target (default 0.9)")
-    slo.add_argument("--kv-headroom", type=_positive_float, default=0.9, help="share of the KV cache decode may "
+    slo.add_argument("--kv-headroom", type=positive_float, default=0.9, help="share of the KV cache decode may "
                      "fill (default 0.9)")
     parser.add_argument("--json", action="store_true", help="print the plan as JSON")
     parser.set_defaults(func=run)

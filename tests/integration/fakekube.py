@@ -4,7 +4,7 @@ API-server behaviour the operator relies on.
 Added on top of kmock: server-side apply creates missing objects; uid, generation,
 resourceVersion and creationTimestamp bookkeeping (generation moves only with the spec); the
 status subresource (a PATCH to /status changes only status, a PATCH to the object never does);
-label selectors on lists; `generateName`; error injection; and a log of every write.
+label selectors (equality and existence terms) on lists; `generateName`; error injection; and a log of every write.
 """
 
 from __future__ import annotations
@@ -22,6 +22,7 @@ from kmock._internal import dicts as kdicts
 from kmock._internal import rendering
 
 from xpyd.common.timefmt import rfc3339
+from xpyd.kube.cache import parse_selector, selector_matches
 
 JSON = dict[str, Any]
 WRITE_METHODS = {"POST", "PUT", "PATCH", "DELETE"}
@@ -51,11 +52,7 @@ class Write:
 
 
 def _matches(labels: dict[str, str], selector: str) -> bool:
-    for term in filter(None, selector.split(",")):
-        key, _, value = term.partition("=")
-        if labels.get(key) != value:
-            return False
-    return True
+    return selector_matches(labels, parse_selector(selector))
 
 
 class FakeKube(kmock.KubernetesEmulator):  # type: ignore[misc]

@@ -171,11 +171,11 @@ def test_operator_is_non_root_and_read_only() -> None:
 def test_operator_args_follow_values() -> None:
     container = operator_container(template(
         "--set", "image.repository=registry.local/xpyd", "--set", "image.tag=dev", "--set", "verbose=true",
-        "--set", "resyncSeconds=15", "--set", "watchNamespaces={a,b}"))
+        "--set", "resyncSeconds=15", "--set", "workers=3", "--set", "watchNamespaces={a,b}"))
     assert container["image"] == "registry.local/xpyd:dev"
     assert container["args"] == ["-n", "a", "-n", "b", "--liveness=http://0.0.0.0:8080/healthz",
                                  "--metrics=http://0.0.0.0:8081/metrics", "--operator-image=registry.local/xpyd:dev",
-                                 "--resync-seconds=15", "-v"]
+                                 "--resync-seconds=15", "--workers=3", "-v"]
 
 
 def test_pod_placement_values() -> None:

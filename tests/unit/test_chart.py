@@ -93,6 +93,8 @@ def test_values_defaults() -> None:
     ("watchNamespaces", ["a", "a"]),
     ("watchNamespaces", "a"),
     ("resyncSeconds", 0),
+    ("workers", 0),
+    ("workers", 2.5),
     ("verbose", "yes"),
     ("monitoring.podMonitor.roles", ["router"]),
     ("monitoring.podMonitor.interval", "15"),

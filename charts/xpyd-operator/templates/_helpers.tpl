@@ -68,15 +68,17 @@ The operator image; the operator runs its proxy pods from the same image.
 
 {{/*
 What the operator does, as RBAC rules (the same in a ClusterRole and in per-namespace Roles).
-No delete: children are garbage-collected through their ownerReferences. Pods are read for the
-status, and because the operator grants its proxies pods get/list/watch in a Role, which RBAC
+No delete: children are garbage-collected through their ownerReferences. The DisaggregatedServings
+and everything the operator creates are listed and watched: its reads come from watch-fed caches.
+Only the status of a DisaggregatedServing is written. Pods are read for the status and the
+autoscaler, and because the operator grants its proxies pods get/list/watch in a Role, which RBAC
 allows only to a holder of the same permissions. Secrets: get only, of the ones an autoscaled
 object names for its Prometheus (bearer token, CA); never listed or watched.
 */}}
 {{- define "xpyd-operator.rules" -}}
 - apiGroups: ["xpyd.io"]
   resources: ["disaggregatedservings"]
-  verbs: ["get", "list", "watch", "patch"]
+  verbs: ["get", "list", "watch"]
 - apiGroups: ["xpyd.io"]
   resources: ["disaggregatedservings/status"]
   verbs: ["get", "patch"]
@@ -88,7 +90,7 @@ object names for its Prometheus (bearer token, CA); never listed or watched.
   verbs: ["get", "list", "watch", "create", "patch"]
 - apiGroups: [""]
   resources: ["serviceaccounts"]
-  verbs: ["get", "create", "patch"]
+  verbs: ["get", "list", "watch", "create", "patch"]
 - apiGroups: [""]
   resources: ["pods"]
   verbs: ["get", "list", "watch"]
@@ -103,8 +105,8 @@ object names for its Prometheus (bearer token, CA); never listed or watched.
   verbs: ["get"]
 - apiGroups: ["policy"]
   resources: ["poddisruptionbudgets"]
-  verbs: ["get", "create", "patch"]
+  verbs: ["get", "list", "watch", "create", "patch"]
 - apiGroups: ["rbac.authorization.k8s.io"]
   resources: ["roles", "rolebindings"]
-  verbs: ["get", "create", "patch"]
+  verbs: ["get", "list", "watch", "create", "patch"]
 {{- end }}

@@ -1,7 +1,10 @@
-"""Reading command-line arguments the way argparse would (vLLM's and the proxy's flags in pod specs)."""
+"""Command-line arguments: reading them the way argparse would (vLLM's and the proxy's flags in pod
+specs), and the argparse types the project's commands share."""
 
 from __future__ import annotations
 
+import argparse
+import math
 from collections.abc import Sequence
 
 
@@ -13,4 +16,26 @@ def last_flag_value(args: Sequence[str], flag: str) -> str | None:
             value = arg.split("=", 1)[1]
         elif arg == flag and index + 1 < len(args):
             value = args[index + 1]
+    return value
+
+
+def positive_int(text: str) -> int:
+    """An argparse type: an integer above zero."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not an integer: {text!r}") from None
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"must be positive: {text!r}")
+    return value
+
+
+def positive_float(text: str) -> float:
+    """An argparse type: a finite number above zero."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a number: {text!r}") from None
+    if not value > 0 or not math.isfinite(value):
+        raise argparse.ArgumentTypeError(f"must be positive: {text!r}")
     return value

@@ -1,13 +1,23 @@
-"""kopf handlers: thin entry points around `reconcile()`.
+"""The operator's control loop: watch-fed caches, a work queue of pools, a bounded set of workers.
 
-- create/resume/update of a DisaggregatedServing reconcile it (kopf retries on errors);
-- events of child Deployments and Services (labelled managed-by xpyd-operator) reconcile their
-  owner, so status follows readiness and a deleted or edited child comes back at once;
-- a periodic sweep reconciles every object to catch any other drift. (A kopf timer would do
-  the same per object, but kopf guards timers with a finalizer, and a finalizer makes deleting a
-  DisaggregatedServing hang whenever the operator is not running.)
-- the autoscaler loop (same reasoning: not a kopf timer) makes a decision for every object whose
-  autoscaling mode is not Off once per interval, under the same per-object lock as the reconcile.
+- A `Cache` (xpyd.kube.cache) lists and watches the DisaggregatedServings and every kind the
+  operator creates (selected by its labels) plus the pools' pods. The operator's `Kube` reads from
+  it, so a reconcile sends the API server only writes, and an idle operator sends nothing but its
+  watches.
+- Every change the watches see queues the owning pool (a DisaggregatedServing's own key; a child's
+  `xpyd.io/serving` label); a deleted or edited child is repaired as soon as its event arrives.
+  Pod events queue the pool only when what the status reads of a pod changes (scheduling,
+  crash loops, deletion): readiness arrives through the Deployments' status.
+- `workers` threads take pools from the queue; one pool is never reconciled by two at once, and a
+  slow pool holds only its own worker. A failed reconcile is retried with a per-pool exponential
+  backoff (`retry_seconds` doubling, up to 5 minutes).
+- A periodic resync (`resync_seconds`) queues every pool again, from the cache: it costs the API
+  server nothing and catches what no event announced.
+- The autoscaler loop (not a kopf timer: kopf guards timers with a finalizer, and a finalizer makes
+  deleting a DisaggregatedServing hang whenever the operator is not running) starts a decision for
+  every object whose decision is due, each in its own worker, so one slow Prometheus delays no
+  other pool; a decision that changes replicas in Auto mode queues the pool's reconcile.
+kopf runs the process (startup and cleanup, signals, the liveness endpoint).
 """
 
 from __future__ import annotations
@@ -17,8 +27,9 @@ import contextlib
 import logging
 import threading
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Final
 
 import kopf
 
@@ -27,11 +38,55 @@ from xpyd.api.naming import FIELD_MANAGER, SERVING_LABEL
 from xpyd.common.jsontypes import JSON
 from xpyd.controller.autoscale import Autoscaler
 from xpyd.controller.reconcile import InvalidSpec, reconcile
+from xpyd.controller.workqueue import WorkQueue
 from xpyd.kube import Kube, KubeError
+from xpyd.kube.cache import Cache, Kind, pod_view
 
 log = logging.getLogger(__name__)
 
-CHILD_SELECTOR = {"app.kubernetes.io/managed-by": FIELD_MANAGER}
+#: Every kind the operator renders for a pool (a test holds this equal to what rendering produces).
+CHILD_KINDS: Final[tuple[tuple[str, str], ...]] = (
+    ("apps/v1", "Deployment"),
+    ("v1", "Service"),
+    ("v1", "ServiceAccount"),
+    ("policy/v1", "PodDisruptionBudget"),
+    ("rbac.authorization.k8s.io/v1", "Role"),
+    ("rbac.authorization.k8s.io/v1", "RoleBinding"),
+)
+#: The children the operator watches: its own, of some pool.
+CHILD_SELECTOR: Final = f"app.kubernetes.io/managed-by={FIELD_MANAGER},{SERVING_LABEL}"
+#: How long start-up waits for the caches' first lists before serving from the API server instead.
+SYNC_TIMEOUT_SECONDS: Final = 60.0
+RETRY_CAP_SECONDS: Final = 300.0
+
+Key = tuple[str, str]
+
+
+def cache_kinds() -> list[Kind]:
+    """What the operator's cache holds: the pools, their children, their pods."""
+    return [Kind(models.API_VERSION, models.KIND),
+            *(Kind(api_version, kind, CHILD_SELECTOR) for api_version, kind in CHILD_KINDS),
+            Kind("v1", "Pod", SERVING_LABEL, pod_view)]
+
+
+def owner_of(kind: Kind, obj: JSON) -> Key | None:
+    """The pool an object belongs to: a DisaggregatedServing itself, or the one its label names."""
+    meta = obj.get("metadata") or {}
+    namespace = meta.get("namespace")
+    name = meta.get("name") if kind.kind == models.KIND else (meta.get("labels") or {}).get(SERVING_LABEL)
+    return (namespace, name) if namespace and name else None
+
+
+def pod_signal(pod: JSON | None) -> tuple[Any, ...]:
+    """What the status reads of a pod (scheduling, crash loops, deletion): a pod event that leaves
+    it unchanged needs no reconcile."""
+    if pod is None:
+        return ()
+    status = pod.get("status") or {}
+    scheduled = [(c.get("status"), c.get("reason"), c.get("message")) for c in status.get("conditions") or []
+                 if c.get("type") == "PodScheduled"]
+    waiting = [(s.get("state") or {}).get("waiting", {}).get("reason") for s in status.get("containerStatuses") or []]
+    return bool((pod.get("metadata") or {}).get("deletionTimestamp")), tuple(scheduled), tuple(waiting)
 
 
 @dataclass
@@ -42,23 +97,36 @@ class OperatorState:
     operator_image: str
     resync_seconds: float
     namespaces: list[str]
-    #: Backoff of kopf's retries after an API error.
-    retry_seconds: float = 10.0
+    #: First retry of a failed reconcile (doubling per failure, up to RETRY_CAP_SECONDS).
+    retry_seconds: float = 1.0
     #: The autoscaler (None: no autoscaling in this operator, e.g. in tests of the reconcile alone).
     autoscaler: Autoscaler | None = None
     #: How often the autoscaler loop looks for objects whose decision is due.
     autoscale_tick_seconds: float = 5.0
-    _locks: dict[tuple[str, str], threading.Lock] = field(default_factory=dict)
+    #: Reconciles (and, apart, autoscaler decisions) that run at once.
+    workers: int = 8
+    #: Whether reads come from watch-fed caches (False: every read goes to the API server).
+    use_cache: bool = True
+    queue: WorkQueue[Key] = field(init=False)
+    cache: Cache | None = None
+    _locks: dict[Key, threading.Lock] = field(default_factory=dict)
     _locks_guard: threading.Lock = field(default_factory=threading.Lock)
-    sweeper: asyncio.Task[None] | None = None
-    scaler: asyncio.Task[None] | None = None
+    _threads: list[threading.Thread] = field(default_factory=list)
+    _deciding: set[Key] = field(default_factory=set)
+    _decisions: ThreadPoolExecutor | None = None
+    tasks: list[asyncio.Task[None]] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        self.queue = WorkQueue(base=self.retry_seconds, cap=RETRY_CAP_SECONDS)
+
+    # --- per-object locks ---------------------------------------------------------------------
 
     def lock(self, namespace: str, name: str) -> threading.Lock:
-        """One reconcile at a time per object, whichever handler triggered it."""
+        """One reconcile or decision at a time per object, whichever started it."""
         with self._locks_guard:
             return self._locks.setdefault((namespace, name), threading.Lock())
 
-    def forget_locks(self, present: set[tuple[str, str]], scopes: list[str | None]) -> None:
+    def forget_locks(self, present: set[Key], scopes: list[str | None]) -> None:
         """Drop the idle locks of objects that no longer exist in the listed scopes (the map would
         otherwise grow with every object ever seen). A held lock stays until a later sweep."""
         with self._locks_guard:
@@ -66,8 +134,10 @@ class OperatorState:
                 if key not in present and (None in scopes or key[0] in scopes) and not lock.locked():
                     del self._locks[key]
 
+    # --- one object ---------------------------------------------------------------------------
+
     def reconcile(self, namespace: str, name: str) -> None:
-        """Read the object and reconcile it, under its lock: a reconcile that waited for another
+        """Read the object and reconcile it, under its lock: a reconcile that waited for a decision
         must see that one's writes, or it would write a stale status again."""
         with self.lock(namespace, name):
             body = self.kube.get(models.API_VERSION, models.KIND, namespace, name)
@@ -79,7 +149,7 @@ class OperatorState:
                      outcome.created or "-", outcome.updated or "-", "written" if outcome.status_written else "-")
 
     def autoscale(self, namespace: str, name: str) -> None:
-        """One autoscaler decision for the object, then (Auto mode, replicas changed) its reconcile."""
+        """One autoscaler decision for the object; in Auto mode, a change of replicas queues its reconcile."""
         assert self.autoscaler is not None
         with self.lock(namespace, name):
             body = self.kube.get(models.API_VERSION, models.KIND, namespace, name)
@@ -88,76 +158,123 @@ class OperatorState:
                 return
             actuate = self.autoscaler.step(body)
         if actuate:
-            self.reconcile(namespace, name)
+            self.queue.add((namespace, name))
+
+    # --- the loop -----------------------------------------------------------------------------
+
+    def changed(self, kind: Kind, old: JSON | None, new: JSON | None) -> None:
+        """A watch event (from a reflector's thread): queue the pool it concerns."""
+        if kind.kind == "Pod" and pod_signal(old) == pod_signal(new):
+            return
+        key = owner_of(kind, new or old or {})
+        if key is not None:
+            self.queue.add(key)
+
+    def start(self) -> None:
+        """Fill the caches (up to SYNC_TIMEOUT_SECONDS), start the workers, queue every pool."""
+        if self.use_cache:
+            self.cache = Cache(self.kube, cache_kinds(), self.namespaces, on_change=self.changed)
+            self.cache.start()
+            late = self.cache.wait_synced(SYNC_TIMEOUT_SECONDS)
+            if late:
+                log.warning("not listed yet (read from the API server until they are): %s", late)
+            self.kube.cache = self.cache
+        for index in range(self.workers):
+            thread = threading.Thread(target=self._work, name=f"reconcile-{index}", daemon=True)
+            thread.start()
+            self._threads.append(thread)
+        self.resync()
+
+    def stop(self) -> None:
+        self.queue.shutdown()
+        if self._decisions is not None:
+            self._decisions.shutdown(wait=False, cancel_futures=True)
+        if self.cache is not None:
+            self.cache.stop()
+            self.kube.cache = None
+        for thread in self._threads:
+            thread.join(timeout=5.0)
+        self._threads.clear()
+
+    def _work(self) -> None:
+        while (key := self.queue.get()) is not None:
+            try:
+                self.reconcile(*key)
+            except InvalidSpec:
+                self.queue.forget(key)  # reported in its status and Events; its next change comes back
+            except KubeError as error:
+                log.warning("reconcile of %s/%s failed, retrying in %.1f s: %s", *key, self.queue.retry(key), error)
+            except Exception:  # a bug in one object's reconcile must not stop the worker
+                log.exception("reconcile of %s/%s failed, retrying in %.1f s", *key, self.queue.retry(key))
+            else:
+                self.queue.forget(key)
+            finally:
+                self.queue.done(key)
+
+    def resync(self) -> None:
+        """Queue every pool (from the cache once it serves), and drop the locks of pools gone."""
+        bodies, listed = _list_all(self, "resync")
+        for body in bodies:
+            self.queue.add(_key(body))
+        self.forget_locks({_key(body) for body in bodies}, listed)
+
+    def autoscale_due(self) -> None:
+        """Start a decision for every autoscaled object whose decision is due and not running."""
+        assert self.autoscaler is not None
+        if self._decisions is None:
+            self._decisions = ThreadPoolExecutor(max_workers=self.workers, thread_name_prefix="autoscale")
+        bodies, listed = _list_all(self, "autoscaler")
+        now = self.autoscaler.clock()
+        for body in bodies:
+            key = _key(body)
+            with self._locks_guard:
+                if key in self._deciding or not self.autoscaler.due(body, now):
+                    continue
+                self._deciding.add(key)
+            self._decisions.submit(self._decide, key)
+        self.autoscaler.forget_absent({_key(body) for body in bodies}, listed)
+
+    def _decide(self, key: Key) -> None:
+        try:
+            self.autoscale(*key)
+        except (KubeError, InvalidSpec) as error:
+            log.warning("autoscaler decision for %s/%s failed, will retry: %s", *key, error)
+        except Exception:  # a bug in one object's decision must not stop the others' (or the loop)
+            log.exception("autoscaler decision for %s/%s failed", *key)
+        finally:
+            with self._locks_guard:
+                self._deciding.discard(key)
 
 
 def configure_settings(settings: kopf.OperatorSettings) -> None:
-    """The operator's own prefixes, quiet event posting and bounded watches."""
-    settings.persistence.finalizer = f"{models.GROUP}/finalizer"
-    settings.persistence.progress_storage = kopf.AnnotationsProgressStorage(prefix=models.GROUP)
-    settings.persistence.diffbase_storage = kopf.AnnotationsDiffBaseStorage(
-        prefix=models.GROUP, key="last-handled-configuration")
+    """kopf runs no resource handlers here: quiet event posting, no CRD scanning."""
     settings.posting.level = logging.WARNING  # Events are written by the reconciler itself.
-    settings.watching.server_timeout = 300
-    settings.watching.client_timeout = 330
-    settings.watching.connect_timeout = 30
     settings.networking.request_timeout = 60
-    settings.execution.max_workers = 8
     # The resources are fixed: no need to list CustomResourceDefinitions (and no RBAC for it).
     settings.scanning.disabled = True
 
 
 def register(registry: kopf.OperatorRegistry) -> None:
-    """Register every handler on `registry` (the operator's own: no global registry)."""
+    """Register the operator's start-up and clean-up on `registry` (its own: no global registry)."""
 
     @kopf.on.startup(registry=registry)
     async def _startup(settings: kopf.OperatorSettings, memo: kopf.Memo, **_: Any) -> None:
         configure_settings(settings)
         state: OperatorState = memo.state
-        state.sweeper = asyncio.create_task(_sweep_forever(state))
+        await asyncio.to_thread(state.start)
+        state.tasks.append(asyncio.create_task(_every(state.resync_seconds, state.resync, delay_first=True)))
         if state.autoscaler is not None:
-            state.scaler = asyncio.create_task(_autoscale_forever(state))
+            state.tasks.append(asyncio.create_task(_every(state.autoscale_tick_seconds, state.autoscale_due)))
 
     @kopf.on.cleanup(registry=registry)
     async def _cleanup(memo: kopf.Memo, **_: Any) -> None:
         state: OperatorState = memo.state
-        for task in (state.sweeper, state.scaler):
-            if task is not None:
-                task.cancel()
-                with contextlib.suppress(asyncio.CancelledError):
-                    await task
-
-    @kopf.on.resume(models.GROUP, models.VERSION, models.PLURAL, registry=registry)
-    @kopf.on.create(models.GROUP, models.VERSION, models.PLURAL, registry=registry)
-    @kopf.on.update(models.GROUP, models.VERSION, models.PLURAL, registry=registry)
-    def _on_change(namespace: str | None, name: str, memo: kopf.Memo, **_: Any) -> None:
-        state: OperatorState = memo.state
-        try:
-            state.reconcile(namespace or "default", name)  # the resource is namespaced: always set
-        except InvalidSpec as error:
-            raise kopf.PermanentError(str(error)) from None
-        except KubeError as error:
-            raise kopf.TemporaryError(str(error), delay=state.retry_seconds) from None
-
-    for group_version, plural in (("apps/v1", "deployments"), ("v1", "services")):
-        group, _, version = group_version.rpartition("/")
-
-        @kopf.on.event(group, version, plural, labels=CHILD_SELECTOR, registry=registry)
-        def _on_child(body: kopf.Body, memo: kopf.Memo, **_: Any) -> None:
-            owner = body.get("metadata", {}).get("labels", {}).get(SERVING_LABEL)
-            if owner:
-                _reconcile_quietly(memo.state, body["metadata"]["namespace"], owner)
-
-
-def _reconcile_quietly(state: OperatorState, namespace: str, name: str) -> None:
-    """Reconcile from outside the object's own handlers: errors are logged, and the next event,
-    sweep or retry of its own handler brings it back."""
-    try:
-        state.reconcile(namespace, name)
-    except InvalidSpec:
-        pass  # reported in its status and Events
-    except KubeError as error:
-        log.warning("reconcile of %s/%s failed, will retry: %s", namespace, name, error)
+        for task in state.tasks:
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+        state.tasks.clear()
+        await asyncio.to_thread(state.stop)
 
 
 def _list_all(state: OperatorState, what: str) -> tuple[list[JSON], list[str | None]]:
@@ -176,49 +293,17 @@ def _list_all(state: OperatorState, what: str) -> tuple[list[JSON], list[str | N
     return bodies, listed
 
 
-def _key(body: JSON) -> tuple[str, str]:
+def _key(body: JSON) -> Key:
     return body["metadata"]["namespace"], body["metadata"]["name"]
 
 
-def _sweep(state: OperatorState) -> None:
-    bodies, listed = _list_all(state, "drift sweep")
-    for body in bodies:
-        _reconcile_quietly(state, *_key(body))
-    state.forget_locks({_key(body) for body in bodies}, listed)
-
-
-async def _sweep_forever(state: OperatorState) -> None:
+async def _every(seconds: float, work: Callable[[], None], delay_first: bool = False) -> None:
+    """Run `work` in a thread every `seconds`; a bug in it is logged and the loop goes on."""
+    if delay_first:
+        await asyncio.sleep(seconds)
     while True:
-        await asyncio.sleep(state.resync_seconds)
-        await _survive(_sweep, state)
-
-
-async def _survive(work: Callable[[OperatorState], None], state: OperatorState) -> None:
-    """Run one round of a periodic loop in a thread; a bug in it is logged and the loop goes on."""
-    try:
-        await asyncio.to_thread(work, state)
-    except Exception:
-        log.exception("%s failed; the next round retries", work.__name__)
-
-
-def _autoscale_due(state: OperatorState) -> None:
-    """Decide for every autoscaled object whose decision is due (one list per scope and tick)."""
-    assert state.autoscaler is not None
-    bodies, listed = _list_all(state, "autoscaler")
-    for body in bodies:
-        namespace, name = _key(body)
-        if not state.autoscaler.due(body, state.autoscaler.clock()):
-            continue
         try:
-            state.autoscale(namespace, name)
-        except (KubeError, InvalidSpec) as error:
-            log.warning("autoscaler decision for %s/%s failed, will retry: %s", namespace, name, error)
-        except Exception:  # a bug in one object's decision must not stop the others' (or the loop)
-            log.exception("autoscaler decision for %s/%s failed", namespace, name)
-    state.autoscaler.forget_absent({_key(body) for body in bodies}, listed)
-
-
-async def _autoscale_forever(state: OperatorState) -> None:
-    while True:
-        await _survive(_autoscale_due, state)
-        await asyncio.sleep(state.autoscale_tick_seconds)
+            await asyncio.to_thread(work)
+        except Exception:
+            log.exception("%s failed; the next round retries", getattr(work, "__name__", work))
+        await asyncio.sleep(seconds)

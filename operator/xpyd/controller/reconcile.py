@@ -85,14 +85,21 @@ def reconcile(kube: Kube, body: JSON, operator_image: str, now: Callable[[], str
     kopf.adopt(objects, owner=kopf.Body(body))  # type: ignore[arg-type]
 
     live_deployments: dict[str, JSON] = {}
+    stale: list[JSON] = []
     for obj in objects:
         kind, child = obj["kind"], obj["metadata"]["name"]
         live = kube.get(obj["apiVersion"], kind, namespace, child)
         if live is None or not is_subset(obj, live):
             (outcome.created if live is None else outcome.updated).append(f"{kind}/{child}")
-            live = kube.apply(obj)
-        if kind == "Deployment":
+            stale.append(obj)
+        elif kind == "Deployment":
             live_deployments[child] = live
+    # The applies go out together, in two waves: what the pods need (their ServiceAccount, RBAC,
+    # Services), then the Deployments that create them.
+    for wave in ([o for o in stale if o["kind"] != "Deployment"], [o for o in stale if o["kind"] == "Deployment"]):
+        for obj, live in zip(wave, kube.apply_all(wave), strict=True):
+            if obj["kind"] == "Deployment":
+                live_deployments[obj["metadata"]["name"]] = live
 
     components: tuple[Component, ...] = ("prefill", "decode", "proxy")
     deployments = {c: live_deployments.get(child_name(name, c)) for c in components}

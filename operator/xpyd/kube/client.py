@@ -9,9 +9,12 @@ from __future__ import annotations
 
 import json
 import logging
-from dataclasses import dataclass
+import threading
+from collections import Counter
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Final
+from typing import TYPE_CHECKING, Any, Final
 
 import kubernetes
 
@@ -19,6 +22,9 @@ from xpyd.api import models
 from xpyd.api.naming import FIELD_MANAGER
 from xpyd.common.jsontypes import JSON
 from xpyd.common.timefmt import rfc3339
+
+if TYPE_CHECKING:
+    from xpyd.kube.cache import Cache
 
 log = logging.getLogger(__name__)
 
@@ -42,6 +48,10 @@ PLURALS: Final[dict[tuple[str, str], str]] = {
 CLUSTER_SCOPED: Final = frozenset({"Node", "Namespace"})
 
 REQUEST_TIMEOUT_SECONDS: Final = 15.0
+#: Connections kept per API server: the operator's workers and their concurrent applies share them.
+CONNECTION_POOL_SIZE: Final = 32
+#: Writes `apply_all` sends at once (all callers together).
+PARALLEL_APPLIES: Final = 16
 
 
 class KubeError(Exception):
@@ -67,9 +77,30 @@ def resource_path(api_version: str, kind: str, namespace: str | None, name: str 
     return path
 
 
+def request_kind(method: str, path: str, query: list[tuple[str, str]]) -> tuple[str, str]:
+    """The verb and resource of a request as the API server counts them (`apiserver_request_total`):
+    GET of a collection is LIST, with `watch` WATCH; the resource is the plural, plus
+    `/subresource`."""
+    parts = [p for p in path.split("/") if p]
+    parts = parts[2:] if parts[:1] == ["api"] else parts[3:]  # /api/v1/... or /apis/group/version/...
+    if len(parts) >= 2 and parts[0] == "namespaces" and len(parts) != 2:
+        parts = parts[2:]  # a namespaced resource, not a Namespace object
+    resource = parts[0] if parts else ""
+    if len(parts) >= 3:
+        resource += "/" + parts[2]
+    verb = method.upper()
+    if verb == "GET":
+        if any(key == "watch" and value in ("true", "1") for key, value in query):
+            verb = "WATCH"
+        elif len(parts) == 1:
+            verb = "LIST"
+    return verb, resource
+
+
 def load_client_config() -> kubernetes.client.Configuration:
     """In-cluster credentials when running in a pod, else the current kubeconfig."""
     config = kubernetes.client.Configuration()
+    config.connection_pool_maxsize = CONNECTION_POOL_SIZE
     try:
         kubernetes.config.load_incluster_config(client_configuration=config)  # type: ignore[no-untyped-call]
     except kubernetes.config.ConfigException:
@@ -79,9 +110,16 @@ def load_client_config() -> kubernetes.client.Configuration:
 
 @dataclass
 class Kube:
-    """JSON-in, JSON-out access to the API server."""
+    """JSON-in, JSON-out access to the API server. With a `cache` (see `xpyd.kube.cache`), reads of
+    the kinds it serves are answered from memory and the objects writes return are written through."""
 
     api: kubernetes.client.ApiClient
+    cache: Cache | None = None
+    #: Requests sent, by (verb, resource, HTTP status; 0 when no answer came): the operator's /metrics.
+    requests: Counter[tuple[str, str, int]] = field(default_factory=Counter, init=False, compare=False)
+    _requests_guard: threading.Lock = field(default_factory=threading.Lock, init=False, repr=False, compare=False)
+    _applier: ThreadPoolExecutor | None = field(default=None, init=False, repr=False, compare=False)
+    _applier_guard: threading.Lock = field(default_factory=threading.Lock, init=False, repr=False, compare=False)
 
     @classmethod
     def from_environment(cls) -> Kube:
@@ -100,7 +138,9 @@ class Kube:
                                          _request_timeout=REQUEST_TIMEOUT_SECONDS)
             raw = response.read()  # type: ignore[no-untyped-call]
         except Exception as error:  # connection refused, timeouts, TLS: all retried by the caller
+            self._count(method, path, query, 0)
             raise KubeError(0, f"{method} {path}: {error}") from None
+        self._count(method, path, query, response.status)
         if response.status == 404 and method == "GET":
             return None
         if not 200 <= response.status < 300:
@@ -108,18 +148,55 @@ class Kube:
         result: JSON = json.loads(raw) if raw else {}
         return result
 
+    def open(self, method: str, path: str, query: list[tuple[str, str]],
+             timeout: tuple[float, float]) -> Any:
+        """A request whose body the caller reads (e.g. a watch stream); KubeError unless 200."""
+        method, url, headers, body, _ = self.api.param_serialize(
+            method=method, resource_path=path, query_params=query, header_params={"Accept": "application/json"},
+            auth_settings=["BearerToken"])
+        try:
+            response = self.api.call_api(method, url, header_params=headers, body=body, _request_timeout=timeout)
+        except Exception as error:
+            self._count(method, path, query, 0)
+            raise KubeError(0, f"{method} {path}: {error}") from None
+        self._count(method, path, query, response.status)
+        if response.status != 200:
+            raw = response.read()  # type: ignore[no-untyped-call]
+            raise KubeError(response.status, f"{method} {path}: {_reason(raw)}")
+        return response
+
+    def request_counts(self) -> dict[tuple[str, str, int], int]:
+        """A copy of `requests`."""
+        with self._requests_guard:
+            return dict(self.requests)
+
+    def _count(self, method: str, path: str, query: list[tuple[str, str]] | None, status: int) -> None:
+        key = (*request_kind(method, path, query or []), status)
+        with self._requests_guard:
+            self.requests[key] += 1
+
+    def _observe(self, obj: JSON | None) -> JSON:
+        if obj and self.cache is not None:
+            self.cache.observe(obj)
+        return obj or {}
+
     @classmethod
     def from_kubeconfig(cls, path: Path) -> Kube:
         config = kubernetes.client.Configuration()
+        config.connection_pool_maxsize = CONNECTION_POOL_SIZE
         kubernetes.config.load_kube_config(config_file=str(path), client_configuration=config)  # type: ignore[no-untyped-call]
         return cls(kubernetes.client.ApiClient(config))
 
     def get(self, api_version: str, kind: str, namespace: str | None, name: str) -> JSON | None:
         """The object, or None when it does not exist."""
+        if self.cache is not None and namespace is not None and self.cache.serves(api_version, kind, namespace):
+            return self.cache.get(api_version, kind, namespace, name)
         return self._call("GET", resource_path(api_version, kind, namespace, name))
 
     def list_objects(self, api_version: str, kind: str, namespace: str | None, selector: str = "",
                      field_selector: str = "") -> list[JSON]:
+        if self.cache is not None and not field_selector and self.cache.serves(api_version, kind, namespace, selector):
+            return self.cache.select(api_version, kind, namespace, selector)
         query = [(k, v) for k, v in (("labelSelector", selector), ("fieldSelector", field_selector)) if v]
         result = self._call("GET", resource_path(api_version, kind, namespace), query=query)
         items: list[JSON] = (result or {}).get("items", [])
@@ -135,7 +212,7 @@ class Kube:
         """A JSON merge patch of an object or of its subresource."""
         result = self._call("PATCH", resource_path(api_version, kind, namespace, name, subresource), body=patch,
                             content_type="application/merge-patch+json")
-        return result or {}
+        return self._observe(result)
 
     def delete(self, api_version: str, kind: str, namespace: str | None, name: str,
                grace_seconds: int | None = None, uid: str | None = None) -> None:
@@ -160,6 +237,8 @@ class Kube:
 
     def list_servings(self, namespace: str | None) -> list[JSON]:
         """Every DisaggregatedServing in `namespace`, or in the cluster when None."""
+        if self.cache is not None and self.cache.serves(models.API_VERSION, models.KIND, namespace, ""):
+            return self.cache.select(models.API_VERSION, models.KIND, namespace)
         path = (resource_path(models.API_VERSION, models.KIND, namespace) if namespace
                 else f"/apis/{models.API_VERSION}/{models.PLURAL}")
         result = self._call("GET", path)
@@ -175,12 +254,31 @@ class Kube:
         path = resource_path(obj["apiVersion"], obj["kind"], meta["namespace"], meta["name"])
         result = self._call("PATCH", path, body=obj, content_type="application/apply-patch+yaml",
                             query=[("fieldManager", FIELD_MANAGER), ("force", "true")])
-        return result or {}
+        return self._observe(result)
 
-    def patch_status(self, namespace: str, name: str, status: JSON) -> None:
-        """Merge-patch the status subresource of a DisaggregatedServing."""
+    def apply_all(self, objects: list[JSON]) -> list[JSON]:
+        """Server-side apply of several objects at once; their results in order. Every apply is
+        attempted; the first failure is raised after all have finished."""
+        if len(objects) <= 1:
+            return [self.apply(obj) for obj in objects]
+        with self._applier_guard:
+            if self._applier is None:
+                self._applier = ThreadPoolExecutor(max_workers=PARALLEL_APPLIES, thread_name_prefix="apply")
+            applier = self._applier
+        futures = [applier.submit(self.apply, obj) for obj in objects]
+        errors = [error for future in futures if (error := future.exception()) is not None]
+        if errors:
+            raise errors[0]
+        return [future.result() for future in futures]
+
+    def patch_status(self, namespace: str, name: str, status: JSON) -> JSON:
+        """Merge-patch the status subresource of a DisaggregatedServing; the object it returns."""
         path = resource_path(models.API_VERSION, models.KIND, namespace, name, "status")
-        self._call("PATCH", path, body={"status": status}, content_type="application/merge-patch+json")
+        result = self._call("PATCH", path, body={"status": status}, content_type="application/merge-patch+json")
+        if result is not None:
+            result.setdefault("apiVersion", models.API_VERSION)
+            result.setdefault("kind", models.KIND)
+        return self._observe(result)
 
     def event(self, owner: JSON, event_type: str, reason: str, message: str) -> None:
         """Record an Event on `owner` (shown by `kubectl describe`). Failures are logged, not raised:
