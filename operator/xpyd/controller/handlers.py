@@ -37,7 +37,7 @@ from xpyd.api import models
 from xpyd.api.naming import FIELD_MANAGER, SERVING_LABEL
 from xpyd.common.jsontypes import JSON
 from xpyd.controller.autoscale import Autoscaler
-from xpyd.controller.reconcile import InvalidSpec, reconcile
+from xpyd.controller.reconcile import InvalidSpec, Verified, reconcile
 from xpyd.controller.workqueue import WorkQueue
 from xpyd.kube import Kube, KubeError
 from xpyd.kube.cache import Cache, Kind, pod_view
@@ -58,6 +58,10 @@ CHILD_SELECTOR: Final = f"app.kubernetes.io/managed-by={FIELD_MANAGER},{SERVING_
 #: How long start-up waits for the caches' first lists before serving from the API server instead.
 SYNC_TIMEOUT_SECONDS: Final = 60.0
 RETRY_CAP_SECONDS: Final = 300.0
+#: While a pool's children progress (replicas created, pods scheduled, ready), their many status
+#: changes are written to its status at most this often, which keeps its status writes (and the
+#: watch events they cause) few during a rollout of many pools.
+STATUS_INTERVAL_SECONDS: Final = 2.0
 
 Key = tuple[str, str]
 
@@ -66,7 +70,7 @@ def cache_kinds() -> list[Kind]:
     """What the operator's cache holds: the pools, their children, their pods."""
     return [Kind(models.API_VERSION, models.KIND),
             *(Kind(api_version, kind, CHILD_SELECTOR) for api_version, kind in CHILD_KINDS),
-            Kind("v1", "Pod", SERVING_LABEL, pod_view)]
+            Kind("v1", "Pod", SERVING_LABEL, pod_view, index_label=SERVING_LABEL)]
 
 
 def owner_of(kind: Kind, obj: JSON) -> Key | None:
@@ -89,6 +93,27 @@ def pod_signal(pod: JSON | None) -> tuple[Any, ...]:
     return bool((pod.get("metadata") or {}).get("deletionTimestamp")), tuple(scheduled), tuple(waiting)
 
 
+def is_urgent(kind: Kind, old: JSON | None, new: JSON | None) -> bool:
+    """Whether an event may need a child written (a new or changed DisaggregatedServing, a deleted
+    or edited child), rather than only a status refreshed (a child's or a pod's status moved; the
+    first listing). Urgent work is done first, so that under a burst of status churn new pools
+    still get their children at once."""
+    if kind.kind == "Pod":
+        return False
+    if new is None:
+        return kind.kind != models.KIND  # a deleted child comes back; a deleted pool needs nothing
+    if old is None:
+        return kind.kind == models.KIND  # a new pool (a child's first sighting is its own creation)
+    before, after = old.get("metadata") or {}, new.get("metadata") or {}
+    if before.get("generation") != after.get("generation"):
+        return True
+    if kind.kind == models.KIND:
+        return False  # its status moved (the autoscaler's decision queues its own urgent reconcile)
+    if after.get("generation") is None:
+        return True  # a kind without generation (Service, RBAC): any change may be an edit
+    return any(before.get(k) != after.get(k) for k in ("labels", "annotations", "ownerReferences"))
+
+
 @dataclass
 class OperatorState:
     """Per-operator state, kept in kopf's memo (no module globals)."""
@@ -105,11 +130,15 @@ class OperatorState:
     autoscale_tick_seconds: float = 5.0
     #: Reconciles (and, apart, autoscaler decisions) that run at once.
     workers: int = 8
+    #: A pool's status that only follows its children's progress is written at most this often.
+    status_interval: float = STATUS_INTERVAL_SECONDS
     #: Whether reads come from watch-fed caches (False: every read goes to the API server).
     use_cache: bool = True
     queue: WorkQueue[Key] = field(init=False)
     cache: Cache | None = None
     _locks: dict[Key, threading.Lock] = field(default_factory=dict)
+    #: Per pool, what its last reconcile verified (see `reconcile.Verified`), kept with its lock.
+    _verified: dict[Key, Verified] = field(default_factory=dict)
     _locks_guard: threading.Lock = field(default_factory=threading.Lock)
     _threads: list[threading.Thread] = field(default_factory=list)
     _deciding: set[Key] = field(default_factory=set)
@@ -133,6 +162,7 @@ class OperatorState:
             for key, lock in list(self._locks.items()):
                 if key not in present and (None in scopes or key[0] in scopes) and not lock.locked():
                     del self._locks[key]
+                    self._verified.pop(key, None)
 
     # --- one object ---------------------------------------------------------------------------
 
@@ -143,7 +173,12 @@ class OperatorState:
             body = self.kube.get(models.API_VERSION, models.KIND, namespace, name)
             if body is None or body["metadata"].get("deletionTimestamp"):
                 return
-            outcome = reconcile(self.kube, body, self.operator_image)
+            with self._locks_guard:
+                verified = self._verified.setdefault((namespace, name), Verified())
+            outcome = reconcile(self.kube, body, self.operator_image, verified=verified,
+                                status_interval=self.status_interval)
+        if outcome.status_deferred:
+            self.queue.add_after((namespace, name), outcome.status_deferred)
         if outcome.writes:
             log.info("reconciled %s/%s: created %s, updated %s, status %s", namespace, name,
                      outcome.created or "-", outcome.updated or "-", "written" if outcome.status_written else "-")
@@ -158,17 +193,18 @@ class OperatorState:
                 return
             actuate = self.autoscaler.step(body)
         if actuate:
-            self.queue.add((namespace, name))
+            self.queue.add((namespace, name), urgent=True)
 
     # --- the loop -----------------------------------------------------------------------------
 
     def changed(self, kind: Kind, old: JSON | None, new: JSON | None) -> None:
-        """A watch event (from a reflector's thread): queue the pool it concerns."""
+        """A watch event (from a reflector's thread): queue the pool it concerns, urgently when the
+        event may need a write to a child (see `is_urgent`)."""
         if kind.kind == "Pod" and pod_signal(old) == pod_signal(new):
             return
         key = owner_of(kind, new or old or {})
         if key is not None:
-            self.queue.add(key)
+            self.queue.add(key, urgent=is_urgent(kind, old, new))
 
     def start(self) -> None:
         """Fill the caches (up to SYNC_TIMEOUT_SECONDS), start the workers, queue every pool."""

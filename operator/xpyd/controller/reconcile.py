@@ -5,9 +5,13 @@ changes of child Deployments and Services, and by the periodic drift sweep.
 
 from __future__ import annotations
 
+import json
 import logging
+import math
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any, Final
 
 import kopf
 
@@ -37,6 +41,8 @@ class Outcome:
     created: list[str] = field(default_factory=list)
     updated: list[str] = field(default_factory=list)
     status_written: bool = False
+    #: Seconds until the status, which changed, may be written (0: not deferred).
+    status_deferred: float = 0.0
 
     @property
     def writes(self) -> int:
@@ -61,8 +67,50 @@ def desired_replicas(serving: DisaggregatedServing) -> dict[Component, int]:
     return result
 
 
-def reconcile(kube: Kube, body: JSON, operator_image: str, now: Callable[[], str] = rfc3339) -> Outcome:
-    """Bring the children of `body` to their desired state and update its status."""
+#: Kinds whose metadata.generation moves with every change of their spec (scale included).
+_GENERATION_KINDS: Final = frozenset({"Deployment", "PodDisruptionBudget"})
+
+ChildRef = tuple[str, str, str]  # apiVersion, kind, name
+
+
+def fingerprint(live: JSON, rendered: JSON) -> tuple[Any, ...]:
+    """What must stay the same for a child found equal to its desired state `rendered` to still be
+    equal: its spec (through metadata.generation where the kind has one, else the whole object
+    through its resourceVersion) and the labels, annotations and owner rendering sets (others'
+    labels and annotations, such as the Deployment controller's revision, do not matter). A
+    Deployment's status churns without changing it."""
+    meta = live.get("metadata") or {}
+    if live.get("kind") not in _GENERATION_KINDS or meta.get("generation") is None:
+        return meta.get("uid"), meta.get("resourceVersion")
+    want = rendered.get("metadata") or {}
+    labels, annotations = meta.get("labels") or {}, meta.get("annotations") or {}
+    return (meta.get("uid"), meta.get("generation"), json.dumps(meta.get("ownerReferences"), sort_keys=True),
+            tuple(labels.get(k) for k in sorted(want.get("labels") or {})),
+            tuple(annotations.get(k) for k in sorted(want.get("annotations") or {})))
+
+
+@dataclass
+class Verified:
+    """What one pool's last reconcile established (kept between reconciles by the operator): for the
+    render inputs `key`, its children and the fingerprint each had when found (or applied) equal to
+    the desired state. While neither changes, a reconcile need not render or compare again: it only
+    recomputes the status (which most child events, a Deployment's status, are about)."""
+
+    key: tuple[Any, ...] = ()
+    #: child -> (its fingerprint, the metadata rendering gave it)
+    children: dict[ChildRef, tuple[tuple[Any, ...], JSON]] = field(default_factory=dict)
+    #: When the pool's status was last written (time.monotonic), for `status_interval`.
+    status_written_at: float = -math.inf
+
+
+def reconcile(kube: Kube, body: JSON, operator_image: str, now: Callable[[], str] = rfc3339,
+              verified: Verified | None = None, status_interval: float = 0.0,
+              clock: Callable[[], float] = time.monotonic) -> Outcome:
+    """Bring the children of `body` to their desired state and update its status. With `verified`
+    (the pool's memory of its last reconcile, updated here), unchanged children are not rendered
+    and compared again, and a status that only follows its children's progress is written at most
+    once per `status_interval` (`Outcome.status_deferred` says when to come back); a reconcile that
+    wrote a child or saw a new generation writes its status at once."""
     meta = body["metadata"]
     name, namespace, generation = meta["name"], meta["namespace"], meta.get("generation")
     old_status: JSON = body.get("status") or {}
@@ -79,27 +127,11 @@ def reconcile(kube: Kube, body: JSON, operator_image: str, now: Callable[[], str
         raise InvalidSpec(message) from None
 
     replicas = desired_replicas(serving)
-    objects = render(name, namespace, serving.spec,
-                     RenderOptions(operator_image=operator_image,
-                                   replicas={role: replicas[role] for role in ROLES}))
-    kopf.adopt(objects, owner=kopf.Body(body))  # type: ignore[arg-type]
-
-    live_deployments: dict[str, JSON] = {}
-    stale: list[JSON] = []
-    for obj in objects:
-        kind, child = obj["kind"], obj["metadata"]["name"]
-        live = kube.get(obj["apiVersion"], kind, namespace, child)
-        if live is None or not is_subset(obj, live):
-            (outcome.created if live is None else outcome.updated).append(f"{kind}/{child}")
-            stale.append(obj)
-        elif kind == "Deployment":
-            live_deployments[child] = live
-    # The applies go out together, in two waves: what the pods need (their ServiceAccount, RBAC,
-    # Services), then the Deployments that create them.
-    for wave in ([o for o in stale if o["kind"] != "Deployment"], [o for o in stale if o["kind"] == "Deployment"]):
-        for obj, live in zip(wave, kube.apply_all(wave), strict=True):
-            if obj["kind"] == "Deployment":
-                live_deployments[obj["metadata"]["name"]] = live
+    verified = verified if verified is not None else Verified()
+    key = (meta.get("uid"), generation, operator_image, tuple(sorted(replicas.items())))
+    live_deployments = _unchanged_deployments(kube, namespace, key, verified)
+    if live_deployments is None:
+        live_deployments = _converge(kube, body, serving, replicas, operator_image, key, verified, outcome)
 
     components: tuple[Component, ...] = ("prefill", "decode", "proxy")
     deployments = {c: live_deployments.get(child_name(name, c)) for c in components}
@@ -111,14 +143,76 @@ def reconcile(kube: Kube, body: JSON, operator_image: str, now: Callable[[], str
     status = compute_status(serving.spec, observed, old_status, generation,
                             endpoint(name, namespace, serving.spec), transport(serving.spec), now())
     if status_changed(old_status, status):
-        kube.patch_status(namespace, name, status)
-        outcome.status_written = True
-        _report_transitions(kube, body, old_status, status)
+        wait = verified.status_written_at + status_interval - clock()
+        progress_only = not outcome.writes and old_status.get("observedGeneration") == generation
+        if wait > 0 and progress_only:
+            outcome.status_deferred = wait
+        else:
+            kube.patch_status(namespace, name, status)
+            verified.status_written_at = clock()
+            outcome.status_written = True
+            _report_transitions(kube, body, old_status, status)
     if outcome.created:
         kube.event(body, "Normal", "Created", "created " + ", ".join(outcome.created))
     if outcome.updated:
         kube.event(body, "Normal", "Updated", "applied the desired state to " + ", ".join(outcome.updated))
     return outcome
+
+
+def _unchanged_deployments(kube: Kube, namespace: str, key: tuple[Any, ...],
+                           verified: Verified) -> dict[str, JSON] | None:
+    """The live Deployments, when every child is as the last reconcile of the same inputs left it;
+    else None (render and compare)."""
+    if verified.key != key or not verified.children:
+        return None
+    deployments: dict[str, JSON] = {}
+    for (api_version, kind, child), (known, rendered) in verified.children.items():
+        live = kube.get(api_version, kind, namespace, child)
+        if live is None or fingerprint(live, rendered) != known:
+            return None
+        if kind == "Deployment":
+            deployments[child] = live
+    return deployments
+
+
+def _converge(kube: Kube, body: JSON, serving: DisaggregatedServing, replicas: dict[Component, int],
+              operator_image: str, key: tuple[Any, ...], verified: Verified, outcome: Outcome) -> dict[str, JSON]:
+    """Render, apply what differs (recording it in `outcome`), remember what was verified; the live
+    Deployments."""
+    name, namespace = body["metadata"]["name"], body["metadata"]["namespace"]
+    objects = render(name, namespace, serving.spec,
+                     RenderOptions(operator_image=operator_image,
+                                   replicas={role: replicas[role] for role in ROLES}))
+    kopf.adopt(objects, owner=kopf.Body(body))  # type: ignore[arg-type]
+    verified.key, verified.children = (), {}  # until every child is known equal
+    children: dict[ChildRef, tuple[tuple[Any, ...], JSON]] = {}
+    live_deployments: dict[str, JSON] = {}
+    stale: list[JSON] = []
+    for obj in objects:
+        kind, child = obj["kind"], obj["metadata"]["name"]
+        live = kube.get(obj["apiVersion"], kind, namespace, child)
+        if live is None or not is_subset(obj, live):
+            (outcome.created if live is None else outcome.updated).append(f"{kind}/{child}")
+            stale.append(obj)
+            continue
+        children[(obj["apiVersion"], kind, child)] = (fingerprint(live, obj), _rendered_metadata(obj))
+        if kind == "Deployment":
+            live_deployments[child] = live
+    # The applies go out together, in two waves: what the pods need (their ServiceAccount, RBAC,
+    # Services), then the Deployments that create them.
+    for wave in ([o for o in stale if o["kind"] != "Deployment"], [o for o in stale if o["kind"] == "Deployment"]):
+        for obj, live in zip(wave, kube.apply_all(wave), strict=True):
+            children[(obj["apiVersion"], obj["kind"], obj["metadata"]["name"])] = (fingerprint(live, obj),
+                                                                                   _rendered_metadata(obj))
+            if obj["kind"] == "Deployment":
+                live_deployments[obj["metadata"]["name"]] = live
+    verified.key, verified.children = key, children
+    return live_deployments
+
+
+def _rendered_metadata(obj: JSON) -> JSON:
+    meta = obj.get("metadata") or {}
+    return {"metadata": {"labels": meta.get("labels") or {}, "annotations": meta.get("annotations") or {}}}
 
 
 def _report_transitions(kube: Kube, body: JSON, old: JSON, new: JSON) -> None:

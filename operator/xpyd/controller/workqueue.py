@@ -5,6 +5,8 @@
   missed.
 - `retry(key)` queues it again after a per-key exponential backoff (`base` doubling up to `cap`);
   `forget(key)` resets the backoff after a success.
+- Two priorities: an `urgent` key (a new or changed object, a deleted or edited child) is taken
+  before every normal one (a status to refresh); a waiting normal key added as urgent moves up.
 - `shutdown()` wakes every waiting worker; `get()` then returns None.
 """
 
@@ -24,10 +26,12 @@ class WorkQueue(Generic[K]):
     def __init__(self, base: float = 0.5, cap: float = 300.0, clock: Callable[[], float] = time.monotonic) -> None:
         self.base, self.cap, self.clock = base, cap, clock
         self._ready: deque[K] = deque()
+        self._urgent: deque[K] = deque()
         self._waiting: set[K] = set()      # queued, not yet taken
+        self._urgent_keys: set[K] = set()  # queued urgent (also in _waiting)
         self._processing: set[K] = set()   # taken by a worker
         self._again: set[K] = set()        # added while processing
-        self._later: list[tuple[float, int, K]] = []
+        self._later: list[tuple[float, int, K, bool]] = []
         self._failures: dict[K, int] = {}
         self._sequence = 0
         self._shutdown = False
@@ -35,29 +39,41 @@ class WorkQueue(Generic[K]):
 
     def __len__(self) -> int:
         with self._cond:
-            return len(self._ready)
+            return len(self._waiting)
 
-    def add(self, key: K) -> None:
+    def add(self, key: K, urgent: bool = False) -> None:
         with self._cond:
-            self._add(key)
+            self._add(key, urgent)
 
-    def _add(self, key: K) -> None:
-        if self._shutdown or key in self._waiting:
+    def _add(self, key: K, urgent: bool = False) -> None:
+        if self._shutdown:
             return
         if key in self._processing:
             self._again.add(key)
+            if urgent:
+                self._urgent_keys.add(key)
+            return
+        if key in self._waiting:
+            if urgent and key not in self._urgent_keys:
+                self._urgent_keys.add(key)
+                self._urgent.append(key)  # its normal entry is skipped when reached
+                self._cond.notify()
             return
         self._waiting.add(key)
-        self._ready.append(key)
+        if urgent:
+            self._urgent_keys.add(key)
+            self._urgent.append(key)
+        else:
+            self._ready.append(key)
         self._cond.notify()
 
-    def add_after(self, key: K, delay: float) -> None:
+    def add_after(self, key: K, delay: float, urgent: bool = False) -> None:
         if delay <= 0:
-            self.add(key)
+            self.add(key, urgent)
             return
         with self._cond:
             self._sequence += 1
-            heapq.heappush(self._later, (self.clock() + delay, self._sequence, key))
+            heapq.heappush(self._later, (self.clock() + delay, self._sequence, key, urgent))
             self._cond.notify()
 
     def retry(self, key: K) -> float:
@@ -66,7 +82,7 @@ class WorkQueue(Generic[K]):
             failures = self._failures.get(key, 0)
             self._failures[key] = failures + 1
         delay = min(self.cap, self.base * 2.0 ** failures)
-        self.add_after(key, delay)
+        self.add_after(key, delay, urgent=True)
         return delay
 
     def forget(self, key: K) -> None:
@@ -81,10 +97,8 @@ class WorkQueue(Generic[K]):
                 self._promote()
                 if self._shutdown:
                     return None
-                if self._ready:
-                    key = self._ready.popleft()
-                    self._waiting.discard(key)
-                    self._processing.add(key)
+                key = self._take()
+                if key is not None:
                     return key
                 waits = [t - self.clock() for t in (self._later[0][0] if self._later else None, deadline)
                          if t is not None]
@@ -92,11 +106,22 @@ class WorkQueue(Generic[K]):
                     return None
                 self._cond.wait(max(0.0, min(waits)) if waits else None)
 
+    def _take(self) -> K | None:
+        while self._urgent or self._ready:
+            key = self._urgent.popleft() if self._urgent else self._ready.popleft()
+            if key not in self._waiting:
+                continue  # taken already through its other entry
+            self._waiting.discard(key)
+            self._urgent_keys.discard(key)
+            self._processing.add(key)
+            return key
+        return None
+
     def _promote(self) -> None:
         now = self.clock()
         while self._later and self._later[0][0] <= now:
-            _, _, key = heapq.heappop(self._later)
-            self._add(key)
+            _, _, key, urgent = heapq.heappop(self._later)
+            self._add(key, urgent)
 
     def done(self, key: K) -> None:
         """The worker is done with `key` (queued again if it was added meanwhile)."""
@@ -104,7 +129,9 @@ class WorkQueue(Generic[K]):
             self._processing.discard(key)
             if key in self._again:
                 self._again.discard(key)
-                self._add(key)
+                urgent = key in self._urgent_keys
+                self._urgent_keys.discard(key)
+                self._add(key, urgent)
 
     def shutdown(self) -> None:
         with self._cond:

@@ -16,14 +16,14 @@ arrives. An object is replaced only by one at least as new (resourceVersions are
 integers when both are, which the API server's are; otherwise the latest arrival wins).
 
 Objects are stored through a `transform` (managedFields dropped; pods reduced to what the
-operator reads), which keeps the memory of a thousand pools small. Callers must treat what the
-cache returns as read-only copies: `get` and `list` hand out deep copies.
+operator reads), which keeps the memory of a thousand pools small. `get` and `select` hand out
+the cache's own objects, not copies (a deep copy of a Deployment costs more than the rest of a
+reconcile): callers must not modify them.
 """
 
 from __future__ import annotations
 
 import contextlib
-import copy
 import json
 import logging
 import random
@@ -125,7 +125,7 @@ class Reflector:
 
     def __init__(self, kube: Kube, api_version: str, kind: str, namespace: str | None, selector: str = "",
                  transform: Transform = without_managed_fields, on_change: OnChange | None = None,
-                 watch_seconds: float = WATCH_SECONDS) -> None:
+                 watch_seconds: float = WATCH_SECONDS, index_label: str | None = None) -> None:
         self.kube = kube
         self.api_version, self.kind, self.namespace, self.selector = api_version, kind, namespace, selector
         self.transform = transform
@@ -135,6 +135,9 @@ class Reflector:
         self.stopping = threading.Event()
         self._terms = parse_selector(selector)
         self._objects: dict[tuple[str, str], JSON] = {}
+        #: (namespace, value of `index_label`) -> keys: a list by that label reads only its objects.
+        self.index_label = index_label
+        self._index: dict[tuple[str, str], dict[tuple[str, str], None]] = {}  # an ordered set
         self._lock = threading.Lock()
         self._response: Any = None
         self._thread: threading.Thread | None = None
@@ -147,16 +150,40 @@ class Reflector:
 
     def get(self, namespace: str, name: str) -> JSON | None:
         with self._lock:
-            obj = self._objects.get((namespace, name))
-        return copy.deepcopy(obj) if obj is not None else None
+            return self._objects.get((namespace, name))
 
     def select(self, namespace: str | None, selector: str = "") -> list[JSON]:
         terms = parse_selector(selector)
+        indexed = dict(terms).get(self.index_label) if self.index_label and namespace is not None else None
         with self._lock:
-            found = [obj for (ns, _), obj in self._objects.items()
-                     if (namespace is None or ns == namespace)
-                     and selector_matches((obj.get("metadata") or {}).get("labels"), terms)]
-        return copy.deepcopy(found)
+            if indexed is not None:
+                candidates = [(key, self._objects[key]) for key in self._index.get((namespace or "", indexed), ())]
+            else:
+                candidates = list(self._objects.items())
+            return [obj for (ns, _), obj in candidates if (namespace is None or ns == namespace)
+                    and selector_matches((obj.get("metadata") or {}).get("labels"), terms)]
+
+    def _index_key(self, key: tuple[str, str], obj: JSON) -> tuple[str, str] | None:
+        if self.index_label is None:
+            return None
+        value = ((obj.get("metadata") or {}).get("labels") or {}).get(self.index_label)
+        return (key[0], value) if value is not None else None
+
+    def _store(self, key: tuple[str, str], obj: JSON | None) -> JSON | None:
+        """Set (or, with None, drop) one object and its index entry, under the lock; the old one."""
+        old = self._objects.pop(key, None) if obj is None else self._objects.get(key)
+        if obj is not None:
+            self._objects[key] = obj
+        if self.index_label is not None:
+            before = self._index_key(key, old) if old is not None else None
+            after = self._index_key(key, obj) if obj is not None else None
+            if before != after and before is not None:
+                self._index[before].pop(key, None)
+                if not self._index[before]:
+                    del self._index[before]
+            if after is not None:
+                self._index.setdefault(after, {})[key] = None
+        return old
 
     def keys(self) -> list[tuple[str, str]]:
         with self._lock:
@@ -181,13 +208,13 @@ class Reflector:
             old = self._objects.get(key)
             if old is not None and (_version(old) == _version(obj) or not is_not_older(obj, old)):
                 return
-            self._objects[key] = obj
+            self._store(key, obj)
         if announce:
             self._announce(old, obj)
 
     def _remove(self, key: tuple[str, str], announce: bool = True) -> None:
         with self._lock:
-            old = self._objects.pop(key, None)
+            old = self._store(key, None)
         if old is not None and announce:
             self._announce(old, None)
 
@@ -300,6 +327,8 @@ class Kind:
     kind: str
     selector: str = ""
     transform: Transform = without_managed_fields
+    #: A label whose value lists of this kind usually select (indexed: see `Reflector.select`).
+    index_label: str | None = None
 
 
 @dataclass
@@ -319,7 +348,7 @@ class Cache:
         for spec in self.kinds:
             self.reflectors[(spec.api_version, spec.kind)] = [
                 Reflector(self.kube, spec.api_version, spec.kind, scope, spec.selector, spec.transform,
-                          self._forward(spec), self.watch_seconds) for scope in scopes]
+                          self._forward(spec), self.watch_seconds, spec.index_label) for scope in scopes]
 
     def _forward(self, spec: Kind) -> OnChange | None:
         if self.on_change is None:
