@@ -234,8 +234,8 @@ async def test_killing_a_prefill_and_a_decode_process_mid_load(
         statuses = await load(r, 300, 16, {**COMPLETION, "stream": stream}, during=kill)
         assert statuses == {200: 300}
         pools = r.proxy.pools
-        await eventually(lambda: not pools["prefill"].instances[p0h.url].eligible()
-                         and not pools["decode"].instances[d0h.url].eligible(), what="the dead instances excluded")
+        await eventually(lambda: not pools["prefill"].instances[p0h.url].serving()
+                         and not pools["decode"].instances[d0h.url].serving(), what="the dead instances excluded")
 
 
 async def test_connector_with_concurrent_legs_survives_a_failing_prefill() -> None:

@@ -67,6 +67,11 @@ MAX_TENSOR_PARALLEL = 64
 #: pod for long. The proxy refuses longer values; the render caps what it passes by them.
 MAX_PROXY_DRAIN_SECONDS = 300.0
 MAX_PROXY_FINISH_SECONDS = 3600.0
+#: A terminating engine pod's preStop drain ends only after its engine has been idle (nothing running,
+#: waiting or finished) this long, so the engine still takes new requests until then; the proxy sends a
+#: terminating instance new requests (when its role has no other instance) only within this time of its
+#: own last leg there. vLLM aborts new requests once its engine gets SIGTERM, which follows the drain.
+ENGINE_DRAIN_QUIET_SECONDS = 5
 
 
 class EnvVar(APIModel):

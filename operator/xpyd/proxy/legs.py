@@ -285,6 +285,7 @@ class Legs:
         instance.acquire(tokens)
         started = time.monotonic()
         result = "error"
+        status: int | None = None
         try:
             try:
                 async with self.session().post(instance.url + context.path, data=json_bytes(body),
@@ -322,6 +323,8 @@ class Legs:
             raise
         finally:
             instance.release(tokens)
+            if status is not None:
+                instance.answered(time.monotonic())
             self.pools["prefill"].forget_if_done(instance)
             self.metrics.legs.observe(time.monotonic() - started, "prefill", result)
 
@@ -362,8 +365,9 @@ class Legs:
             result = "cancelled"
             raise
         finally:
-            if response is not None:
+            if response is not None:  # an answer that is not relayed: it ends here
                 response.close()
+                instance.answered(time.monotonic())
             if result:
                 self.metrics.legs.observe(time.monotonic() - started, "decode", result)
 
@@ -412,6 +416,7 @@ class Legs:
             raise
         finally:
             opened.close()
+            instance.answered(time.monotonic())
             self.metrics.legs.observe(time.monotonic() - opened.started, "decode", result)
 
     # -- connector specifics --------------------------------------------------------------------
