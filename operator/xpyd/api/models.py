@@ -590,8 +590,9 @@ class RoleSpec(APIModel):
         default=60,
         ge=0,
         le=3600,
-        description="On pod deletion, how long to wait for in-flight requests to finish (the proxy "
-        "stops sending new ones at once) before vLLM is stopped.",
+        description="On pod deletion, the longest the engine keeps serving before vLLM is stopped; it stops "
+        f"earlier once it has been idle for {ENGINE_DRAIN_QUIET_SECONDS} s (the proxy sends a terminating pod new "
+        "requests only while its role has no other ready instance).",
     )
     update_strategy: UpdateStrategySpec = Field(
         default_factory=UpdateStrategySpec, description="Rolling update of this pool."

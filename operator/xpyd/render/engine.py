@@ -9,6 +9,7 @@ from typing import Any, Final
 
 from xpyd import vllm
 from xpyd.api.models import (
+    ENGINE_DRAIN_QUIET_SECONDS,
     LMCACHE_PD_PROXY_PORT,
     Connector,
     DisaggregatedServingSpec,
@@ -269,7 +270,8 @@ def node_selector(role_spec: RoleSpec) -> dict[str, str]:
 def drain_command(spec: DisaggregatedServingSpec, role: Role) -> list[str]:
     role_spec: RoleSpec = getattr(spec, role)
     hold = kv_lease_seconds(spec, role) if role == "prefill" else 0
-    return ["python3", "-c", _DRAIN_SOURCE, str(spec.engine.port), str(role_spec.drain_timeout_seconds), str(hold)]
+    return ["python3", "-c", _DRAIN_SOURCE, str(spec.engine.port), str(role_spec.drain_timeout_seconds),
+            str(ENGINE_DRAIN_QUIET_SECONDS), str(hold)]
 
 
 def termination_grace_seconds(spec: DisaggregatedServingSpec, role: Role) -> int:
