@@ -358,10 +358,14 @@ def test_gpu_product_selector_and_taint_toleration() -> None:
     assert {"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"} in pod["spec"]["tolerations"]
 
 
-def test_gpu_pools_roll_without_spare_gpus() -> None:
-    strategy = engine({})["spec"]["strategy"]["rollingUpdate"]
-    assert strategy == {"maxSurge": 0, "maxUnavailable": 1}
-    assert engine({"decode": {"updateStrategy": {"maxSurge": "25%"}}}, "decode")["spec"]["strategy"][
+@pytest.mark.parametrize("role", ["prefill", "decode"])
+def test_a_replacement_is_surged_before_the_pod_it_replaces_stops(role: str) -> None:
+    strategy = engine({}, role)["spec"]["strategy"]
+    assert strategy == {"type": "RollingUpdate", "rollingUpdate": {"maxSurge": 1, "maxUnavailable": 0}}
+    # A pool without spare GPUs can roll in place instead.
+    in_place = {role: {"updateStrategy": {"maxSurge": 0, "maxUnavailable": 1}}}
+    assert engine(in_place, role)["spec"]["strategy"]["rollingUpdate"] == {"maxSurge": 0, "maxUnavailable": 1}
+    assert engine({role: {"updateStrategy": {"maxSurge": "25%"}}}, role)["spec"]["strategy"][
         "rollingUpdate"]["maxSurge"] == "25%"
 
 

@@ -547,10 +547,15 @@ class UpdateStrategySpec(APIModel):
     """Rolling update of a GPU pool."""
 
     max_surge: IntOrPercent = Field(
-        default=0,
-        description="Extra pods during a rollout. 0 by default: a GPU pool rarely has spare GPUs.",
+        default=1,
+        description="Extra pods during a rollout. 1 by default, with maxUnavailable 0: each replacement is Ready "
+        "before the pod it replaces stops, so a pool of one never goes without a serving pod. Without a spare "
+        "GPU the replacement waits Pending while the old pods serve on; maxSurge 0 with maxUnavailable 1 rolls "
+        "in place instead, one pod down at a time.",
     )
-    max_unavailable: IntOrPercent = Field(default=1, description="Pods that may be down during a rollout.")
+    max_unavailable: IntOrPercent = Field(
+        default=0, description="Pods that may be down during a rollout (see maxSurge)."
+    )
 
 
 class RoleSpec(APIModel):
