@@ -170,16 +170,18 @@ class Pool:
         to_probe: list[Instance] = []
         for url, endpoint in listed.items():
             instance = self.instances.get(url)
+            new = instance is None
             if instance is None:
                 instance = self.instances[url] = Instance(
                     url=url, role=self.role,
                     breaker=Breaker(threshold=self.breaker_threshold, base_cooldown=self.breaker_cooldown))
-                to_probe.append(instance)
-            if endpoint.ready and endpoint.checked and not (instance.listed and instance.ready and instance.checked):
+            was_ready_pod = instance.listed and instance.ready and instance.checked
+            vouched = endpoint.ready and endpoint.checked and not was_ready_pod
+            if vouched:
                 instance.set_healthy(True)
                 instance.evidence += 1
-                if instance not in to_probe:
-                    to_probe.append(instance)
+            if new or vouched:
+                to_probe.append(instance)
             instance.listed = True
             instance.ready = endpoint.ready
             instance.checked = endpoint.checked
