@@ -8,6 +8,7 @@ import asyncio
 import contextlib
 import json
 import socket
+import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -18,6 +19,7 @@ from aiohttp import web
 
 from xpyd.api.naming import Role
 from xpyd.common.netguard import require_loopback
+from xpyd.common.timefmt import rfc3339
 from xpyd.kube import Kube
 from xpyd.proxy.config import ProxyConfig
 from xpyd.proxy.discovery import PodWatcher, static_endpoints
@@ -128,11 +130,12 @@ def common_port(hosts: list[str]) -> int:
 
 
 def pod(name: str, role: str, ip: str, ready: bool = True, deleting: bool = False) -> dict[str, Any]:
-    """An engine Pod of the `llama` serving in NAMESPACE (`deleting`: with a deletionTimestamp)."""
+    """An engine Pod of the `llama` serving in NAMESPACE; `deleting`: deleted just now, with the
+    rendered engines' grace period (drain timeout 60 s, shutdown margin 30 s)."""
     meta: dict[str, Any] = {"name": name, "namespace": NAMESPACE,
                             "labels": {"xpyd.io/serving": "llama", "xpyd.io/role": role}}
     if deleting:
-        meta["deletionTimestamp"] = "2026-01-01T00:00:00Z"
+        meta["deletionTimestamp"] = rfc3339(time.time() + 90)
     return {"apiVersion": "v1", "kind": "Pod", "metadata": meta,
             "spec": {"containers": [{"name": "vllm", "image": "vllm"}]},
             "status": {"podIP": ip, "conditions": [{"type": "Ready", "status": "True" if ready else "False"}]}}

@@ -3,6 +3,7 @@ pod endpoints and P2pNccl registrations: the proxy's pure parts."""
 
 from __future__ import annotations
 
+import datetime
 import random
 from collections import Counter
 from typing import Any
@@ -72,7 +73,7 @@ def test_pick_refuses_no_candidates() -> None:
 
 def _pool(role: Any = "decode", urls: tuple[str, ...] = ("http://a", "http://b")) -> Pool:
     pool = Pool(role, LEAST, random.Random(0))
-    for instance in pool.update([Endpoint(url) for url in urls], 0.0):
+    for instance in pool.update([Endpoint(url) for url in urls], 0.0, 0.0):
         instance.healthy = True
     return pool
 
@@ -108,7 +109,7 @@ def test_an_unlisted_instance_stays_until_its_last_leg_ends() -> None:
     pool = _pool()
     busy = pool.instances["http://a"]
     busy.acquire()
-    added = pool.update([Endpoint("http://b"), Endpoint("http://c")], 0.0)
+    added = pool.update([Endpoint("http://b"), Endpoint("http://c")], 0.0, 0.0)
     assert [i.url for i in added] == ["http://c"]
     assert set(pool.instances) == {"http://a", "http://b", "http://c"}
     assert pool.pick(0.0, exclude={"http://b", "http://c"}) is None   # a gets nothing new
@@ -134,9 +135,9 @@ def test_a_pods_readiness_is_evidence_of_health(history: list[Endpoint], healthy
                                                   probed: bool) -> None:
     pool = Pool("prefill", LEAST, random.Random(0))
     for endpoint in history[:-1]:
-        for instance in pool.update([endpoint], 0.0):
+        for instance in pool.update([endpoint], 0.0, 0.0):
             instance.healthy = False               # its probe failed (nothing listened yet)
-    to_probe = pool.update(history[-1:], 0.0)
+    to_probe = pool.update(history[-1:], 0.0, 0.0)
     instance = pool.instances["http://a"]
     assert instance.healthy == healthy
     assert (to_probe == [instance]) == probed
@@ -144,31 +145,35 @@ def test_a_pods_readiness_is_evidence_of_health(history: list[Endpoint], healthy
 
 def test_readiness_evidence_overrides_a_failed_probe_and_restarts_learning() -> None:
     pool = Pool("prefill", LEAST, random.Random(0))
-    pool.update([NOT_READY], 0.0)
+    pool.update([NOT_READY], 0.0, 0.0)
     instance = pool.instances["http://a"]
     instance.healthy = False
     instance.mooncake_engines = {0: "old"}
     assert pool.pick(0.0) is None
     evidence = instance.evidence
-    assert pool.update([POD], 0.0) == [instance]
+    assert pool.update([POD], 0.0, 0.0) == [instance]
     assert pool.pick(0.0) is instance and instance.mooncake_engines is None and instance.evidence == evidence + 1
 
 
-@pytest.mark.parametrize(("others", "now", "answered", "picked"), [
-    ([], 0.0, None, "http://old"),                        # the only instance: fallback
-    ([], 3.9, None, "http://old"),                        # within fallback_seconds (4) of its termination
-    ([], 4.0, None, None),                                # past them: its engine may have stopped taking requests
-    ([], 6.0, 2.5, "http://old"),                         # ... counted from the end of its last answer
-    ([], 6.5, 2.5, None),
-    ([Endpoint("http://new", checked=True)], 0.0, None, "http://new"),        # a ready replacement wins
-    ([Endpoint("http://new", ready=False, checked=True)], 0.0, None, "http://old"),  # not ready yet
+@pytest.mark.parametrize(("others", "timeout_at", "now", "answered", "picked"), [
+    ([], None, 0.0, None, "http://old"),                  # the only instance: fallback
+    ([], None, 3.9, None, "http://old"),                  # within fallback_seconds (4) of its termination
+    ([], None, 4.0, None, None),                          # past them: its engine may have stopped taking requests
+    ([], None, 6.0, 2.5, "http://old"),                   # ... counted from the end of its last answer
+    ([], None, 6.5, 2.5, None),
+    ([], 1000.0 + 3.5, 2.4, 2.0, "http://old"),           # its drain's timeout (wall clock) less a second
+    ([], 1000.0 + 3.5, 2.5, 2.0, None),
+    ([], 1000.0 - 20, 0.0, None, None),                   # a grace period too short for any drain
+    ([Endpoint("http://new", checked=True)], None, 0.0, None, "http://new"),        # a ready replacement wins
+    ([Endpoint("http://new", ready=False, checked=True)], None, 0.0, None, "http://old"),  # not ready yet
 ])
-def test_a_terminating_instance_is_a_fallback(others: list[Endpoint], now: float, answered: float | None,
-                                              picked: str | None) -> None:
+def test_a_terminating_instance_is_a_fallback(others: list[Endpoint], timeout_at: float | None, now: float,
+                                              answered: float | None, picked: str | None) -> None:
     pool = Pool("decode", LEAST, random.Random(0))
     old = Endpoint("http://old", ready=True, checked=True)
-    pool.update([old, *others], 0.0)
-    pool.update([Endpoint("http://old", ready=True, checked=True, terminating=True), *others], 0.0)
+    pool.update([old, *others], 0.0, 1000.0)
+    pool.update([Endpoint("http://old", ready=True, checked=True, terminating=True, drain_timeout_at=timeout_at),
+                 *others], 0.0, 1000.0)
     if answered is not None:
         pool.instances["http://old"].answered(answered)
     assert pool.fallback_seconds == 4.0
@@ -179,10 +184,10 @@ def test_a_terminating_instance_is_a_fallback(others: list[Endpoint], now: float
 
 def test_a_terminating_instance_is_no_fallback_when_it_does_not_serve() -> None:
     pool = Pool("decode", LEAST, random.Random(0))
-    pool.update([Endpoint("http://old", ready=True, checked=True, terminating=True)], 0.0)
+    pool.update([Endpoint("http://old", ready=True, checked=True, terminating=True)], 0.0, 0.0)
     pool.instances["http://old"].healthy = False          # its probe failed
     assert pool.pick(0.0) is None
-    pool.update([Endpoint("http://old", ready=False, checked=True, terminating=True)], 0.0)
+    pool.update([Endpoint("http://old", ready=False, checked=True, terminating=True)], 0.0, 0.0)
     assert pool.pick(0.0) is None and pool.counts()["not_ready"] == 1
 
 
@@ -242,10 +247,14 @@ def test_each_proxy_has_a_registry_of_its_own() -> None:
 # -- Kubernetes pods ------------------------------------------------------------------------------
 
 
+#: The drain timeout of _pod's deleting pods: 30 s (the engines' shutdown margin) before their deletionTimestamp.
+DRAIN_TIMEOUT_AT = datetime.datetime(2026, 1, 1, 0, 1, tzinfo=datetime.UTC).timestamp()
+
+
 def _pod(name: str, ip: str | None, ready: bool = True, deleting: bool = False) -> dict[str, Any]:
     meta: dict[str, Any] = {"name": name, "labels": {"xpyd.io/role": "decode"}}
     if deleting:
-        meta["deletionTimestamp"] = "2026-01-01T00:00:00Z"
+        meta["deletionTimestamp"] = "2026-01-01T00:01:30Z"
     status: dict[str, Any] = {"conditions": [{"type": "Ready", "status": "True" if ready else "False"}]}
     if ip:
         status["podIP"] = ip
@@ -258,7 +267,9 @@ def test_pod_endpoints() -> None:
     assert pod_endpoints(pods, 8000) == [
         Endpoint("http://10.0.0.1:8000", ready=True, checked=True),
         Endpoint("http://10.0.0.3:8000", ready=False, checked=True),
-        Endpoint("http://10.0.0.4:8000", ready=True, checked=True, terminating=True),   # still Ready while it drains
+        # Still Ready while it drains, which reaches its timeout 30 s before the deletionTimestamp.
+        Endpoint("http://10.0.0.4:8000", ready=True, checked=True, terminating=True,
+                 drain_timeout_at=DRAIN_TIMEOUT_AT),
         Endpoint("http://[fd00::5]:8000", ready=True, checked=True)]
     assert not pod_ready({"metadata": {}, "status": {}})
 
@@ -314,7 +325,8 @@ def test_pod_watcher_applies_list_and_watch_events() -> None:
     watcher._stream = lambda query: iter(events)  # type: ignore[method-assign]
     assert watcher._watch("10") == "14"
     a, b = Endpoint("http://10.0.0.1:8000", checked=True), Endpoint("http://10.0.0.2:8000", checked=True)
-    deleting = Endpoint("http://10.0.0.1:8000", checked=True, terminating=True)
+    deleting = Endpoint("http://10.0.0.1:8000", checked=True, terminating=True,
+                        drain_timeout_at=DRAIN_TIMEOUT_AT)
     assert published == [[a], [a, b], [deleting, b], [deleting]]
     watcher._stream = lambda query: iter([{"type": "ERROR", "object": {"code": 410, "message": "too old"}}])  # type: ignore[method-assign]
     assert watcher._watch("14") == ""                  # 410 Gone: list again

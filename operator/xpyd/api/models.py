@@ -72,6 +72,10 @@ MAX_PROXY_FINISH_SECONDS = 3600.0
 #: terminating instance new requests (when its role has no other instance) only within this time of its
 #: own last leg there. vLLM aborts new requests once its engine gets SIGTERM, which follows the drain.
 ENGINE_DRAIN_QUIET_SECONDS = 5
+#: An engine pod's grace period is its drain timeout, its KV hold and this margin for vLLM's own
+#: shutdown. So a drain that runs into its timeout ends, and the engine gets SIGTERM, no earlier than
+#: this long before the pod's deletionTimestamp: the proxy's fallback to a terminating pod ends then.
+ENGINE_SHUTDOWN_MARGIN_SECONDS = 30
 
 
 class EnvVar(APIModel):

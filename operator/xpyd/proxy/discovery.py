@@ -24,7 +24,9 @@ import time
 from collections.abc import Callable, Iterable, Iterator
 from typing import Any, Final
 
+from xpyd.api.models import ENGINE_SHUTDOWN_MARGIN_SECONDS
 from xpyd.common.jsontypes import JSON
+from xpyd.common.timefmt import parse_rfc3339
 from xpyd.kube import Kube, KubeError, resource_path
 from xpyd.proxy.pool import Endpoint
 from xpyd.proxy.protocol import host_port
@@ -46,13 +48,18 @@ def pod_ready(pod: JSON) -> bool:
 
 def pod_endpoints(pods: Iterable[JSON], engine_port: int) -> list[Endpoint]:
     """The engine URL of every pod that has an IP, ready or not (a pod that is not ready keeps its
-    outstanding requests and gets no new ones), with its readiness and whether it is terminating."""
+    outstanding requests and gets no new ones), with its readiness and, for a terminating pod, when
+    its drain reaches its timeout: the engines' shutdown margin before its deletionTimestamp."""
     endpoints = []
     for pod in pods:
         ip = pod.get("status", {}).get("podIP")
         if ip:
-            endpoints.append(Endpoint(url=f"http://{host_port(ip, engine_port)}", ready=pod_ready(pod), checked=True,
-                                      terminating=bool(pod.get("metadata", {}).get("deletionTimestamp"))))
+            deletion = pod.get("metadata", {}).get("deletionTimestamp")
+            deadline = parse_rfc3339(deletion)
+            endpoints.append(Endpoint(
+                url=f"http://{host_port(ip, engine_port)}", ready=pod_ready(pod), checked=True,
+                terminating=bool(deletion),
+                drain_timeout_at=None if deadline is None else deadline - ENGINE_SHUTDOWN_MARGIN_SECONDS))
     return endpoints
 
 

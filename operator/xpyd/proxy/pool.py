@@ -6,8 +6,9 @@ the pod has an IP and `Ready=True`), its last health probe answered 200 (vLLM an
 loading or dead, and nothing at all before it serves HTTP), and its circuit breaker is closed. New
 legs go to the serving instances that are not terminating (their pod has a deletionTimestamp); only
 when a role has none of those do they go to a serving terminating instance, and only within
-`fallback_seconds` of the later of its termination and the end of its last answer to the proxy (the
-engine's preStop drain keeps it taking new requests that long: `xpyd.render.drain`). An instance
+`fallback_seconds` of the later of its termination and the end of its last answer to the proxy, and
+before its drain's timeout: the engine's preStop drain keeps it taking new requests that long
+(`xpyd.render.drain`), vLLM aborts every new one once it gets SIGTERM after the drain. An instance
 that stops being listed or ready keeps the legs it has until they finish, and leaves the pool then.
 
 A pod's readiness is evidence of health (the kubelet's readiness probe is the engine's own
@@ -21,13 +22,17 @@ import math
 import random
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Final
 from urllib.parse import urlsplit
 
 from xpyd.api.models import ENGINE_DRAIN_QUIET_SECONDS, RoutingPolicy
 from xpyd.api.naming import Role
 from xpyd.proxy.breaker import Breaker
 from xpyd.proxy.picking import pick
+
+#: How much earlier than the drain could end the proxy stops sending a terminating instance new
+#: requests: time for a request to reach the engine, and for clocks to differ.
+FALLBACK_MARGIN_SECONDS: Final = 1.0
 
 
 @dataclass(frozen=True)
@@ -41,6 +46,9 @@ class Endpoint:
     checked: bool = False
     #: The Pod is being deleted (deletionTimestamp set); its engine may still serve for a while.
     terminating: bool = False
+    #: A terminating Pod: the wall-clock time (time.time()) before which its drain does not reach its
+    #: timeout (`ENGINE_SHUTDOWN_MARGIN_SECONDS` before the deletionTimestamp); None: unknown.
+    drain_timeout_at: float | None = None
     #: P2pNccl: the instance's ZMQ address (host:port), when known from registration.
     zmq_address: str | None = None
 
@@ -59,6 +67,9 @@ class Instance:
     healthy: bool | None = None
     #: time.monotonic() when discovery first reported the instance terminating; None while it is not.
     terminating_since: float | None = None
+    #: time.monotonic() after which a terminating instance gets no new legs whatever its activity:
+    #: its drain's timeout less the margin.
+    fallback_deadline: float = math.inf
     #: time.monotonic() when the engine's answer to this proxy's last leg there ended.
     last_answer_end: float = -math.inf
     #: Counts the pod's readiness evidence; a probe begun before the latest one decides nothing.
@@ -89,7 +100,7 @@ class Instance:
         """A terminating instance: whether its engine still takes new requests, as far as this
         proxy knows (within `seconds` of its termination or of the end of its last answer to this proxy)."""
         return self.terminating_since is not None and \
-            now < max(self.terminating_since, self.last_answer_end) + seconds
+            now < min(max(self.terminating_since, self.last_answer_end) + seconds, self.fallback_deadline)
 
     def set_healthy(self, healthy: bool) -> bool:
         """Record the instance's health; True when that changed. An instance turning healthy may
@@ -158,14 +169,14 @@ class Pool:
     breaker_cooldown: float = 2.0
     #: How long after its termination, or after the end of its last answer, a terminating instance may
     #: still get new legs: the engines' quiet period less a second for the request to reach the engine.
-    fallback_seconds: float = ENGINE_DRAIN_QUIET_SECONDS - 1.0
+    fallback_seconds: float = ENGINE_DRAIN_QUIET_SECONDS - FALLBACK_MARGIN_SECONDS
     instances: dict[str, Instance] = field(default_factory=dict)
     turn: int = 0
 
-    def update(self, endpoints: Iterable[Endpoint], now: float) -> list[Instance]:
-        """Make the pool what discovery lists now (at time.monotonic() `now`); returns the instances to
-        probe at once: the new ones, and those whose pod just turned (or appeared) Ready, which count
-        as healthy meanwhile."""
+    def update(self, endpoints: Iterable[Endpoint], now: float, wall_now: float) -> list[Instance]:
+        """Make the pool what discovery lists now (at time.monotonic() `now`, time.time() `wall_now`);
+        returns the instances to probe at once: the new ones, and those whose pod just turned (or
+        appeared) Ready, which count as healthy meanwhile."""
         listed: Mapping[str, Endpoint] = {endpoint.url: endpoint for endpoint in endpoints}
         to_probe: list[Instance] = []
         for url, endpoint in listed.items():
@@ -189,6 +200,8 @@ class Pool:
                 instance.terminating_since = None
             elif instance.terminating_since is None:
                 instance.terminating_since = now
+            instance.fallback_deadline = math.inf if endpoint.drain_timeout_at is None else \
+                now + endpoint.drain_timeout_at - wall_now - FALLBACK_MARGIN_SECONDS
             if endpoint.zmq_address is not None:
                 instance.zmq_address = endpoint.zmq_address
         for url, instance in list(self.instances.items()):

@@ -181,8 +181,9 @@ class Proxy:
                 merged[endpoint.url] = endpoint if known is None else Endpoint(
                     url=endpoint.url, ready=known.ready and endpoint.ready, checked=known.checked or endpoint.checked,
                     terminating=known.terminating or endpoint.terminating,
+                    drain_timeout_at=endpoint.drain_timeout_at or known.drain_timeout_at,
                     zmq_address=endpoint.zmq_address or known.zmq_address)
-        for instance in self.pools[role].update(merged.values(), time.monotonic()):
+        for instance in self.pools[role].update(merged.values(), time.monotonic(), time.time()):
             self._spawn(self.health_prober.probe(instance))
 
     def _spawn(self, coroutine: Awaitable[None]) -> None:
