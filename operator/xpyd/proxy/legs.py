@@ -32,6 +32,8 @@ log = logging.getLogger(__name__)
 
 #: Upper bound on an upstream error body read into memory.
 MAX_ERROR_BODY: Final = 64 * 1024
+#: A leg the engine aborted without running it: it is shutting down (see `protocol.aborted`).
+ABORTED: Final = "the engine aborted the request unrun (it is shutting down)"
 
 
 class PrefillFailed(Exception):
@@ -310,6 +312,8 @@ class Legs:
                 raise PrefillFailed("the answer is not JSON") from None
             if not isinstance(answer, dict):
                 raise PrefillFailed("the answer is not a JSON object")
+            if protocol.aborted(answer):
+                raise PrefillFailed(ABORTED)
             if protocol.TRAITS[self.config.connector].prefill_answer_has_params and \
                     not isinstance(answer.get("kv_transfer_params"), dict):
                 # An engine not set up as a KV producer answers without them; decode would then
@@ -351,6 +355,8 @@ class Legs:
             head = await response.content.readany() if stream else await response.read()
             if stream and not head:
                 raise DecodeFailed("the stream ended before its first byte")
+            if protocol.answer_aborted(head, stream):
+                raise DecodeFailed(ABORTED)
             opened = Opened(response, head, started)
             response = None
             result = ""

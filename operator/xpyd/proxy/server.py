@@ -10,11 +10,11 @@ One request, in order:
    includes requests still in their prefill phase, so concurrent picks spread). The legs go out as
    the connector needs (`protocol`): one after the other, or both at once with decode's answer held
    back until prefill has answered.
-3. Prefill fails (connection error, timeout, 5xx, an answer without hand-off parameters): the
-   attempt is retried on another prefill instance, at most `prefill_retries` times; then 503, or,
-   only with `decode_only_fallback`, decode alone (counted and logged). A 4xx from prefill is the
-   client's and is returned as is.
-4. Decode fails before its first byte: retried once on another decode instance. When the failed
+3. Prefill fails (connection error, timeout, 5xx, an engine's abort of a request it never ran, an
+   answer without hand-off parameters): the attempt is retried on another prefill instance, at most
+   `prefill_retries` times; then 503, or, only with `decode_only_fallback`, decode alone (counted
+   and logged). A 4xx from prefill is the client's and is returned as is.
+4. Decode fails before its first byte (an abort included): retried once on another decode instance. When the failed
    decode never got the request (no connection) and the connector lets decode read the KV later
    (NIXL pull: prefill holds the blocks for their lease; LMCache: the KV sits in LMCache's store),
    the retry reuses the prefill's KV; otherwise (the failed decode may have consumed
