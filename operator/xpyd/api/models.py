@@ -69,8 +69,9 @@ MAX_PROXY_DRAIN_SECONDS = 300.0
 MAX_PROXY_FINISH_SECONDS = 3600.0
 #: A terminating engine pod's preStop drain ends only after its engine has been idle (nothing running,
 #: waiting or finished) this long, so the engine still takes new requests until then; the proxy sends a
-#: terminating instance new requests (when its role has no other instance) only within this time of its
-#: own last leg there. vLLM aborts new requests once its engine gets SIGTERM, which follows the drain.
+#: terminating instance new requests (when its role has no other instance) only within this time, less
+#: a margin, of the engine's last answer to it. vLLM aborts new requests once it gets SIGTERM, which
+#: follows the drain.
 ENGINE_DRAIN_QUIET_SECONDS = 5
 #: An engine pod's grace period is its drain timeout, its KV hold and this margin for vLLM's own
 #: shutdown. So a drain that runs into its timeout ends, and the engine gets SIGTERM, no earlier than
