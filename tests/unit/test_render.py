@@ -404,6 +404,11 @@ def test_children_and_labels() -> None:
     assert objs[("Service", "llama-prefill")]["spec"]["clusterIP"] == "None"
     role = objs[("Role", "llama-proxy")]
     assert role["rules"] == [{"apiGroups": [""], "resources": ["pods"], "verbs": ["get", "list", "watch"]}]
+    # One pod of a pool down at a time; a pod that is not Ready (a proxy without a usable engine, an
+    # engine still loading) never blocks a node drain.
+    for pool in ("prefill", "decode", "proxy"):
+        budget = objs[("PodDisruptionBudget", f"llama-{pool}")]["spec"]
+        assert (budget["maxUnavailable"], budget["unhealthyPodEvictionPolicy"]) == (1, "AlwaysAllow")
 
 
 def test_proxy_gets_connector_and_selectors() -> None:
@@ -446,7 +451,7 @@ def test_the_proxy_knows_how_many_data_parallel_ranks_a_prefill_server_has(dp: i
 def test_proxy_probes_and_grace_fit_its_stop_sequence() -> None:
     pod = proxy_pod({})
     c = pod["containers"][0]
-    # Readiness is the endpoint that fails on SIGTERM; liveness stays up while the proxy drains.
+    # Readiness is the endpoint that fails on SIGTERM and without a usable engine; liveness stays up.
     assert c["readinessProbe"]["httpGet"]["path"] == "/ready"
     assert c["livenessProbe"]["httpGet"]["path"] == "/health"
     probe = c["readinessProbe"]
