@@ -85,7 +85,7 @@ async def test_engines_listening_after_the_first_probe_serve_once_their_pods_are
                                      for p in pools.values()), what="both instances probed, refused")
         readiness = [await _ready(r)]
 
-        load = Load(r, count=100)                         # 2 s of load from now on
+        load = Load(r, count=150)                         # 3 s of load from now on
         running = asyncio.ensure_future(load.run())
         await eventually(lambda: len(load.results) >= 10, what="the first requests answered")
         for engine, host in ((prefill, hosts[0]), (decode, hosts[1])):
@@ -151,6 +151,7 @@ async def test_the_only_prefill_pod_serves_while_it_terminates_until_a_replaceme
             assert readiness == (200, {"status": "ready"})
             assert load.sent_since(terminating) - load.sent_since(replaced) >= 40
             assert old.started == served_by_old           # nothing new once the replacement was Ready
+            assert load.sent_since(replaced) >= 20
             assert new.started >= load.sent_since(replaced)
     finally:
         for engine in (old, new, decode):
