@@ -330,3 +330,20 @@ def test_pod_watcher_applies_list_and_watch_events() -> None:
     assert published == [[a], [a, b], [deleting, b], [deleting]]
     watcher._stream = lambda query: iter([{"type": "ERROR", "object": {"code": 410, "message": "too old"}}])  # type: ignore[method-assign]
     assert watcher._watch("14") == ""                  # 410 Gone: list again
+
+
+@pytest.mark.parametrize(("usable", "fallback", "missing"), [
+    ((), False, ["prefill", "decode"]),
+    (("prefill",), False, ["decode"]),
+    (("decode",), False, ["prefill"]),
+    (("prefill", "decode"), False, []),
+    (("decode",), True, []),                 # --decode-only-fallback: decode alone answers
+    ((), True, ["decode"]),
+])
+def test_readiness_needs_an_instance_of_every_role_a_request_needs(usable: tuple[str, ...], fallback: bool,
+                                                                    missing: list[str]) -> None:
+    proxy = Proxy(ProxyConfig(decode_only_fallback=fallback))
+    for role, pool in proxy.pools.items():
+        for instance in pool.update([Endpoint(f"http://{role}")], 0.0, 0.0):
+            instance.healthy = role in usable
+    assert proxy.missing_roles() == missing
