@@ -1,5 +1,6 @@
 """The proxy in front of stub engines (`xpyd.testing.stubengine`), all in this process on loopback,
-with a client session: the rig of the proxy integration tests."""
+with a client session: the rig of the proxy integration tests; and its Kubernetes discovery of the
+pools' Pods on a mock API server (`pod`, `pod_discovery`)."""
 
 from __future__ import annotations
 
@@ -7,17 +8,22 @@ import asyncio
 import contextlib
 import json
 import socket
+import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
 import aiohttp
+import kubernetes
 from aiohttp import web
 
 from xpyd.api.naming import Role
 from xpyd.common.netguard import require_loopback
+from xpyd.common.timefmt import rfc3339
+from xpyd.kube import Kube
 from xpyd.proxy.config import ProxyConfig
-from xpyd.proxy.discovery import static_endpoints
+from xpyd.proxy.discovery import PodWatcher, static_endpoints
+from xpyd.proxy.pool import Endpoint
 from xpyd.proxy.server import Proxy
 from xpyd.testing.stubengine import StubEngine
 
@@ -27,6 +33,10 @@ TEST_CONFIG: dict[str, Any] = {"health_interval": 0.1, "health_timeout": 0.5, "c
                                "prefill_timeout": 5.0, "breaker_cooldown": 0.2, "seed": 7}
 #: The completion request the proxy tests send (the stub engines answer it with max_tokens tokens).
 COMPLETION = {"model": "m", "prompt": "the quick brown fox", "max_tokens": 8, "min_tokens": 2, "temperature": 0}
+#: The namespace and the role selectors of the pools' Pods in the discovery tests.
+NAMESPACE = "inference"
+SELECTORS: dict[Role, str] = {"prefill": "xpyd.io/serving=llama,xpyd.io/role=prefill",
+                              "decode": "xpyd.io/serving=llama,xpyd.io/role=decode"}
 
 
 async def eventually(check: Callable[[], bool], timeout: float = 5.0, what: str = "condition") -> None:
@@ -117,3 +127,35 @@ def common_port(hosts: list[str]) -> int:
         except OSError:
             continue
     raise AssertionError("no common free port")
+
+
+def pod(name: str, role: str, ip: str, ready: bool = True, deleting: bool = False) -> dict[str, Any]:
+    """An engine Pod of the `llama` serving in NAMESPACE; `deleting`: deleted just now, with the
+    rendered engines' grace period (drain timeout 60 s, shutdown margin 30 s)."""
+    meta: dict[str, Any] = {"name": name, "namespace": NAMESPACE,
+                            "labels": {"xpyd.io/serving": "llama", "xpyd.io/role": role}}
+    if deleting:
+        meta["deletionTimestamp"] = rfc3339(time.time() + 90)
+    return {"apiVersion": "v1", "kind": "Pod", "metadata": meta,
+            "spec": {"containers": [{"name": "vllm", "image": "vllm"}]},
+            "status": {"podIP": ip, "conditions": [{"type": "Ready", "status": "True" if ready else "False"}]}}
+
+
+@contextlib.asynccontextmanager
+async def pod_discovery(api_url: str, r: Rig, engine_port: int) -> AsyncIterator[None]:
+    """The proxy's discovery of both pools' Pods (SELECTORS in NAMESPACE) on the API at `api_url`,
+    as `xpyd proxy` runs it, for the life of the context."""
+    kube = Kube(kubernetes.client.ApiClient(kubernetes.client.Configuration(host=api_url.rstrip("/"))))
+    loop = asyncio.get_running_loop()
+    watchers = []
+    for role, selector in SELECTORS.items():
+        def publish(endpoints: list[Endpoint], role: Role = role) -> None:
+            loop.call_soon_threadsafe(r.proxy.set_endpoints, role, endpoints)
+        watchers.append(PodWatcher(kube, NAMESPACE, selector, engine_port, publish))
+    for watcher in watchers:
+        watcher.start()
+    try:
+        yield
+    finally:
+        for watcher in watchers:
+            watcher.stop()

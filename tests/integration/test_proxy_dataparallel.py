@@ -82,7 +82,7 @@ async def test_a_restarted_prefill_engine_is_asked_for_its_ranks_again() -> None
         await eventually(lambda: instance.healthy is False, what="the restart seen")
         prefill.name, prefill.data_parallel_size = "p0-restarted", 2
         prefill.health_status = 200
-        await eventually(lambda: instance.eligible(), what="the engine back")
+        await eventually(lambda: instance.serving(), what="the engine back")
         for n in range(2):
             assert (await r.post("/v1/completions", COMPLETION, {"X-Request-Id": f"after{n}"}))[0] == 200
         engines = {leg.body["kv_transfer_params"]["remote_engine_id"] for leg in r.decode[0].seen[1:]}

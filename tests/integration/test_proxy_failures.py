@@ -132,6 +132,25 @@ async def test_a_decode_retry_reuses_the_kv_when_the_failed_decode_never_got_the
         assert r.prefill[0].started == sent             # NIXL pull: one prefill per request
 
 
+@pytest.mark.parametrize("stream", [False, True])
+async def test_an_engine_shutting_down_aborts_and_its_legs_go_elsewhere(stream: bool) -> None:
+    # vLLM after SIGTERM: /health 200, every new request answered 200 with finish_reason "abort".
+    # P2pNccl: a prefill answer needs no kv_transfer_params, so only the abort tells it from a success.
+    async with rig(prefill=2, decode=2, breaker_cooldown=30.0, connector=Connector.P2P_NCCL) as r:
+        r.prefill[0].shutting_down = r.decode[0].shutting_down = True
+        body = {**COMPLETION, "stream": stream}
+        for _ in range(20):
+            status, answer, _ = await r.post("/v1/completions", body)
+            assert status == 200 and "tok1" in str(answer)            # a real answer, never an empty abort
+        for engine in (r.prefill[0], r.decode[0]):
+            assert engine.started == 3                                # three aborts opened its breaker
+        assert r.proxy.metrics.retries.value("prefill") >= 3 and r.proxy.metrics.retries.value("decode") >= 1
+        r.decode[1].shutting_down = True                              # no decode left that runs requests
+        before = r.decode[1].started
+        status, _, _ = await r.post("/v1/completions", body)
+        assert (status, r.decode[1].started) == (503, before + 1)     # a clear 503, not an empty 200
+
+
 async def test_every_decode_failing_is_a_503() -> None:
     async with rig(prefill=1, decode=2) as r:
         for engine in r.decode:
@@ -234,8 +253,8 @@ async def test_killing_a_prefill_and_a_decode_process_mid_load(
         statuses = await load(r, 300, 16, {**COMPLETION, "stream": stream}, during=kill)
         assert statuses == {200: 300}
         pools = r.proxy.pools
-        await eventually(lambda: not pools["prefill"].instances[p0h.url].eligible()
-                         and not pools["decode"].instances[d0h.url].eligible(), what="the dead instances excluded")
+        await eventually(lambda: not pools["prefill"].instances[p0h.url].serving()
+                         and not pools["decode"].instances[d0h.url].serving(), what="the dead instances excluded")
 
 
 async def test_connector_with_concurrent_legs_survives_a_failing_prefill() -> None:

@@ -3,6 +3,7 @@ pod endpoints and P2pNccl registrations: the proxy's pure parts."""
 
 from __future__ import annotations
 
+import datetime
 import random
 from collections import Counter
 from typing import Any
@@ -72,7 +73,7 @@ def test_pick_refuses_no_candidates() -> None:
 
 def _pool(role: Any = "decode", urls: tuple[str, ...] = ("http://a", "http://b")) -> Pool:
     pool = Pool(role, LEAST, random.Random(0))
-    for instance in pool.update([Endpoint(url) for url in urls]):
+    for instance in pool.update([Endpoint(url) for url in urls], 0.0, 0.0):
         instance.healthy = True
     return pool
 
@@ -82,40 +83,112 @@ def test_prefill_load_is_prompt_tokens_and_decode_load_is_requests() -> None:
     prefill.instances["http://a"].acquire(tokens=1000)
     prefill.instances["http://b"].acquire(tokens=10)
     prefill.instances["http://b"].acquire(tokens=10)
-    assert prefill.pick().url == "http://b"      # fewer tokens, more requests
+    assert prefill.pick(0.0).url == "http://b"      # fewer tokens, more requests
     decode = _pool("decode")
     decode.instances["http://a"].acquire(tokens=1000)
     decode.instances["http://b"].acquire()
     decode.instances["http://b"].acquire()
-    assert decode.pick().url == "http://a"       # fewer requests
+    assert decode.pick(0.0).url == "http://a"       # fewer requests
 
 
 @pytest.mark.parametrize(("change", "eligible"), [
     (lambda i: None, True),
     (lambda i: setattr(i, "healthy", None), False),    # never probed
     (lambda i: setattr(i, "healthy", False), False),   # /health answered 503 (loading) or nothing
-    (lambda i: setattr(i, "ready", False), False),     # pod NotReady or terminating
+    (lambda i: setattr(i, "ready", False), False),     # pod NotReady
     (lambda i: setattr(i, "listed", False), False),    # gone from discovery
     (lambda i: [i.breaker.failure(0.0) for _ in range(3)], False),
 ])
 def test_eligibility(change: Any, eligible: bool) -> None:
     pool = _pool(urls=("http://a",))
     change(pool.instances["http://a"])
-    assert (pool.pick() is not None) == eligible
+    assert (pool.pick(0.0) is not None) == eligible
 
 
 def test_an_unlisted_instance_stays_until_its_last_leg_ends() -> None:
     pool = _pool()
     busy = pool.instances["http://a"]
     busy.acquire()
-    added = pool.update([Endpoint("http://b"), Endpoint("http://c")])
+    added = pool.update([Endpoint("http://b"), Endpoint("http://c")], 0.0, 0.0)
     assert [i.url for i in added] == ["http://c"]
     assert set(pool.instances) == {"http://a", "http://b", "http://c"}
-    assert pool.pick(exclude={"http://b", "http://c"}) is None   # a gets nothing new
+    assert pool.pick(0.0, exclude={"http://b", "http://c"}) is None   # a gets nothing new
     busy.release()
     pool.forget_if_done(busy)
     assert set(pool.instances) == {"http://b", "http://c"}
-    assert pool.counts() == {"eligible": 1, "unhealthy": 1, "open": 0, "not_ready": 0}
+    assert pool.counts() == {"eligible": 1, "unhealthy": 1, "open": 0, "not_ready": 0, "terminating": 0}
+
+
+POD = Endpoint("http://a", ready=True, checked=True)
+NOT_READY = Endpoint("http://a", ready=False, checked=True)
+
+
+@pytest.mark.parametrize(("history", "healthy", "probed"), [
+    ([POD], True, True),                                 # appears Ready: healthy at once, and probed
+    ([NOT_READY], None, True),                           # appears NotReady: waits for its probe
+    ([NOT_READY, POD], True, True),                      # turns Ready: healthy at once, probed again
+    ([POD, POD], False, False),                          # still Ready: the proxy's failed probe stands
+    ([Endpoint("http://a")], None, True),                # a fixed URL vouches for nothing
+    ([Endpoint("http://a"), Endpoint("http://a")], False, False),
+])
+def test_a_pods_readiness_is_evidence_of_health(history: list[Endpoint], healthy: bool | None,
+                                                  probed: bool) -> None:
+    pool = Pool("prefill", LEAST, random.Random(0))
+    for endpoint in history[:-1]:
+        for instance in pool.update([endpoint], 0.0, 0.0):
+            instance.healthy = False               # its probe failed (nothing listened yet)
+    to_probe = pool.update(history[-1:], 0.0, 0.0)
+    instance = pool.instances["http://a"]
+    assert instance.healthy == healthy
+    assert (to_probe == [instance]) == probed
+
+
+def test_readiness_evidence_overrides_a_failed_probe_and_restarts_learning() -> None:
+    pool = Pool("prefill", LEAST, random.Random(0))
+    pool.update([NOT_READY], 0.0, 0.0)
+    instance = pool.instances["http://a"]
+    instance.healthy = False
+    instance.mooncake_engines = {0: "old"}
+    assert pool.pick(0.0) is None
+    evidence = instance.evidence
+    assert pool.update([POD], 0.0, 0.0) == [instance]
+    assert pool.pick(0.0) is instance and instance.mooncake_engines is None and instance.evidence == evidence + 1
+
+
+@pytest.mark.parametrize(("others", "timeout_at", "now", "answered", "picked"), [
+    ([], None, 0.0, None, "http://old"),                  # the only instance: fallback
+    ([], None, 3.9, None, "http://old"),                  # within fallback_seconds (4) of its termination
+    ([], None, 4.0, None, None),                          # past them: its engine may have stopped taking requests
+    ([], None, 6.0, 2.5, "http://old"),                   # ... counted from the end of its last answer
+    ([], None, 6.5, 2.5, None),
+    ([], 1000.0 + 3.5, 2.4, 2.0, "http://old"),           # its drain's timeout (wall clock) less a second
+    ([], 1000.0 + 3.5, 2.5, 2.0, None),
+    ([], 1000.0 - 20, 0.0, None, None),                   # a grace period too short for any drain
+    ([Endpoint("http://new", checked=True)], None, 0.0, None, "http://new"),        # a ready replacement wins
+    ([Endpoint("http://new", ready=False, checked=True)], None, 0.0, None, "http://old"),  # not ready yet
+])
+def test_a_terminating_instance_is_a_fallback(others: list[Endpoint], timeout_at: float | None, now: float,
+                                              answered: float | None, picked: str | None) -> None:
+    pool = Pool("decode", LEAST, random.Random(0))
+    old = Endpoint("http://old", ready=True, checked=True)
+    pool.update([old, *others], 0.0, 1000.0)
+    pool.update([Endpoint("http://old", ready=True, checked=True, terminating=True, drain_timeout_at=timeout_at),
+                 *others], 0.0, 1000.0)
+    if answered is not None:
+        pool.instances["http://old"].answered(answered)
+    assert pool.fallback_seconds == 4.0
+    chosen = pool.pick(now)
+    assert (chosen.url if chosen else None) == picked
+    assert pool.counts()["terminating"] == 1
+
+
+def test_a_terminating_instance_is_no_fallback_when_it_does_not_serve() -> None:
+    pool = Pool("decode", LEAST, random.Random(0))
+    pool.update([Endpoint("http://old", ready=True, checked=True, terminating=True)], 0.0, 0.0)
+    pool.instances["http://old"].healthy = False          # its probe failed
+    assert pool.pick(0.0) is None
+    pool.update([Endpoint("http://old", ready=False, checked=True, terminating=True)], 0.0, 0.0)
+    assert pool.pick(0.0) is None and pool.counts()["not_ready"] == 1
 
 
 # -- the circuit breaker ------------------------------------------------------------------------
@@ -174,10 +247,14 @@ def test_each_proxy_has_a_registry_of_its_own() -> None:
 # -- Kubernetes pods ------------------------------------------------------------------------------
 
 
+#: The drain timeout of _pod's deleting pods: 30 s (the engines' shutdown margin) before their deletionTimestamp.
+DRAIN_TIMEOUT_AT = datetime.datetime(2026, 1, 1, 0, 1, tzinfo=datetime.UTC).timestamp()
+
+
 def _pod(name: str, ip: str | None, ready: bool = True, deleting: bool = False) -> dict[str, Any]:
     meta: dict[str, Any] = {"name": name, "labels": {"xpyd.io/role": "decode"}}
     if deleting:
-        meta["deletionTimestamp"] = "2026-01-01T00:00:00Z"
+        meta["deletionTimestamp"] = "2026-01-01T00:01:30Z"
     status: dict[str, Any] = {"conditions": [{"type": "Ready", "status": "True" if ready else "False"}]}
     if ip:
         status["podIP"] = ip
@@ -188,8 +265,12 @@ def test_pod_endpoints() -> None:
     pods = [_pod("a", "10.0.0.1"), _pod("b", None), _pod("c", "10.0.0.3", ready=False),
             _pod("d", "10.0.0.4", deleting=True), _pod("e", "fd00::5")]
     assert pod_endpoints(pods, 8000) == [
-        Endpoint("http://10.0.0.1:8000", ready=True), Endpoint("http://10.0.0.3:8000", ready=False),
-        Endpoint("http://10.0.0.4:8000", ready=False), Endpoint("http://[fd00::5]:8000", ready=True)]
+        Endpoint("http://10.0.0.1:8000", ready=True, checked=True),
+        Endpoint("http://10.0.0.3:8000", ready=False, checked=True),
+        # Still Ready while it drains, which reaches its timeout 30 s before the deletionTimestamp.
+        Endpoint("http://10.0.0.4:8000", ready=True, checked=True, terminating=True,
+                 drain_timeout_at=DRAIN_TIMEOUT_AT),
+        Endpoint("http://[fd00::5]:8000", ready=True, checked=True)]
     assert not pod_ready({"metadata": {}, "status": {}})
 
 
@@ -243,11 +324,26 @@ def test_pod_watcher_applies_list_and_watch_events() -> None:
               {"type": "DELETED", "object": _pod("b", "10.0.0.2")}]
     watcher._stream = lambda query: iter(events)  # type: ignore[method-assign]
     assert watcher._watch("10") == "14"
-    assert published == [
-        [Endpoint("http://10.0.0.1:8000")],
-        [Endpoint("http://10.0.0.1:8000"), Endpoint("http://10.0.0.2:8000")],
-        [Endpoint("http://10.0.0.1:8000", ready=False), Endpoint("http://10.0.0.2:8000")],
-        [Endpoint("http://10.0.0.1:8000", ready=False)],
-    ]
+    a, b = Endpoint("http://10.0.0.1:8000", checked=True), Endpoint("http://10.0.0.2:8000", checked=True)
+    deleting = Endpoint("http://10.0.0.1:8000", checked=True, terminating=True,
+                        drain_timeout_at=DRAIN_TIMEOUT_AT)
+    assert published == [[a], [a, b], [deleting, b], [deleting]]
     watcher._stream = lambda query: iter([{"type": "ERROR", "object": {"code": 410, "message": "too old"}}])  # type: ignore[method-assign]
     assert watcher._watch("14") == ""                  # 410 Gone: list again
+
+
+@pytest.mark.parametrize(("usable", "fallback", "missing"), [
+    ((), False, ["prefill", "decode"]),
+    (("prefill",), False, ["decode"]),
+    (("decode",), False, ["prefill"]),
+    (("prefill", "decode"), False, []),
+    (("decode",), True, []),                 # --decode-only-fallback: decode alone answers
+    ((), True, ["decode"]),
+])
+def test_readiness_needs_an_instance_of_every_role_a_request_needs(usable: tuple[str, ...], fallback: bool,
+                                                                    missing: list[str]) -> None:
+    proxy = Proxy(ProxyConfig(decode_only_fallback=fallback))
+    for role, pool in proxy.pools.items():
+        for instance in pool.update([Endpoint(f"http://{role}")], 0.0, 0.0):
+            instance.healthy = role in usable
+    assert proxy.missing_roles() == missing

@@ -315,3 +315,33 @@ def test_first_token_splice_answer_and_stream() -> None:
     assert events[0] == head.strip() and events[-1] == b"data: [DONE]"
     assert json.loads(events[1][len(b"data: "):])["usage"] == {"prompt_tokens": 3, "completion_tokens": 3,
                                                                 "total_tokens": 6}
+
+
+def _event(choice: dict[str, Any]) -> bytes:
+    return b"data: " + json.dumps({"id": "cmpl-1", "choices": [choice]}).encode() + b"\n\n"
+
+
+ABORT = {"index": 0, "text": "", "finish_reason": "abort"}
+ROLE = {"index": 0, "delta": {"role": "assistant", "content": ""}, "finish_reason": None}
+
+
+@pytest.mark.parametrize(("data", "stream", "aborted"), [
+    # vLLM's answer to a request that reached an engine shutting down (EngineCore._reject_add_in_shutdown).
+    (json.dumps({"choices": [ABORT], "usage": {"completion_tokens": 0}}).encode(), False, True),
+    (json.dumps({"choices": [{"index": 0, "message": {"role": "assistant", "content": ""},
+                              "finish_reason": "abort"}]}).encode(), False, True),
+    (_event(ABORT) + b"data: [DONE]\n\n", True, True),
+    (_event(ROLE) + _event({"index": 0, "delta": {"content": ""}, "finish_reason": "abort"}), True, True),
+    # Anything else is an answer.
+    (json.dumps({"choices": [{"index": 0, "text": "abort", "finish_reason": "length"}]}).encode(), False, False),
+    (json.dumps({"choices": [{**ABORT, "text": " partial"}]}).encode(), False, False),   # aborted after output
+    (json.dumps({"choices": [ABORT, {**ABORT, "index": 1, "finish_reason": "stop"}]}).encode(), False, False),
+    (json.dumps({"choices": []}).encode(), False, False),
+    (b'{"choices": [{"finish_reason": "abort"', False, False),                             # not JSON
+    (_event({"index": 0, "text": " tok", "finish_reason": None}) + _event(ABORT), True, False),
+    (_event(ROLE), True, False),                                                         # not known yet
+    (_event(ABORT)[:30], True, False),                                                   # cut short
+    (_event({"index": 0, "text": " tok", "finish_reason": None}), True, False),
+])
+def test_an_engine_shutting_down_aborts_unrun_requests(data: bytes, stream: bool, aborted: bool) -> None:
+    assert protocol.answer_aborted(data, stream) == aborted

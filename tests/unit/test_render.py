@@ -18,9 +18,10 @@ import yaml
 from tests.servings import serving
 from xpyd import vllm
 from xpyd.api.load import SpecError, load_servings, parse_serving
-from xpyd.api.models import LMCACHE_PD_PROXY_PORT
+from xpyd.api.models import ENGINE_DRAIN_QUIET_SECONDS, LMCACHE_PD_PROXY_PORT
 from xpyd.cli import main
-from xpyd.render import RenderOptions, render
+from xpyd.proxy.pool import Pool
+from xpyd.render import RenderOptions, drain, render
 from xpyd.render.lmcache import pd_config_problems
 
 pytestmark = pytest.mark.unit
@@ -232,6 +233,42 @@ def test_prefill_hold_follows_the_release_kv_timeout(version: str, extra: dict[s
         "kv_lease_duration" in extra and vllm.parse_version(version) >= vllm.NIXL_KV_LEASE_ADDED)
 
 
+METRICS = """# HELP vllm:num_requests_running Number of requests in model execution batches.
+# TYPE vllm:num_requests_running gauge
+vllm:num_requests_running{engine="0",model_name="m"} 1.0
+vllm:num_requests_running{engine="1",model_name="m"} 2.0
+vllm:num_requests_waiting{engine="0",model_name="m"} 3.0
+vllm:num_requests_waiting_by_reason{engine="0",model_name="m",reason="capacity"} 3.0
+vllm:request_success_total{engine="0",finished_reason="stop",model_name="m"} 5.0
+vllm:request_success_total{engine="0",finished_reason="abort",model_name="m"} 2.0
+vllm:request_success_created{engine="0",finished_reason="stop",model_name="m"} 1.7e9
+"""
+
+
+def test_the_drain_reads_running_waiting_and_finished_requests() -> None:
+    assert drain.activity(METRICS) == (6.0, 7.0)
+    assert drain.activity("") == (0.0, 0.0)
+
+
+@pytest.mark.parametrize(("previous", "current", "since"), [
+    (drain.NOT_POLLED, (0.0, 0.0), 10.0),  # the first poll starts the spell
+    ((0.0, 7.0), (0.0, 7.0), 4.0),       # nothing ran or finished since: the spell goes on
+    ((0.0, 7.0), (1.0, 7.0), 10.0),      # a request is running
+    ((0.0, 7.0), (0.0, 8.0), 10.0),      # one arrived and finished between two polls
+    ((2.0, 7.0), (0.0, 9.0), 10.0),
+])
+def test_the_drain_waits_for_an_idle_spell(previous: tuple[float, float], current: tuple[float, float],
+                                           since: float) -> None:
+    assert drain.idle_since(4.0, previous, current, 10.0) == since
+
+
+def test_the_proxy_uses_a_terminating_pod_only_within_its_drain() -> None:
+    command = container({})["lifecycle"]["preStop"]["exec"]["command"]
+    assert command[-2] == str(ENGINE_DRAIN_QUIET_SECONDS)
+    # The proxy's fallback ends before the drain can: a request it sends reaches the engine in time.
+    assert 0 < Pool.fallback_seconds <= ENGINE_DRAIN_QUIET_SECONDS - 1
+
+
 def test_role_env_abort_timeout_wins_over_engine_env() -> None:
     spec = {"engine": {"vllmVersion": "0.16", "env": [{"name": "VLLM_NIXL_ABORT_REQUEST_TIMEOUT", "value": "100"}]},
             "prefill": {"env": [{"name": "VLLM_NIXL_ABORT_REQUEST_TIMEOUT", "value": "200"}]}}
@@ -321,10 +358,14 @@ def test_gpu_product_selector_and_taint_toleration() -> None:
     assert {"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"} in pod["spec"]["tolerations"]
 
 
-def test_gpu_pools_roll_without_spare_gpus() -> None:
-    strategy = engine({})["spec"]["strategy"]["rollingUpdate"]
-    assert strategy == {"maxSurge": 0, "maxUnavailable": 1}
-    assert engine({"decode": {"updateStrategy": {"maxSurge": "25%"}}}, "decode")["spec"]["strategy"][
+@pytest.mark.parametrize("role", ["prefill", "decode"])
+def test_a_replacement_is_surged_before_the_pod_it_replaces_stops(role: str) -> None:
+    strategy = engine({}, role)["spec"]["strategy"]
+    assert strategy == {"type": "RollingUpdate", "rollingUpdate": {"maxSurge": 1, "maxUnavailable": 0}}
+    # A pool without spare GPUs can roll in place instead.
+    in_place = {role: {"updateStrategy": {"maxSurge": 0, "maxUnavailable": 1}}}
+    assert engine(in_place, role)["spec"]["strategy"]["rollingUpdate"] == {"maxSurge": 0, "maxUnavailable": 1}
+    assert engine({role: {"updateStrategy": {"maxSurge": "25%"}}}, role)["spec"]["strategy"][
         "rollingUpdate"]["maxSurge"] == "25%"
 
 
@@ -363,6 +404,11 @@ def test_children_and_labels() -> None:
     assert objs[("Service", "llama-prefill")]["spec"]["clusterIP"] == "None"
     role = objs[("Role", "llama-proxy")]
     assert role["rules"] == [{"apiGroups": [""], "resources": ["pods"], "verbs": ["get", "list", "watch"]}]
+    # One pod of a pool down at a time; a pod that is not Ready (a proxy without a usable engine, an
+    # engine still loading) never blocks a node drain.
+    for pool in ("prefill", "decode", "proxy"):
+        budget = objs[("PodDisruptionBudget", f"llama-{pool}")]["spec"]
+        assert (budget["maxUnavailable"], budget["unhealthyPodEvictionPolicy"]) == (1, "AlwaysAllow")
 
 
 def test_proxy_gets_connector_and_selectors() -> None:
@@ -405,7 +451,7 @@ def test_the_proxy_knows_how_many_data_parallel_ranks_a_prefill_server_has(dp: i
 def test_proxy_probes_and_grace_fit_its_stop_sequence() -> None:
     pod = proxy_pod({})
     c = pod["containers"][0]
-    # Readiness is the endpoint that fails on SIGTERM; liveness stays up while the proxy drains.
+    # Readiness is the endpoint that fails on SIGTERM and without a usable engine; liveness stays up.
     assert c["readinessProbe"]["httpGet"]["path"] == "/ready"
     assert c["livenessProbe"]["httpGet"]["path"] == "/health"
     probe = c["readinessProbe"]

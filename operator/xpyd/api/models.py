@@ -67,6 +67,16 @@ MAX_TENSOR_PARALLEL = 64
 #: pod for long. The proxy refuses longer values; the render caps what it passes by them.
 MAX_PROXY_DRAIN_SECONDS = 300.0
 MAX_PROXY_FINISH_SECONDS = 3600.0
+#: A terminating engine pod's preStop drain ends only after its engine has been idle (nothing running,
+#: waiting or finished) this long, so the engine still takes new requests until then; the proxy sends a
+#: terminating instance new requests (when its role has no other instance) only within this time, less
+#: a margin, of the engine's last answer to it. vLLM aborts new requests once it gets SIGTERM, which
+#: follows the drain.
+ENGINE_DRAIN_QUIET_SECONDS = 5
+#: An engine pod's grace period is its drain timeout, its KV hold and this margin for vLLM's own
+#: shutdown. So a drain that runs into its timeout ends, and the engine gets SIGTERM, no earlier than
+#: this long before the pod's deletionTimestamp: the proxy's fallback to a terminating pod ends then.
+ENGINE_SHUTDOWN_MARGIN_SECONDS = 30
 
 
 class EnvVar(APIModel):
@@ -542,10 +552,15 @@ class UpdateStrategySpec(APIModel):
     """Rolling update of a GPU pool."""
 
     max_surge: IntOrPercent = Field(
-        default=0,
-        description="Extra pods during a rollout. 0 by default: a GPU pool rarely has spare GPUs.",
+        default=1,
+        description="Extra pods during a rollout. 1 by default, with maxUnavailable 0: each replacement is Ready "
+        "before the pod it replaces stops, so a pool of one never goes without a serving pod. Without a spare "
+        "GPU the replacement waits Pending while the old pods serve on; maxSurge 0 with maxUnavailable 1 rolls "
+        "in place instead, one pod down at a time.",
     )
-    max_unavailable: IntOrPercent = Field(default=1, description="Pods that may be down during a rollout.")
+    max_unavailable: IntOrPercent = Field(
+        default=0, description="Pods that may be down during a rollout (see maxSurge)."
+    )
 
 
 class RoleSpec(APIModel):
@@ -585,8 +600,9 @@ class RoleSpec(APIModel):
         default=60,
         ge=0,
         le=3600,
-        description="On pod deletion, how long to wait for in-flight requests to finish (the proxy "
-        "stops sending new ones at once) before vLLM is stopped.",
+        description="On pod deletion, the longest the engine keeps serving before vLLM is stopped; it stops "
+        f"earlier once it has been idle for {ENGINE_DRAIN_QUIET_SECONDS} s (the proxy sends a terminating pod new "
+        "requests only while its role has no other ready instance).",
     )
     update_strategy: UpdateStrategySpec = Field(
         default_factory=UpdateStrategySpec, description="Rolling update of this pool."

@@ -20,7 +20,6 @@ prefill engines' request count and TTFT is unknown (decide() then steers by the 
 from __future__ import annotations
 
 import contextlib
-import datetime
 import math
 import tempfile
 from collections.abc import Iterator, Mapping, Sequence
@@ -37,6 +36,7 @@ from xpyd.api.naming import ROLE_LABEL, SERVING_LABEL
 from xpyd.autoscaler.observation import Observation, Quantiles, RoleObservation
 from xpyd.common.jsontypes import JSON
 from xpyd.common.netguard import NonLoopbackAddress, guard_url
+from xpyd.common.timefmt import parse_rfc3339
 
 ENGINE_ROLES: Final = ("prefill", "decode")
 
@@ -192,13 +192,8 @@ class PodCounts:
 
 
 def _age_s(timestamp: str | None, now: float) -> float:
-    if not timestamp:
-        return 0.0
-    try:
-        then = datetime.datetime.strptime(timestamp, "%Y-%m-%dT%H:%M:%SZ").replace(tzinfo=datetime.UTC)
-    except ValueError:
-        return 0.0
-    return max(0.0, now - then.timestamp())
+    then = parse_rfc3339(timestamp)
+    return 0.0 if then is None else max(0.0, now - then)
 
 
 def count_pods(pods: Sequence[JSON], role: str, now: float = 0.0) -> PodCounts:

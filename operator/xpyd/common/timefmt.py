@@ -11,3 +11,13 @@ def rfc3339(seconds: float | None = None) -> str:
     moment = (datetime.datetime.now(datetime.UTC) if seconds is None
               else datetime.datetime.fromtimestamp(seconds, datetime.UTC))
     return moment.strftime("%Y-%m-%dT%H:%M:%SZ")
+
+
+def parse_rfc3339(text: object) -> float | None:
+    """A timestamp as Kubernetes writes it, in seconds since the epoch; None when `text` is not one."""
+    if not isinstance(text, str):
+        return None
+    try:
+        return datetime.datetime.strptime(text, "%Y-%m-%dT%H:%M:%SZ").replace(tzinfo=datetime.UTC).timestamp()
+    except ValueError:
+        return None

@@ -3,12 +3,12 @@
 Kubernetes: one thread per role LISTs the Pods matching the role's label selector in the proxy's
 namespace, then WATCHes them from the list's resourceVersion through the same ApiClient as
 `xpyd.kube` (streaming `?watch=1`, one JSON event per line), and hands every change to the event
-loop. A watch sees a pod turn NotReady or get its deletionTimestamp within milliseconds, where
-polling every second or two would keep sending new requests to a terminating pod for that long and
-cost the API server a LIST per proxy replica each time. A watch that ends normally (its
-timeoutSeconds) is resumed from the last resourceVersion; one that fails (410 Gone, a dropped
-connection, a refused verb) is followed by a fresh LIST after a short pause, so the thread degrades
-to polling at that pace when watching is impossible.
+loop. A watch sees a pod turn Ready or NotReady, or get its deletionTimestamp, within milliseconds,
+where polling every second or two would leave a new pod unused and keep sending new requests to a
+terminating pod for that long, and cost the API server a LIST per proxy replica each time. A watch
+that ends normally (its timeoutSeconds) is resumed from the last resourceVersion; one that fails
+(410 Gone, a dropped connection, a refused verb) is followed by a fresh LIST after a short pause, so
+the thread degrades to polling at that pace when watching is impossible.
 
 Pods, not EndpointSlices: a pod shows readiness and termination directly, and EndpointSlices
 refuse the loopback addresses of the local e2e cluster.
@@ -24,7 +24,9 @@ import time
 from collections.abc import Callable, Iterable, Iterator
 from typing import Any, Final
 
+from xpyd.api.models import ENGINE_SHUTDOWN_MARGIN_SECONDS
 from xpyd.common.jsontypes import JSON
+from xpyd.common.timefmt import parse_rfc3339
 from xpyd.kube import Kube, KubeError, resource_path
 from xpyd.proxy.pool import Endpoint
 from xpyd.proxy.protocol import host_port
@@ -39,21 +41,25 @@ CONNECT_TIMEOUT_SECONDS: Final = 10.0
 
 
 def pod_ready(pod: JSON) -> bool:
-    """Ready=True and not being deleted."""
-    if pod.get("metadata", {}).get("deletionTimestamp"):
-        return False
+    """The Pod's condition Ready=True (a terminating pod keeps it while its probes pass)."""
     conditions = pod.get("status", {}).get("conditions") or []
     return any(c.get("type") == "Ready" and c.get("status") == "True" for c in conditions)
 
 
 def pod_endpoints(pods: Iterable[JSON], engine_port: int) -> list[Endpoint]:
     """The engine URL of every pod that has an IP, ready or not (a pod that is not ready keeps its
-    outstanding requests and gets no new ones)."""
+    outstanding requests and gets no new ones), with its readiness and, for a terminating pod, when
+    its drain reaches its timeout: the engines' shutdown margin before its deletionTimestamp."""
     endpoints = []
     for pod in pods:
         ip = pod.get("status", {}).get("podIP")
         if ip:
-            endpoints.append(Endpoint(url=f"http://{host_port(ip, engine_port)}", ready=pod_ready(pod)))
+            deletion = pod.get("metadata", {}).get("deletionTimestamp")
+            deadline = parse_rfc3339(deletion)
+            endpoints.append(Endpoint(
+                url=f"http://{host_port(ip, engine_port)}", ready=pod_ready(pod), checked=True,
+                terminating=bool(deletion),
+                drain_timeout_at=None if deadline is None else deadline - ENGINE_SHUTDOWN_MARGIN_SECONDS))
     return endpoints
 
 

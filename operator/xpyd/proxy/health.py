@@ -41,7 +41,10 @@ class HealthProber:
                         self.spawn(self.probe(instance))
 
     async def probe(self, instance: Instance) -> None:
-        """GET /health: 200 is healthy; 503 (loading, dead), anything else or no answer is not."""
+        """GET /health: 200 is healthy; 503 (loading, dead), anything else or no answer is not. A
+        probe overtaken by new readiness evidence (`Pool.update`) decides nothing: the probe sent
+        with that evidence does."""
+        evidence = instance.evidence
         instance.probing = True
         try:
             async with self.session().get(instance.url + "/health", timeout=self.timeouts["probe"]) as response:
@@ -50,12 +53,12 @@ class HealthProber:
         except (TimeoutError, aiohttp.ClientError, OSError):
             healthy = False
         finally:
-            instance.probing = False
-        if healthy != instance.healthy:
+            if instance.evidence == evidence:
+                instance.probing = False
+        if instance.evidence != evidence:
+            return
+        if instance.set_healthy(healthy):  # turning healthy also forgets the engine ids (a restart changes them)
             log.info("%s %s is %s", instance.role, instance.url, "healthy" if healthy else "unhealthy")
-            if healthy:  # back from a restart or a failure: its engine ids may have changed
-                instance.forget_identity()
-        instance.healthy = healthy
         instance.breaker.probe(healthy, time.monotonic())
 
     def failed(self, instance: Instance, reason: str) -> None:

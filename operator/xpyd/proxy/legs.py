@@ -32,6 +32,8 @@ log = logging.getLogger(__name__)
 
 #: Upper bound on an upstream error body read into memory.
 MAX_ERROR_BODY: Final = 64 * 1024
+#: A leg the engine aborted without running it: it is shutting down (see `protocol.aborted`).
+ABORTED: Final = "the engine aborted the request unrun (it is shutting down)"
 
 
 class PrefillFailed(Exception):
@@ -285,6 +287,7 @@ class Legs:
         instance.acquire(tokens)
         started = time.monotonic()
         result = "error"
+        status: int | None = None
         try:
             try:
                 async with self.session().post(instance.url + context.path, data=json_bytes(body),
@@ -309,6 +312,8 @@ class Legs:
                 raise PrefillFailed("the answer is not JSON") from None
             if not isinstance(answer, dict):
                 raise PrefillFailed("the answer is not a JSON object")
+            if protocol.aborted(answer):
+                raise PrefillFailed(ABORTED)
             if protocol.TRAITS[self.config.connector].prefill_answer_has_params and \
                     not isinstance(answer.get("kv_transfer_params"), dict):
                 # An engine not set up as a KV producer answers without them; decode would then
@@ -322,6 +327,8 @@ class Legs:
             raise
         finally:
             instance.release(tokens)
+            if status is not None:
+                instance.answered(time.monotonic())
             self.pools["prefill"].forget_if_done(instance)
             self.metrics.legs.observe(time.monotonic() - started, "prefill", result)
 
@@ -348,6 +355,8 @@ class Legs:
             head = await response.content.readany() if stream else await response.read()
             if stream and not head:
                 raise DecodeFailed("the stream ended before its first byte")
+            if protocol.answer_aborted(head, stream):
+                raise DecodeFailed(ABORTED)
             opened = Opened(response, head, started)
             response = None
             result = ""
@@ -362,8 +371,9 @@ class Legs:
             result = "cancelled"
             raise
         finally:
-            if response is not None:
+            if response is not None:  # an answer that is not relayed: it ends here
                 response.close()
+                instance.answered(time.monotonic())
             if result:
                 self.metrics.legs.observe(time.monotonic() - started, "decode", result)
 
@@ -412,6 +422,7 @@ class Legs:
             raise
         finally:
             opened.close()
+            instance.answered(time.monotonic())
             self.metrics.legs.observe(time.monotonic() - opened.started, "decode", result)
 
     # -- connector specifics --------------------------------------------------------------------

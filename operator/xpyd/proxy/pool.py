@@ -1,25 +1,38 @@
 """The instances of one role (prefill or decode), what the proxy knows about each, and which of
 them may get new legs.
 
-An instance gets new legs only while all of these hold: discovery lists it and says it is ready
-(in Kubernetes: the pod has an IP, `Ready=True` and no deletionTimestamp), its last health probe
-answered 200 (vLLM answers 503 while loading or dead, and nothing at all before it serves HTTP),
-and its circuit breaker is closed. An instance that stops being listed or ready keeps the legs it
-has until they finish, and leaves the pool then.
+An instance serves while all of these hold: discovery lists it and says it is ready (in Kubernetes:
+the pod has an IP and `Ready=True`), its last health probe answered 200 (vLLM answers 503 while
+loading or dead, and nothing at all before it serves HTTP), and its circuit breaker is closed. New
+legs go to the serving instances that are not terminating (their pod has a deletionTimestamp); only
+when a role has none of those do they go to a serving terminating instance, and only within
+`fallback_seconds` of the later of its termination and the end of its last answer to the proxy, and
+before its drain's timeout: the engine's preStop drain keeps it taking new requests that long
+(`xpyd.render.drain`), vLLM aborts every new one once it gets SIGTERM after the drain. An instance
+that stops being listed or ready keeps the legs it has until they finish, and leaves the pool then.
+
+A pod's readiness is evidence of health (the kubelet's readiness probe is the engine's own
+`/health`): a pod that turns or appears Ready counts as healthy at once, until the probe the proxy
+sends it at once says otherwise. Fixed URLs vouch for nothing: they wait for their first probe.
 """
 
 from __future__ import annotations
 
+import math
 import random
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Final
 from urllib.parse import urlsplit
 
-from xpyd.api.models import RoutingPolicy
+from xpyd.api.models import ENGINE_DRAIN_QUIET_SECONDS, RoutingPolicy
 from xpyd.api.naming import Role
 from xpyd.proxy.breaker import Breaker
 from xpyd.proxy.picking import pick
+
+#: How much earlier than the drain could end the proxy stops sending a terminating instance new
+#: requests: time for a request to reach the engine, and for clocks to differ.
+FALLBACK_MARGIN_SECONDS: Final = 1.0
 
 
 @dataclass(frozen=True)
@@ -28,6 +41,14 @@ class Endpoint:
 
     url: str
     ready: bool = True
+    #: `ready` comes from a check of the engine's own health: a Pod's Ready condition (the kubelet's
+    #: readiness probe). Fixed URLs and registrations vouch for nothing.
+    checked: bool = False
+    #: The Pod is being deleted (deletionTimestamp set); its engine may still serve for a while.
+    terminating: bool = False
+    #: A terminating Pod: the wall-clock time (time.time()) before which its drain does not reach its
+    #: timeout (`ENGINE_SHUTDOWN_MARGIN_SECONDS` before the deletionTimestamp); None: unknown.
+    drain_timeout_at: float | None = None
     #: P2pNccl: the instance's ZMQ address (host:port), when known from registration.
     zmq_address: str | None = None
 
@@ -41,7 +62,18 @@ class Instance:
     breaker: Breaker
     listed: bool = True
     ready: bool = True
+    #: Whether `ready` was a Pod's Ready condition (see `Endpoint.checked`).
+    checked: bool = False
     healthy: bool | None = None
+    #: time.monotonic() when discovery first reported the instance terminating; None while it is not.
+    terminating_since: float | None = None
+    #: time.monotonic() after which a terminating instance gets no new legs whatever its activity:
+    #: its drain's timeout less the margin.
+    fallback_deadline: float = math.inf
+    #: time.monotonic() when the engine's answer to this proxy's last leg there ended.
+    last_answer_end: float = -math.inf
+    #: Counts the pod's readiness evidence; a probe begun before the latest one decides nothing.
+    evidence: int = 0
     outstanding_requests: int = 0
     outstanding_tokens: int = 0
     zmq_address: str | None = None
@@ -60,9 +92,24 @@ class Instance:
         """The host of the URL (without IPv6 brackets)."""
         return urlsplit(self.url).hostname or ""
 
-    def eligible(self) -> bool:
-        """Whether new legs may go here (see the module docstring)."""
+    def serving(self) -> bool:
+        """Listed, ready, healthy and with a closed breaker (see the module docstring)."""
         return self.listed and self.ready and self.healthy is True and self.breaker.allows()
+
+    def fallback_open(self, now: float, seconds: float) -> bool:
+        """A terminating instance: whether its engine still takes new requests, as far as this
+        proxy knows (within `seconds` of its termination or of the end of its last answer to this proxy)."""
+        return self.terminating_since is not None and \
+            now < min(max(self.terminating_since, self.last_answer_end) + seconds, self.fallback_deadline)
+
+    def set_healthy(self, healthy: bool) -> bool:
+        """Record the instance's health; True when that changed. An instance turning healthy may
+        be a restarted engine: what was learnt about its identity is dropped."""
+        changed = healthy != self.healthy
+        if changed and healthy:
+            self.forget_identity()
+        self.healthy = healthy
+        return changed
 
     def load(self) -> float:
         """Outstanding prompt tokens for prefill, outstanding requests for decode."""
@@ -77,6 +124,10 @@ class Instance:
         """A leg counted by `acquire` finished."""
         self.outstanding_requests -= 1
         self.outstanding_tokens -= tokens
+
+    def answered(self, now: float) -> None:
+        """The engine's answer to a leg ended at `now` (time.monotonic()): it was busy until then."""
+        self.last_answer_end = now
 
     def forget_identity(self) -> None:
         """Drop what was learnt about the engine's identity (a restarted engine has new ids)."""
@@ -116,29 +167,48 @@ class Pool:
     rng: random.Random
     breaker_threshold: int = 3
     breaker_cooldown: float = 2.0
+    #: How long after its termination, or after the end of its last answer, a terminating instance may
+    #: still get new legs: the engines' quiet period less a second for the request to reach the engine.
+    fallback_seconds: float = ENGINE_DRAIN_QUIET_SECONDS - FALLBACK_MARGIN_SECONDS
     instances: dict[str, Instance] = field(default_factory=dict)
     turn: int = 0
 
-    def update(self, endpoints: Iterable[Endpoint]) -> list[Instance]:
-        """Make the pool what discovery lists now; returns the instances that are new (to probe)."""
+    def update(self, endpoints: Iterable[Endpoint], now: float, wall_now: float) -> list[Instance]:
+        """Make the pool what discovery lists now (at time.monotonic() `now`, time.time() `wall_now`);
+        returns the instances to probe at once: the new ones, and those whose pod just turned (or
+        appeared) Ready, which count as healthy meanwhile."""
         listed: Mapping[str, Endpoint] = {endpoint.url: endpoint for endpoint in endpoints}
-        added: list[Instance] = []
+        to_probe: list[Instance] = []
         for url, endpoint in listed.items():
             instance = self.instances.get(url)
+            new = instance is None
             if instance is None:
                 instance = self.instances[url] = Instance(
                     url=url, role=self.role,
                     breaker=Breaker(threshold=self.breaker_threshold, base_cooldown=self.breaker_cooldown))
-                added.append(instance)
+            was_ready_pod = instance.listed and instance.ready and instance.checked
+            vouched = endpoint.ready and endpoint.checked and not was_ready_pod
+            if vouched:
+                instance.set_healthy(True)
+                instance.evidence += 1
+            if new or vouched:
+                to_probe.append(instance)
             instance.listed = True
             instance.ready = endpoint.ready
+            instance.checked = endpoint.checked
+            if not endpoint.terminating:
+                instance.terminating_since = None
+            elif instance.terminating_since is None:
+                instance.terminating_since = now
+            instance.fallback_deadline = math.inf if endpoint.drain_timeout_at is None else \
+                now + endpoint.drain_timeout_at - wall_now - FALLBACK_MARGIN_SECONDS
             if endpoint.zmq_address is not None:
                 instance.zmq_address = endpoint.zmq_address
         for url, instance in list(self.instances.items()):
             if url not in listed:
                 instance.listed = False
                 self.forget_if_done(instance)
-        return added
+        return to_probe
 
     def forget_if_done(self, instance: Instance) -> None:
         """Drop an instance discovery no longer lists once its last leg finished."""
@@ -146,10 +216,17 @@ class Pool:
                 self.instances.get(instance.url) is instance:
             del self.instances[instance.url]
 
-    def pick(self, exclude: Iterable[str] = ()) -> Instance | None:
-        """The eligible instance the routing policy picks (skipping URLs in `exclude`), or None."""
+    def candidates(self, now: float, exclude: Iterable[str] = ()) -> list[Instance]:
+        """The instances new legs may go to (skipping URLs in `exclude`): the serving ones that are not
+        terminating, else the serving terminating ones still within their fallback time."""
         excluded = set(exclude)
-        candidates = [i for i in self.instances.values() if i.url not in excluded and i.eligible()]
+        serving = [i for i in self.instances.values() if i.url not in excluded and i.serving()]
+        return [i for i in serving if i.terminating_since is None] or \
+            [i for i in serving if i.fallback_open(now, self.fallback_seconds)]
+
+    def pick(self, now: float, exclude: Iterable[str] = ()) -> Instance | None:
+        """The candidate the routing policy picks, or None."""
+        candidates = self.candidates(now, exclude)
         if not candidates:
             return None
         self.turn += 1
@@ -157,10 +234,12 @@ class Pool:
 
     def counts(self) -> dict[str, int]:
         """Instances by state, for /health and metrics."""
-        result = {"eligible": 0, "unhealthy": 0, "open": 0, "not_ready": 0}
+        result = {"eligible": 0, "unhealthy": 0, "open": 0, "not_ready": 0, "terminating": 0}
         for instance in self.instances.values():
             if not (instance.listed and instance.ready):
                 result["not_ready"] += 1
+            elif instance.terminating_since is not None:
+                result["terminating"] += 1
             elif not instance.breaker.allows():
                 result["open"] += 1
             elif instance.healthy is not True:

@@ -345,3 +345,43 @@ def p2p_nccl_request_id(prefill_zmq: str, decode_zmq: str, unique: str | None = 
 def host_port(host: str, port: int) -> str:
     """`host:port`, with an IPv6 host in brackets."""
     return f"[{host}]:{port}" if ":" in host and not host.startswith("[") else f"{host}:{port}"
+
+
+def aborted(answer: Any) -> bool:
+    """Whether a completion or chat answer (unstreamed, or one stream event) is vLLM's abort of a
+    request it never ran: every choice finished with `abort`, without output. An engine shutting
+    down answers every new request so, 200 included (SIGTERM: `EngineCore._reject_add_in_shutdown`,
+    vllm/v1/engine/core.py), while its /health stays 200."""
+    choices = answer.get("choices") if isinstance(answer, dict) else None
+    return isinstance(choices, list) and bool(choices) and all(
+        isinstance(c, dict) and c.get("finish_reason") == "abort" and not _output(c) for c in choices)
+
+
+def answer_aborted(data: bytes, stream: bool) -> bool:
+    """Whether an unstreamed answer, or the first bytes of a stream, are vLLM's abort of a request it
+    never ran (`aborted`; in a stream, the first event with output or a finish_reason). False while
+    that is not known. Answers without the word are not parsed: this runs on every decode leg."""
+    if b'"abort"' not in data:
+        return False
+    if not stream:
+        try:
+            return aborted(json.loads(data))
+        except ValueError:
+            return False
+    for line in data.split(b"\n"):
+        if not line.startswith(b"data: {"):
+            continue
+        try:
+            event = json.loads(line[len(b"data: "):])
+        except ValueError:
+            return False  # an event cut short: the first chunk ends inside it
+        choices = event.get("choices") if isinstance(event, dict) else None
+        if isinstance(choices, list) and any(isinstance(c, dict) and (_output(c) or c.get("finish_reason"))
+                                             for c in choices):
+            return aborted(event)
+    return False
+
+
+def _output(choice: Mapping[str, Any]) -> bool:
+    message = choice.get("message") or choice.get("delta") or {}
+    return bool(choice.get("text") or (isinstance(message, dict) and message.get("content")))

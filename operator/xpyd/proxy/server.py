@@ -10,11 +10,11 @@ One request, in order:
    includes requests still in their prefill phase, so concurrent picks spread). The legs go out as
    the connector needs (`protocol`): one after the other, or both at once with decode's answer held
    back until prefill has answered.
-3. Prefill fails (connection error, timeout, 5xx, an answer without hand-off parameters): the
-   attempt is retried on another prefill instance, at most `prefill_retries` times; then 503, or,
-   only with `decode_only_fallback`, decode alone (counted and logged). A 4xx from prefill is the
-   client's and is returned as is.
-4. Decode fails before its first byte: retried once on another decode instance. When the failed
+3. Prefill fails (connection error, timeout, 5xx, an engine's abort of a request it never ran, an
+   answer without hand-off parameters): the attempt is retried on another prefill instance, at most
+   `prefill_retries` times; then 503, or, only with `decode_only_fallback`, decode alone (counted
+   and logged). A 4xx from prefill is the client's and is returned as is.
+4. Decode fails before its first byte (an abort included): retried once on another decode instance. When the failed
    decode never got the request (no connection) and the connector lets decode read the KV later
    (NIXL pull: prefill holds the blocks for their lease; LMCache: the KV sits in LMCache's store),
    the retry reuses the prefill's KV; otherwise (the failed decode may have consumed
@@ -172,16 +172,18 @@ class Proxy:
 
     def set_endpoints(self, role: Role, endpoints: Iterable[Endpoint], source: str = "discovery") -> None:
         """A source's current view of a role (discovery, or P2pNccl registration); the pool is the
-        union of the sources. New instances are probed at once."""
+        union of the sources. New instances, and those whose pod turned Ready, are probed at once."""
         self._sources[role][source] = list(endpoints)
         merged: dict[str, Endpoint] = {}
         for listed in self._sources[role].values():
             for endpoint in listed:
                 known = merged.get(endpoint.url)
                 merged[endpoint.url] = endpoint if known is None else Endpoint(
-                    url=endpoint.url, ready=known.ready and endpoint.ready,
+                    url=endpoint.url, ready=known.ready and endpoint.ready, checked=known.checked or endpoint.checked,
+                    terminating=known.terminating or endpoint.terminating,
+                    drain_timeout_at=endpoint.drain_timeout_at or known.drain_timeout_at,
                     zmq_address=endpoint.zmq_address or known.zmq_address)
-        for instance in self.pools[role].update(merged.values()):
+        for instance in self.pools[role].update(merged.values(), time.monotonic(), time.time()):
             self._spawn(self.health_prober.probe(instance))
 
     def _spawn(self, coroutine: Awaitable[None]) -> None:
@@ -277,11 +279,11 @@ class Proxy:
         while True:
             prefill = None
             if reusable is None:
-                prefill = self.pools["prefill"].pick(tried_prefill)
+                prefill = self.pools["prefill"].pick(time.monotonic(), tried_prefill)
                 if prefill is None:
                     reason = "prefill_failed" if prefill_failures else "no_prefill_instance"
                     return await self._without_prefill(context, reason, tried_decode)
-            decode = self.pools["decode"].pick(tried_decode)
+            decode = self.pools["decode"].pick(time.monotonic(), tried_decode)
             if decode is None:
                 raise RequestError(503, "No decode instance is available.")
             if retrying is not None:  # counted once there is an instance to retry on
@@ -322,7 +324,7 @@ class Proxy:
             message = ("No prefill instance is available." if reason == "no_prefill_instance"
                        else "Prefill failed on every instance tried.")
             raise RequestError(503, message)
-        decode = self.pools["decode"].pick(tried_decode)
+        decode = self.pools["decode"].pick(time.monotonic(), tried_decode)
         if decode is None:
             raise RequestError(503, "No decode instance is available.")
         self.metrics.fallbacks.inc(reason)
@@ -351,7 +353,7 @@ class Proxy:
             return self._reject(401, "Missing or invalid API key.", request_id)
         tried: set[str] = set()
         headers = {"Authorization": request.headers["Authorization"]} if "Authorization" in request.headers else {}
-        while (decode := self.pools["decode"].pick(tried)) is not None:
+        while (decode := self.pools["decode"].pick(time.monotonic(), tried)) is not None:
             tried.add(decode.url)
             try:
                 async with self._session.get(decode.url + "/v1/models", headers=headers,
@@ -371,11 +373,22 @@ class Proxy:
                                   "draining": self.draining,
                                   **{role: pool.counts() for role, pool in self.pools.items()}})
 
+    def missing_roles(self) -> list[Role]:
+        """The roles a request needs that have no instance to take it now. Every connector sends a
+        prefill and a decode leg; with the decode-only fallback decode alone can answer."""
+        needed: tuple[Role, ...] = ("decode",) if self.config.decode_only_fallback else ROLES
+        now = time.monotonic()
+        return [role for role in needed if not self.pools[role].candidates(now)]
+
     async def ready(self, request: web.Request) -> web.Response:
-        """GET /ready (readiness): 200, or 503 once draining, so the pod leaves the Service's
-        endpoints while it still serves what reaches it."""
+        """GET /ready (readiness): 200 while requests can be served; 503 once draining, so the pod
+        leaves the Service's endpoints while it still serves what reaches it, and 503 while a role
+        has no instance to take a request, so clients reach a replica that can serve."""
         if self.draining:
             return web.json_response({"status": "draining"}, status=503)
+        missing = self.missing_roles()
+        if missing:
+            return web.json_response({"status": "unavailable", "missing": missing}, status=503)
         return web.json_response({"status": "ready"})
 
     async def metrics_page(self, request: web.Request) -> web.Response:

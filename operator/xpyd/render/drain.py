@@ -1,11 +1,21 @@
 """preStop drain of an engine pod, run inside the vLLM image with the Python standard library only.
 
-The proxy stops sending new requests to a pod as soon as it has a deletionTimestamp; this script
-then waits until the engine has no running or waiting requests (read from its own /metrics), or
-until the timeout, and, on prefill pods, keeps the engine up for the KV lease so decode can still
-pull the blocks of the last requests. Only then does the kubelet send SIGTERM to vLLM.
+The kubelet sends vLLM SIGTERM only once this script ends. Until then the engine takes new requests
+as usual; from SIGTERM on, vLLM's engine aborts every new one (`EngineCore._reject_add_in_shutdown`,
+vllm/v1/engine/core.py) while `/health` stays 200, and drains the ones it has for
+`--shutdown-timeout`. So the preStop phase is the only time a terminating pod can serve new requests,
+and the proxy uses it: once the pod has a deletionTimestamp the proxy sends it new requests only
+while its role has no other ready instance, and only within QUIET_SECONDS (less a margin) of the
+engine's last answer to it (`xpyd.proxy.pool`).
 
-Usage: python3 -c "<this file>" PORT TIMEOUT_SECONDS HOLD_SECONDS
+This script therefore waits until the engine has been idle for QUIET_SECONDS, nothing running or
+waiting and no request finished over that whole time (read from its own /metrics every second), or
+until TIMEOUT_SECONDS. While the proxy still sends it requests (no replacement is ready yet) the
+engine is not idle, and the script waits; once the proxy has stopped, it ends QUIET_SECONDS later.
+On prefill pods it then keeps the engine up for the KV lease so decode can still pull the blocks of
+the last requests.
+
+Usage: python3 -c "<this file>" PORT TIMEOUT_SECONDS QUIET_SECONDS HOLD_SECONDS
 """
 
 import sys
@@ -13,30 +23,49 @@ import time
 import urllib.request
 
 BUSY_GAUGES = ("vllm:num_requests_running", "vllm:num_requests_waiting")
+FINISHED_COUNTER = "vllm:request_success_total"
+#: The activity "before the first poll": no count of finished requests equals it.
+NOT_POLLED = (0.0, -1.0)
 
 
-def busy_requests(metrics_text: str) -> float:
-    """Sum of running and waiting requests over every series of the two gauges."""
-    total = 0.0
+def activity(metrics_text: str) -> tuple[float, float]:
+    """Requests running or waiting now, and requests finished so far (every finished_reason), each
+    summed over every series."""
+    busy = finished = 0.0
     for line in metrics_text.splitlines():
-        if line.startswith(BUSY_GAUGES):
-            total += float(line.rsplit(" ", 1)[1])
-    return total
+        name = line.split("{", 1)[0].split(" ", 1)[0]
+        if name in BUSY_GAUGES:
+            busy += float(line.rsplit(" ", 1)[1])
+        elif name == FINISHED_COUNTER:
+            finished += float(line.rsplit(" ", 1)[1])
+    return busy, finished
 
 
-def drain(port: int, timeout: float, hold: float) -> None:
+def idle_since(since: float, previous: tuple[float, float], current: tuple[float, float], now: float) -> float:
+    """When the engine's idle spell began, given the one known at the previous poll (`since`, with
+    that poll's `previous` activity) and the `current` activity at `now`: a request running,
+    waiting, or finished in between starts a new spell now, and so does the first poll."""
+    if current[0] > 0 or current[1] != previous[1]:
+        return now
+    return since
+
+
+def drain(port: int, timeout: float, quiet: float, hold: float) -> None:
     deadline = time.monotonic() + timeout
     url = f"http://127.0.0.1:{port}/metrics"
-    while time.monotonic() < deadline:
+    since, previous = 0.0, NOT_POLLED
+    while (now := time.monotonic()) < deadline:
         try:
             with urllib.request.urlopen(url, timeout=2) as response:
-                if busy_requests(response.read().decode()) == 0:
-                    break
+                current = activity(response.read().decode())
         except OSError:
             return  # the engine is not serving: nothing to drain
+        since, previous = idle_since(since, previous, current, now), current
+        if now - since >= quiet:
+            break
         time.sleep(1)
     time.sleep(hold)
 
 
 if __name__ == "__main__":
-    drain(int(sys.argv[1]), float(sys.argv[2]), float(sys.argv[3]))
+    drain(int(sys.argv[1]), float(sys.argv[2]), float(sys.argv[3]), float(sys.argv[4]))

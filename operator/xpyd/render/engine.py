@@ -9,6 +9,8 @@ from typing import Any, Final
 
 from xpyd import vllm
 from xpyd.api.models import (
+    ENGINE_DRAIN_QUIET_SECONDS,
+    ENGINE_SHUTDOWN_MARGIN_SECONDS,
     LMCACHE_PD_PROXY_PORT,
     Connector,
     DisaggregatedServingSpec,
@@ -26,9 +28,6 @@ LMCACHE_MOUNT: Final = "/etc/lmcache"
 #: The project's engine image (engine-image/): vLLM plus RDMA userspace and a transport check.
 ENGINE_IMAGE_REPOSITORY: Final = "ghcr.io/xpyd-operator/vllm-engine"
 ENGINE_ENTRYPOINT: Final = "/usr/local/bin/xpyd-engine-entrypoint"
-#: Seconds between the end of the drain and SIGKILL, for vLLM's own shutdown.
-SHUTDOWN_MARGIN_SECONDS: Final = 30
-
 
 
 def _compact_source(module: object) -> str:
@@ -269,13 +268,14 @@ def node_selector(role_spec: RoleSpec) -> dict[str, str]:
 def drain_command(spec: DisaggregatedServingSpec, role: Role) -> list[str]:
     role_spec: RoleSpec = getattr(spec, role)
     hold = kv_lease_seconds(spec, role) if role == "prefill" else 0
-    return ["python3", "-c", _DRAIN_SOURCE, str(spec.engine.port), str(role_spec.drain_timeout_seconds), str(hold)]
+    return ["python3", "-c", _DRAIN_SOURCE, str(spec.engine.port), str(role_spec.drain_timeout_seconds),
+            str(ENGINE_DRAIN_QUIET_SECONDS), str(hold)]
 
 
 def termination_grace_seconds(spec: DisaggregatedServingSpec, role: Role) -> int:
     role_spec: RoleSpec = getattr(spec, role)
     hold = kv_lease_seconds(spec, role) if role == "prefill" else 0
-    return role_spec.drain_timeout_seconds + hold + SHUTDOWN_MARGIN_SECONDS
+    return role_spec.drain_timeout_seconds + hold + ENGINE_SHUTDOWN_MARGIN_SECONDS
 
 
 def startup_failure_threshold(role_spec: RoleSpec) -> int:

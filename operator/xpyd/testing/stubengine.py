@@ -3,7 +3,9 @@ usage, /v1/models, /health) and the `kv_transfer_params` answers of a NIXL prefi
 Mooncake bootstrap server (`GET /query`). It models no timing at all (`xpyd engine-sim` does): it is
 the engine of the proxy benchmark, where only the proxy's own cost should show, and of the proxy's
 failure-injection tests, which switch its faults on and off (`fail_status`, `hang`, `health_status`,
-`break_after_chunks`, `omit_kv_params`, `token_delay`) and read what it received (`seen`) and how
+`break_after_chunks`, `omit_kv_params`, `token_delay`, `shutting_down`: answer every generation
+request as vLLM does once its engine got SIGTERM, 200 with `finish_reason` `abort` and no output) and
+read what it received (`seen`) and how
 requests ended (`cancelled`). With `data_parallel_size` > 1 it has one engine id per rank
 (`<name>-engine_dp<rank>`, the `_dp` suffix vLLM gives each rank's engine id), which its bootstrap
 server reports; a NIXL prefill answer carries the identity of the rank that served it (the one the
@@ -87,6 +89,7 @@ class StubEngine:
     break_after_chunks: int | None = None
     omit_kv_params: bool = False
     token_delay: float = 0.0
+    shutting_down: bool = False
     data_parallel_size: int = 1
     push_prefill: StubEngine | None = None
     lmcache_producer: bool = False
@@ -189,6 +192,8 @@ class StubEngine:
             if self.fail_status is not None:
                 return web.json_response({"error": {"message": "injected failure", "type": "InternalServerError",
                                                     "param": None, "code": self.fail_status}}, status=self.fail_status)
+            if self.shutting_down:
+                return self._aborted(request, body)
             broken = self._check_lmcache_prefill(body.get("kv_transfer_params"))
             if broken is not None:
                 self.errors.append(broken)
@@ -205,6 +210,22 @@ class StubEngine:
         except asyncio.CancelledError:
             self.cancelled += 1
             raise
+
+    def _aborted(self, request: web.Request, body: JSON) -> web.Response:
+        """vLLM's answer to a request that reaches an engine shutting down (`EngineCore.
+        _reject_add_in_shutdown`): 200, `finish_reason` `abort`, no output, no `kv_transfer_params`."""
+        chat = request.path.endswith("/chat/completions")
+        stream = bool(body.get("stream"))
+        output: JSON = ({"delta" if stream else "message": {"role": "assistant", "content": ""}} if chat
+                        else {"text": ""})
+        answer = {"id": f"cmpl-{next(self._ids)}", "model": str(body.get("model", self.name)),
+                  "choices": [{"index": 0, **output, "logprobs": None, "finish_reason": "abort"}]}
+        if not stream:
+            prompt_tokens = _prompt_tokens(body)
+            return web.json_response({**answer, "usage": {"prompt_tokens": prompt_tokens,
+                                                          "total_tokens": prompt_tokens, "completion_tokens": 0}})
+        return web.Response(body=b"data: " + json.dumps(answer).encode() + b"\n\ndata: [DONE]\n\n",
+                            content_type="text/event-stream")
 
     def _kv_answer(self, request: web.Request, params: Any) -> JSON | None:
         if self.lmcache_producer:
