@@ -467,10 +467,37 @@ class EngineCore:
         if self._step is not None:
             raise RuntimeError("a step is already in flight")
         decoding = self._decoding
-        if not decoding and not self._prefilling and not self._ready and not self._waiting:
-            return None   # idle (the common case when a producer is kicked after a KV release)
+        if self._prefilling or self._ready or self._waiting:
+            chunks, joiners, prefill_seconds = self._schedule_prompts(now)
+        elif decoding:
+            chunks, joiners, prefill_seconds = [], [], 0.0   # decode only (most steps): nothing to admit
+        else:
+            return None
+        batch = len(decoding)
+        if not chunks and not batch:
+            return None
+        perf = self.perf
+        kv_tokens = self._decode_kv
+        num_steps = 1
+        if not chunks:
+            num_steps = max(1, min(max_decode_steps, self._finish_heap[0][0] - self._decode_steps))
+            if num_steps > 1:
+                timer = self.next_timer()
+                if timer is not None:
+                    first = perf.decode_step_seconds(batch, kv_tokens)
+                    num_steps = max(1, min(num_steps, math.ceil((timer - now) / first - 1e-9)))
+        decode_seconds = perf.decode_step_seconds(batch, kv_tokens + batch * (num_steps - 1) // 2) if batch else 0.0
+        step = Step(now, num_steps, prefill_seconds + decode_seconds, tuple(chunks), tuple(decoding), tuple(joiners),
+                    kv_tokens)
+        self._step = step
+        return step
+
+    def _schedule_prompts(self, now: float) -> tuple[list[tuple[EngineRequest, int]], list[EngineRequest], float]:
+        """The prompt side of `next_step`: continue partial prefills, let ready requests join the
+        batch, admit waiting ones. Returns the prefill chunks, the joiners and the chunks' time."""
         config = self.config
         max_num_seqs = config.max_num_seqs
+        decoding = self._decoding
         budget = config.max_num_batched_tokens - len(decoding)
         running = len(decoding) + len(self._prefilling)
         perf = self.perf
@@ -526,29 +553,11 @@ class EngineCore:
             first_tokens += chunk
             budget -= chunk
             running += 1
-        batch = len(decoding)
-        if not chunks and not batch:
-            return None
-        kv_tokens = self._decode_kv
-        if chunks:
-            num_steps = 1
-            prefill_seconds = continued_seconds
-            if first_tokens:
-                prefill_seconds = max(perf.prefill_seconds(chunk_tokens),
-                                      perf.prefill_seconds(first_tokens) + continued_seconds)
-        else:
-            num_steps = max(1, min(max_decode_steps, self._finish_heap[0][0] - self._decode_steps))
-            prefill_seconds = 0.0
-            if num_steps > 1:
-                timer = self.next_timer()
-                if timer is not None:
-                    first = perf.decode_step_seconds(batch, kv_tokens)
-                    num_steps = max(1, min(num_steps, math.ceil((timer - now) / first - 1e-9)))
-        decode_seconds = perf.decode_step_seconds(batch, kv_tokens + batch * (num_steps - 1) // 2) if batch else 0.0
-        step = Step(now, num_steps, prefill_seconds + decode_seconds, tuple(chunks), tuple(decoding), tuple(joiners),
-                    kv_tokens)
-        self._step = step
-        return step
+        prefill_seconds = continued_seconds
+        if first_tokens:
+            prefill_seconds = max(perf.prefill_seconds(chunk_tokens),
+                                  perf.prefill_seconds(first_tokens) + continued_seconds)
+        return chunks, joiners, prefill_seconds
 
     def shorten(self, step: Step, now: float) -> Step:
         """Cut a fused decode step at its first pass boundary at or after `now` (something arrived).
