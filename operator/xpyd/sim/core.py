@@ -135,8 +135,7 @@ class BucketHistogram:
 
     def add(self, other: BucketHistogram) -> None:
         """Add `other`'s observations (same buckets) into this one."""
-        for i, n in enumerate(other.counts):
-            self.counts[i] += n
+        self.counts = [a + b for a, b in zip(self.counts, other.counts, strict=True)]
         self.sum += other.sum
         self.count += other.count
 
@@ -598,13 +597,13 @@ class EngineCore:
         prefill = step.prefill
         # vllm:iteration_tokens_total: prompt tokens computed plus tokens generated, per pass (a prefill
         # that completes generates its first token in its last chunk's pass).
-        iteration_tokens = batch
-        for request, tokens in prefill:
-            iteration_tokens += tokens + (request.computed_tokens + tokens >= request.prompt_tokens)
-        if iteration_tokens:
+        if prefill:
+            iteration_tokens = batch
+            for request, tokens in prefill:
+                iteration_tokens += tokens + (request.computed_tokens + tokens >= request.prompt_tokens)
             metrics.iteration_tokens_total.observe(iteration_tokens)
-            if passes > 1 and batch:
-                metrics.iteration_tokens_total.observe(batch, passes - 1)
+        elif batch:
+            metrics.iteration_tokens_total.observe(batch, passes)   # decode only: every pass is the batch
         if batch:
             self._decode_steps += passes
             decode_steps = self._decode_steps

@@ -130,6 +130,11 @@ ProgressCallback = Callable[[int, int, float], None]
 _STEP, _TIMER, _READY, _TICK = 0, 1, 2, 3
 _FIRST_TOKEN, _FINISHED, _KV_LOADED = EventKind.FIRST_TOKEN, EventKind.FINISHED, EventKind.KV_LOADED
 
+# The vllm:* series `observe()` reads (the autoscaler's queries): only these are summed per tick.
+_WINDOW_HISTOGRAMS = ("time_to_first_token_seconds", "inter_token_latency_seconds", "request_queue_time_seconds",
+                      "request_prompt_tokens", "request_generation_tokens")
+_WINDOW_COUNTERS = ("prompt_tokens_total", "generation_tokens_total", "request_success_total")
+
 
 class _Replica:
     __slots__ = ("core", "created_s", "draining", "name", "outstanding_requests", "outstanding_tokens",
@@ -152,7 +157,8 @@ class _Replica:
 
 @dataclass
 class _RoleMetrics:
-    """Cumulative vllm:* series of a role (all its engines, also stopped ones) at one tick."""
+    """Cumulative vllm:* series of a role (all its engines, also stopped ones) at one tick: those `observe()`
+    reads."""
 
     histograms: dict[str, BucketHistogram]
     counters: dict[str, int]
@@ -469,13 +475,14 @@ class Simulator:
             counters: dict[str, int] = {}
             for replica in replicas:
                 metrics = replica.core.metrics
-                for name, histogram in metrics.histograms().items():
+                for name in _WINDOW_HISTOGRAMS:
+                    histogram: BucketHistogram = getattr(metrics, name)
                     if name in histograms:
                         histograms[name].add(histogram)
                     else:
                         histograms[name] = histogram.copy()
-                for name, value in metrics.counters().items():
-                    counters[name] = counters.get(name, 0) + value
+                for name in _WINDOW_COUNTERS:
+                    counters[name] = counters.get(name, 0) + getattr(metrics, name)
             roles[role] = _RoleMetrics(histograms, counters)
         history = self._history
         history.append((now, self._arrived, roles, self._client_ttft.copy(), self._client_tpot.copy()))
