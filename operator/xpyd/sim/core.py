@@ -350,11 +350,15 @@ class Step(NamedTuple):
 class EngineCore:
     """The continuous-batching model of one vLLM engine (see the module docstring for the rules)."""
 
-    def __init__(self, perf: EnginePerf, config: EngineConfig | None = None) -> None:
+    def __init__(self, perf: EnginePerf, config: EngineConfig | None = None, *, all_metrics: bool = True) -> None:
+        """`all_metrics=False` observes only what an autoscaler reads (TTFT, ITL, queue time, prompt
+        and generation tokens per request, and the counters), leaving the other histograms empty: the
+        cluster simulator's choice, as it observes nothing else."""
         self.perf = perf
         self.config = config or EngineConfig()
         self.capacity = self.config.max_kv_tokens or perf.max_kv_tokens
         self.metrics = EngineMetrics(max_model_len=self.config.max_model_len)
+        self._all_metrics = all_metrics
         self._seq = 0
         self._waiting: deque[EngineRequest] = deque()
         self._transferring: list[tuple[float, int, EngineRequest]] = []
@@ -597,13 +601,14 @@ class EngineCore:
         prefill = step.prefill
         # vllm:iteration_tokens_total: prompt tokens computed plus tokens generated, per pass (a prefill
         # that completes generates its first token in its last chunk's pass).
-        if prefill:
-            iteration_tokens = batch
-            for request, tokens in prefill:
-                iteration_tokens += tokens + (request.computed_tokens + tokens >= request.prompt_tokens)
-            metrics.iteration_tokens_total.observe(iteration_tokens)
-        elif batch:
-            metrics.iteration_tokens_total.observe(batch, passes)   # decode only: every pass is the batch
+        if self._all_metrics:
+            if prefill:
+                iteration_tokens = batch
+                for request, tokens in prefill:
+                    iteration_tokens += tokens + (request.computed_tokens + tokens >= request.prompt_tokens)
+                metrics.iteration_tokens_total.observe(iteration_tokens)
+            elif batch:
+                metrics.iteration_tokens_total.observe(batch, passes)   # decode only: every pass is the batch
         if batch:
             self._decode_steps += passes
             decode_steps = self._decode_steps
@@ -721,18 +726,20 @@ class EngineCore:
         metrics = self.metrics
         generated = request.limit
         arrival, scheduled, first_token = request.arrival_time, request.scheduled_time, request.first_token_time
-        decode_time = now - first_token
         metrics.request_success_total += 1
-        metrics.e2e_request_latency_seconds.observe(now - arrival)
         metrics.request_queue_time_seconds.observe(scheduled - arrival)
-        metrics.request_prefill_time_seconds.observe(first_token - scheduled)
-        metrics.request_decode_time_seconds.observe(decode_time)
-        metrics.request_inference_time_seconds.observe(now - scheduled)
         metrics.request_prompt_tokens.observe(request.prompt_tokens)
         metrics.request_generation_tokens.observe(generated)
-        metrics.request_params_max_tokens.observe(request.max_tokens)
-        metrics.request_prefill_kv_computed_tokens.observe(request.prompt_tokens if request.local_prefill else 0)
-        metrics.request_time_per_output_token_seconds.observe(decode_time / (generated - 1) if generated > 1 else 0.0)
+        if self._all_metrics:
+            decode_time = now - first_token
+            metrics.e2e_request_latency_seconds.observe(now - arrival)
+            metrics.request_prefill_time_seconds.observe(first_token - scheduled)
+            metrics.request_decode_time_seconds.observe(decode_time)
+            metrics.request_inference_time_seconds.observe(now - scheduled)
+            metrics.request_params_max_tokens.observe(request.max_tokens)
+            metrics.request_prefill_kv_computed_tokens.observe(request.prompt_tokens if request.local_prefill else 0)
+            metrics.request_time_per_output_token_seconds.observe(decode_time / (generated - 1) if generated > 1
+                                                                  else 0.0)
         if request.do_remote_decode:
             request.phase = Phase.HELD
             request.lease_expiry = now + self.config.kv_lease_seconds

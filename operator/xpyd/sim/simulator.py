@@ -401,7 +401,8 @@ class Simulator:
 
     def _start_replica(self, role: str, now: float, ready: bool) -> None:
         replicas = self._replicas[role]
-        replica = _Replica(f"{role}-{len(replicas)}", role, EngineCore(self.perf, self.config.engine), now, ready)
+        core = EngineCore(self.perf, self.config.engine, all_metrics=False)   # observe() reads no more
+        replica = _Replica(f"{role}-{len(replicas)}", role, core, now, ready)
         replicas.append(replica)
         if ready:
             self._routable[role].append(replica)
