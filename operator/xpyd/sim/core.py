@@ -484,7 +484,7 @@ class EngineCore:
         num_steps = 1
         if not chunks:
             num_steps = max(1, min(max_decode_steps, self._finish_heap[0][0] - self._decode_steps))
-            if num_steps > 1:
+            if num_steps > 1 and (self._transferring or self._lease_heap):
                 timer = self.next_timer()
                 if timer is not None:
                     first = perf.decode_step_seconds(batch, kv_tokens)
