@@ -203,7 +203,8 @@ class Simulator:
         self._capacity = probe.capacity
 
     def engines(self, role: str) -> list[EngineCore]:
-        """Every engine the role has had (started, draining or stopped), oldest first."""
+        """Every engine the role has had (started, draining or stopped), oldest first. Their metrics
+        hold only what `observe()` reads (`EngineCore(all_metrics=False)`)."""
         return [replica.core for replica in self._replicas[role]]
 
     # --- the run ----------------------------------------------------------------------------------
