@@ -1,7 +1,13 @@
 """The autoscaler evaluation (issue 6): every policy on the same simulator, traces, profile, SLOs and
 start-up delays; a table per workload, a report JSON per run, a plot per workload, and a README.
 
-    python benchmarks/autoscaler_eval.py [--out benchmarks/results] [--startups 120 30 300] [--jobs 2]
+    python benchmarks/autoscaler_eval.py [--out benchmarks/results] [--startups 120 30 300] [--rate-scale K]
+                                         [--jobs N]
+
+Every run (and every workload's oracle) is its own process: `--jobs` of them at a time (default: one
+per core); each run is deterministic, so the results do not depend on `--jobs`. `--rate-scale K`
+replays every workload with each request as K requests (`xpyd sim --rate-scale`), K times the load at
+the same time scale.
 
 Workloads: `azure_conv_2023.csv` and `azure_code_2023.csv` at x10 (an hour replayed in about six
 minutes; at x10 the conversation trace needs 2-3 prefill and 2-3 decode replicas, the code trace
@@ -19,8 +25,10 @@ start-up delay (its definition ignores start-up), so one oracle run serves every
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import math
+import os
 import sys
 import time
 from collections.abc import Sequence
@@ -54,10 +62,14 @@ class Workload:
     name: str
     trace: str
     speedup: float
+    rate_scale: int = 1
 
     @property
     def label(self) -> str:
-        return f"{self.trace} x{self.speedup:g}"
+        return f"{self.trace} x{self.speedup:g}" + (f" rate x{self.rate_scale}" if self.rate_scale != 1 else "")
+
+    def load(self) -> list[TraceRequest]:
+        return load_trace(TRACES / self.trace, speedup=self.speedup, rate_scale=self.rate_scale)
 
 
 WORKLOADS = (
@@ -78,7 +90,7 @@ def feasible(trace: Sequence[TraceRequest], perf: PerfModel) -> list[bool]:
 
 
 def report_for(result: SimResult, workload: Workload, possible: list[bool], extra: dict[str, Any]) -> dict[str, Any]:
-    report = build_report(result, trace_name=workload.trace, speedup=workload.speedup)
+    report = build_report(result, trace_name=workload.trace, speedup=workload.speedup, rate_scale=workload.rate_scale)
     tpot = result.tpot_s()
     good = [t <= SLO.ttft_s and p <= SLO.tpot_s for t, p in zip(result.ttft_s, tpot, strict=True)]
     reachable = sum(possible)
@@ -92,7 +104,7 @@ def run_one(workload: Workload, policy: str, startup_s: float, initial: Desired,
             windows: tuple[Any, ...]) -> dict[str, Any]:
     """One simulated run; returns its report (with the xpyd decisions' reasons when it is xpyd)."""
     perf = perf_model()
-    trace = load_trace(TRACES / workload.trace, speedup=workload.speedup)
+    trace = workload.load()
     config = SimConfig(prefill=initial.prefill, decode=initial.decode, slo=SLO, startup_delay_s=startup_s)
     context = PolicyContext(initial=initial, slo=SLO, perf=perf, interval_s=config.interval_s,
                             startup_delay_s=startup_s, trace=trace, engine=config.engine)
@@ -116,7 +128,7 @@ def run_one(workload: Workload, policy: str, startup_s: float, initial: Desired,
 
 def compute_oracle(workload: Workload) -> tuple[tuple[Any, ...], float]:
     perf = perf_model()
-    trace = load_trace(TRACES / workload.trace, speedup=workload.speedup)
+    trace = workload.load()
     windows = tuple(oracle_windows(trace, perf, SLO))
     return windows, oracle_gpu_hours(windows)
 
@@ -248,11 +260,12 @@ def main() -> int:
     parser.add_argument("--out", default=str(ROOT / "benchmarks" / "results"))
     parser.add_argument("--startups", type=float, nargs="+", default=[120.0, 30.0, 300.0])
     parser.add_argument("--workloads", nargs="+", default=[w.name for w in WORKLOADS])
-    parser.add_argument("--jobs", type=int, default=2)
+    parser.add_argument("--rate-scale", type=int, default=1, metavar="K", help="each request as K requests")
+    parser.add_argument("--jobs", type=int, default=os.cpu_count() or 1, help="runs in parallel (default: cores)")
     args = parser.parse_args()
     out = Path(args.out)
     started = time.perf_counter()
-    workloads = [w for w in WORKLOADS if w.name in args.workloads]
+    workloads = [dataclasses.replace(w, rate_scale=args.rate_scale) for w in WORKLOADS if w.name in args.workloads]
     with ProcessPoolExecutor(max_workers=args.jobs) as pool:
         oracles = dict(zip((w.name for w in workloads), pool.map(compute_oracle, workloads), strict=True))
         tasks = []
@@ -296,6 +309,7 @@ def main() -> int:
     infeasible = 1 - sum(feasible(mooncake, perf)) / len(mooncake)
     command = "python3 benchmarks/autoscaler_eval.py" + ("" if args.startups == [120.0, 30.0, 300.0] else
                                                          " --startups " + " ".join(f"{s:g}" for s in args.startups))
+    command += f" --rate-scale {args.rate_scale}" if args.rate_scale != 1 else ""
     readme = README_HEAD.format(profile=PROFILE, ttft=SLO.ttft_s * 1e3, tpot=SLO.tpot_s * 1e3, command=command,
                                 minutes=max(minutes, 1), focus=args.startups[0], mooncake_infeasible=infeasible)
     readme += ("\n## Targets\n\n| workload | start-up | xpyd targets | detail |\n|---|---|---|---|\n"

@@ -10,7 +10,9 @@ Two shapes are read, told apart by content (a first line starting with `{` is JS
 
 Column and key names are matched case-insensitively with common aliases (see `_ALIASES`), so other
 traces in either shape load too. An OSL of 0 counts as 1 (a request always returns its first token).
-Arrival times are seconds from the trace's first request; `load_trace` takes a window and compresses time.
+Arrival times are seconds from the trace's first request; `load_trace` takes a window, compresses
+time (`speedup`) and scales the arrival rate (`rate_scale`, `scale_rate`: more requests at the same
+time scale, for large pools on a trace replayed in real time).
 """
 
 from __future__ import annotations
@@ -18,7 +20,8 @@ from __future__ import annotations
 import csv
 import json
 import math
-from collections.abc import Iterable, Mapping
+import random
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from pathlib import Path
@@ -47,14 +50,16 @@ _ALIASES: dict[str, tuple[str, ...]] = {
 
 
 def load_trace(path: str | Path, *, speedup: float = 1.0, start_s: float = 0.0,
-               duration_s: float | None = None) -> list[TraceRequest]:
+               duration_s: float | None = None, rate_scale: int = 1, seed: int = 0) -> list[TraceRequest]:
     """Read a trace and take the window [start_s, start_s + duration_s) of trace time, sorted by arrival.
 
-    Arrivals are re-based to the window's start and divided by `speedup`. Raises TraceError for an
+    Arrivals are re-based to the window's start and divided by `speedup`; then each request becomes
+    `rate_scale` requests (`scale_rate`, jitter seeded with `seed`). Raises TraceError for an
     unreadable or malformed file or an empty window, ValueError for bad arguments.
     """
     if not speedup > 0 or not math.isfinite(speedup):
         raise ValueError(f"speedup must be a positive number, not {speedup}")
+    _check_rate_scale(rate_scale)
     if start_s < 0 or not math.isfinite(start_s):
         raise ValueError(f"start must be a non-negative number of seconds, not {start_s}")
     if duration_s is not None and not duration_s > 0:
@@ -66,7 +71,39 @@ def load_trace(path: str | Path, *, speedup: float = 1.0, start_s: float = 0.0,
     if not out:
         raise TraceError(f"{path}: no requests in the window [{start_s:g} s, {end_s:g} s) "
                          f"(the trace spans {requests[-1].arrival_s:.1f} s)")
+    return scale_rate(out, rate_scale, seed=seed)
+
+
+def scale_rate(requests: Sequence[TraceRequest], factor: int, *, seed: int = 0) -> list[TraceRequest]:
+    """Each request as `factor` requests with its lengths and prefix blocks: `factor` times the
+    arrival rate at the same time scale, sorted by arrival.
+
+    The first copy keeps the request's arrival time `t`; the other `factor - 1` arrive at `t + u`,
+    `u` uniform in [0, gap / factor) from a generator seeded with `seed`, where `gap` is the mean
+    inter-arrival gap of `requests` (their span over their count less one; 0 for one request).
+    So copies land before the request's successor would on average, and every burst and trend
+    keeps its shape, `factor` times as tall. `factor` 1 returns the requests unchanged.
+    """
+    _check_rate_scale(factor)
+    if factor == 1:
+        return list(requests)
+    ordered = sorted(requests, key=lambda r: r.arrival_s)
+    span = ordered[-1].arrival_s - ordered[0].arrival_s if ordered else 0.0
+    jitter_s = span / (len(ordered) - 1) / factor if len(ordered) > 1 else 0.0
+    rng = random.Random(seed)
+    out: list[TraceRequest] = []
+    for request in ordered:
+        out.append(request)
+        for _ in range(factor - 1):
+            out.append(TraceRequest(request.arrival_s + rng.random() * jitter_s, request.isl, request.osl,
+                                    request.prefix_blocks))
+    out.sort(key=lambda r: r.arrival_s)
     return out
+
+
+def _check_rate_scale(factor: int) -> None:
+    if isinstance(factor, bool) or not isinstance(factor, int) or factor < 1:
+        raise ValueError(f"rate scale must be a whole number of requests per request (1 or more), not {factor!r}")
 
 
 def read_trace(path: str | Path) -> list[TraceRequest]:

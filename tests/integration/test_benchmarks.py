@@ -41,10 +41,13 @@ def test_engine_sim_bench_prints_each_mode() -> None:
     assert {line.split()[0] for line in out.splitlines()[2:] if line.strip()} >= {"flat", "real", "10x"}, out
 
 
-def test_sim_bench_prints_a_row_per_speedup() -> None:
-    out = run("sim_bench.py", "--speedups", "50", "100")
-    speedups = [line.split()[0] for line in out.splitlines() if re.match(r"\s+\d+\s+[\d,]+\s", line)]
-    assert speedups == ["50", "100"], out
+def test_sim_bench_prints_a_row_per_speedup_rate_scale_and_the_day() -> None:
+    out = run("sim_bench.py", "--speedups", "50", "100", "--rate-scales", "2", "--day", "3000")
+    rows = {line[:14].strip(): line[14:].split() for line in out.splitlines()[2:]}
+    assert list(rows) == ["x50", "x100", "x1 rate x2", "synthetic day"], out
+    assert rows["x1 rate x2"][0] == "4P/8D" and rows["x1 rate x2"][1] == f"{2 * 19_366:,}", out
+    assert rows["synthetic day"][1] == "3,000" and float(rows["synthetic day"][6].replace(",", "")) > 80_000, out
+    assert all(float(cells[4].replace(",", "")) > 0 for cells in rows.values()), out   # requests per second
 
 
 def test_metrics_bench_prints_both_implementations_and_their_ratio() -> None:

@@ -161,6 +161,25 @@ def test_decode_steps_time_from_batch_and_kv_and_emit_every_token() -> None:
     assert core.metrics.prompt_tokens_total == 400
 
 
+def test_an_engine_without_all_metrics_keeps_what_an_autoscaler_reads() -> None:
+    def run(all_metrics: bool) -> EngineCore:
+        core = EngineCore(LinearPerf(e=1e-7), all_metrics=all_metrics)
+        for i, (isl, osl) in enumerate([(100, 50), (2000, 300), (500, 120), (50, 1)]):
+            core.add(EngineRequest(str(i), isl, osl, do_remote_decode=i == 3), 0.0)
+        drive(core, max_decode_steps=64)
+        return core
+    full, lean = run(True).metrics, run(False).metrics
+    read = ("time_to_first_token_seconds", "inter_token_latency_seconds", "request_queue_time_seconds",
+            "request_prompt_tokens", "request_generation_tokens",
+            "request_max_num_generation_tokens", "request_params_n", "request_num_preemptions")   # made from those
+    for name, histogram in full.histograms().items():
+        kept = lean.histograms()[name]
+        expected = (histogram.counts, histogram.sum) if name in read else ([0] * len(histogram.counts), 0.0)
+        assert (kept.counts, kept.sum) == expected, name
+        assert histogram.count > 0, name
+    assert full.counters() == lean.counters()
+
+
 def test_fused_decode_steps_match_single_steps() -> None:
     def run(max_decode_steps: int) -> tuple[dict[str, float], int]:
         core = EngineCore(LinearPerf(e=1e-7))

@@ -234,14 +234,26 @@ def test_cli_writes_report_and_summary(tmp_path: Path, capsys: pytest.CaptureFix
     assert args.func(args) == 0
     report = json.loads(out.read_text())
     assert report["requests"] == 200 and report["config"]["seed"] == 3 and report["speedup"] == 5
+    assert report["rate_scale"] == 1
     printed = capsys.readouterr().out
-    assert "attainment" in printed and "GPU-hours" in printed
+    assert "attainment" in printed and "GPU-hours" in printed and "rate x" not in printed
+
+
+def test_cli_rate_scale_multiplies_the_requests(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    out = tmp_path / "r.json"
+    args = parse("--trace", str(AZURE), "--profile", str(PROFILE), "--prefill", "2", "--decode", "4",
+                 "--rate-scale", "3", "--report", str(out))
+    assert args.func(args) == 0
+    report = json.loads(out.read_text())
+    assert report["requests"] == 600 and report["rate_scale"] == 3 and report["speedup"] == 1
+    assert "x1, rate x3, 600 requests" in capsys.readouterr().out
 
 
 @pytest.mark.parametrize(("argv", "message"), [
     (["--trace", "absent.csv"], "cannot read"),
     (["--policy", "psychic"], "unknown policy"),
     (["--speedup", "0"], "speedup"),
+    (["--rate-scale", "0"], "rate scale"),
     (["--prefill", "0"], "at least 1"),
     (["--slo-ttft-ms", "-5"], "slo-ttft-ms"),
     (["--start", "99999"], "no requests in the window"),

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from xpyd.traces import TraceError, TraceRequest, load_trace, read_trace
+from xpyd.traces import TraceError, TraceRequest, load_trace, read_trace, scale_rate
 
 pytestmark = pytest.mark.unit
 
@@ -72,6 +72,51 @@ def test_window_and_speedup(tmp_path: Path) -> None:
         load_trace(path, speedup=0)
     with pytest.raises(ValueError, match="duration"):
         load_trace(path, duration_s=-1)
+
+
+@pytest.mark.parametrize("factor", [1, 2, 3, 10])
+def test_rate_scale_copies_each_request_within_its_jitter(factor: int) -> None:
+    requests = read_trace(AZURE)
+    gap = (requests[-1].arrival_s - requests[0].arrival_s) / (len(requests) - 1)
+    scaled = scale_rate(requests, factor, seed=1)
+    assert len(scaled) == factor * len(requests)
+    assert [r.arrival_s for r in scaled] == sorted(r.arrival_s for r in scaled)
+    # every request is there unchanged, with factor - 1 copies of its lengths within [t, t + gap / factor)
+    assert set(requests) <= set(scaled)
+    by_lengths = sorted(scaled, key=lambda r: (r.isl, r.osl, r.arrival_s))
+    originals = sorted(requests, key=lambda r: (r.isl, r.osl, r.arrival_s))
+    for (isl, osl), group in itertools.groupby(by_lengths, key=lambda r: (r.isl, r.osl)):
+        times = [r.arrival_s for r in group]
+        starts = [r.arrival_s for r in originals if (r.isl, r.osl) == (isl, osl)]
+        assert len(times) == factor * len(starts)
+        assert all(any(t <= x < t + gap / factor for t in starts) for x in times)
+    assert scale_rate(requests, factor, seed=1) == scaled
+    if factor > 1:
+        assert scale_rate(requests, factor, seed=2) != scaled
+
+
+@pytest.mark.parametrize(("factor", "seed"), [(4, 0), (10, 7)])
+def test_rate_scale_keeps_the_load_shape(factor: int, seed: int) -> None:
+    # a step from 1 to 5 requests per second: each second holds factor times its requests
+    requests = [TraceRequest(float(i), 100, 10) for i in range(10)]
+    requests += [TraceRequest(10 + i / 5, 200, 20, (i,)) for i in range(50)]
+    scaled = scale_rate(requests, factor, seed=seed)
+    per_second = [sum(1 for r in requests if s <= r.arrival_s < s + 1) for s in range(20)]
+    scaled_per_second = [sum(1 for r in scaled if s <= r.arrival_s < s + 1) for s in range(20)]
+    # the jitter (the mean gap over the factor, 0.34 s / factor) moves few copies past a boundary
+    assert all(abs(n - factor * m) <= factor for n, m in zip(scaled_per_second, per_second, strict=True))
+    assert sum(scaled_per_second) == factor * len(requests)
+    assert sorted(r.prefix_blocks for r in scaled) == sorted(r.prefix_blocks for r in requests for _ in range(factor))
+
+
+def test_rate_scale_in_load_trace_and_bad_factors(tmp_path: Path) -> None:
+    assert load_trace(AZURE, rate_scale=1) == load_trace(AZURE)
+    scaled = load_trace(AZURE, speedup=2.0, rate_scale=3, seed=5)
+    assert scaled == scale_rate(load_trace(AZURE, speedup=2.0), 3, seed=5)
+    assert scale_rate([TraceRequest(1.5, 10, 2)], 3) == [TraceRequest(1.5, 10, 2)] * 3   # no gap, no jitter
+    for factor in (0, -2, 2.5, True):
+        with pytest.raises(ValueError, match="rate scale"):
+            load_trace(AZURE, rate_scale=factor)  # type: ignore[arg-type]
 
 
 @pytest.mark.parametrize(("name", "text", "message"), [

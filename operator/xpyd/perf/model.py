@@ -139,13 +139,15 @@ class MeasuredDecode:
 
     rows: tuple[UsageRow, ...]
     max_kv_tokens: int
+    contexts: tuple[float, ...] = dataclasses.field(init=False, repr=False, compare=False)  # the rows' contexts
 
     def __post_init__(self) -> None:
         if not self.rows:
             raise ValueError("a decode profile needs at least one context length")
-        contexts = [row.context_tokens for row in self.rows]
+        contexts = tuple(row.context_tokens for row in self.rows)
         if any(b <= a for a, b in itertools.pairwise(contexts)):
             raise ValueError("decode rows must be sorted by context length")
+        object.__setattr__(self, "contexts", contexts)   # frozen: set once here, for the step-time lookups
 
     def _bracket(self, context_tokens: float) -> tuple[UsageRow, UsageRow, float]:
         rows = self.rows
@@ -153,17 +155,25 @@ class MeasuredDecode:
             return rows[0], rows[0], 0.0
         if context_tokens >= rows[-1].context_tokens:
             return rows[-1], rows[-1], 0.0
-        j = bisect.bisect_right([row.context_tokens for row in rows], context_tokens)
+        j = bisect.bisect_right(self.contexts, context_tokens)
         low, high = rows[j - 1], rows[j]
         return low, high, (context_tokens - low.context_tokens) / (high.context_tokens - low.context_tokens)
 
     def itl_seconds_at(self, context_tokens: float, kv_usage: float) -> float:
         """ITL at a context length and KV usage fraction: exact at the table's points."""
-        low, high, weight = self._bracket(context_tokens)
-        itl = low.itl_by_usage(kv_usage)
+        # `_bracket` inlined: the simulator asks this once per engine step.
+        rows, contexts = self.rows, self.contexts
+        if context_tokens <= contexts[0]:
+            return rows[0].itl_by_usage(kv_usage)
+        if context_tokens >= contexts[-1]:
+            return rows[-1].itl_by_usage(kv_usage)
+        j = bisect.bisect_right(contexts, context_tokens)
+        low, high = contexts[j - 1], contexts[j]
+        weight = (context_tokens - low) / (high - low)
+        itl = rows[j - 1].itl_by_usage(kv_usage)
         if weight == 0.0:
             return itl
-        return (1.0 - weight) * itl + weight * high.itl_by_usage(kv_usage)
+        return (1.0 - weight) * itl + weight * rows[j].itl_by_usage(kv_usage)
 
     def step_seconds(self, batch_size: float, kv_tokens: float) -> float:
         return self.itl_seconds_at(kv_tokens / batch_size, kv_tokens / self.max_kv_tokens)

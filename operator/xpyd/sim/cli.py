@@ -48,7 +48,10 @@ def add_parser(subparsers: Any) -> None:
     sim.add_argument("--policy", default="static", help=f"autoscaling policy ({', '.join(sorted(POLICIES))})")
     sim.add_argument("--prefill", type=int, default=1, help="prefill replicas (static size, or the starting size)")
     sim.add_argument("--decode", type=int, default=1, help="decode replicas (static size, or the starting size)")
-    sim.add_argument("--speedup", type=float, default=1.0, help="compress the trace's time K times")
+    sim.add_argument("--speedup", type=float, default=1.0, help="compress the trace's time K times (quick looks)")
+    sim.add_argument("--rate-scale", type=int, default=1, metavar="K", help="replay each request as K requests "
+                     "with its lengths, spread within a seeded jitter of the mean gap / K: K times the load at the "
+                     "trace's own time scale, for large pools (default 1)")
     sim.add_argument("--start", type=float, default=0.0, help="window start, seconds of trace time")
     sim.add_argument("--duration", type=float, default=None, help="window length, seconds of trace time")
     sim.add_argument("--slo-ttft-ms", type=float, default=500.0, help="time-to-first-token target")
@@ -60,7 +63,8 @@ def add_parser(subparsers: Any) -> None:
     sim.add_argument("--max-num-seqs", type=int, default=256, help="engine running-request limit")
     sim.add_argument("--report", help="write the report JSON here")
     sim.add_argument("--plot", help="write a PNG of load, replicas, TTFT and TPOT over time here")
-    sim.add_argument("--seed", type=int, default=0, help="seed of the routing tie-breaks")
+    sim.add_argument("--seed", type=int, default=0, help="seed of the routing tie-breaks and the --rate-scale "
+                     "jitter")
     sim.add_argument("--progress", action="store_true", help="show a progress bar even when stderr is no TTY")
     sim.set_defaults(func=run)
 
@@ -86,7 +90,8 @@ def run(args: argparse.Namespace) -> int:
             startup_delay_s=args.startup_delay_s, interval_s=args.interval_s, window_s=args.window_s,
             seed=args.seed, engine=EngineConfig(max_num_batched_tokens=args.max_num_batched_tokens,
                                                 max_num_seqs=args.max_num_seqs))
-        trace = load_trace(args.trace, speedup=args.speedup, start_s=args.start, duration_s=args.duration)
+        trace = load_trace(args.trace, speedup=args.speedup, start_s=args.start, duration_s=args.duration,
+                           rate_scale=args.rate_scale, seed=args.seed)
         perf = _load_profile(args.profile, args.model, args.kv_dtype, args.link_gbps)
     except (TraceError, OSError, ValueError, KeyError) as error:
         return fail(str(error))
@@ -94,7 +99,8 @@ def run(args: argparse.Namespace) -> int:
     started = wallclock.perf_counter()
     result = simulate_policy(args.policy, trace, perf, config, progress)
     wall_s = wallclock.perf_counter() - started
-    report = build_report(result, trace_name=Path(args.trace).name, speedup=args.speedup)
+    report = build_report(result, trace_name=Path(args.trace).name, speedup=args.speedup,
+                          rate_scale=args.rate_scale)
     try:
         if args.report:
             Path(args.report).write_text(json.dumps(report, indent=2) + "\n")

@@ -56,7 +56,7 @@ from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from enum import Enum
-from typing import Protocol
+from typing import NamedTuple, Protocol
 
 
 class EnginePerf(Protocol):
@@ -135,8 +135,7 @@ class BucketHistogram:
 
     def add(self, other: BucketHistogram) -> None:
         """Add `other`'s observations (same buckets) into this one."""
-        for i, n in enumerate(other.counts):
-            self.counts[i] += n
+        self.counts = [a + b for a, b in zip(self.counts, other.counts, strict=True)]
         self.sum += other.sum
         self.count += other.count
 
@@ -209,23 +208,34 @@ class EngineMetrics:
         default_factory=lambda: BucketHistogram(REQUEST_LATENCY_BUCKETS))
     request_prompt_tokens: BucketHistogram = field(init=False)
     request_generation_tokens: BucketHistogram = field(init=False)
-    request_max_num_generation_tokens: BucketHistogram = field(init=False)   # n = 1: the generated tokens
     request_params_max_tokens: BucketHistogram = field(init=False)
     request_prefill_kv_computed_tokens: BucketHistogram = field(init=False)  # prompt minus KV received
-    request_params_n: BucketHistogram = field(default_factory=lambda: BucketHistogram(REQUEST_PARAMS_N_BUCKETS))
-    request_num_preemptions: BucketHistogram = field(
-        default_factory=lambda: BucketHistogram(REQUEST_NUM_PREEMPTIONS_BUCKETS))
     iteration_tokens_total: BucketHistogram = field(   # per forward pass: prompt tokens computed + tokens generated
         default_factory=lambda: BucketHistogram(ITERATION_TOKENS_BUCKETS))
 
     def __post_init__(self) -> None:
-        for name in ("request_prompt_tokens", "request_generation_tokens", "request_max_num_generation_tokens",
-                     "request_params_max_tokens", "request_prefill_kv_computed_tokens"):
+        for name in ("request_prompt_tokens", "request_generation_tokens", "request_params_max_tokens",
+                     "request_prefill_kv_computed_tokens"):
             setattr(self, name, BucketHistogram(build_1_2_5_buckets(self.max_model_len)))
 
     def histograms(self) -> dict[str, BucketHistogram]:
-        """Every histogram by its `vllm:` name (without the prefix)."""
-        return {name: value for name, value in vars(self).items() if isinstance(value, BucketHistogram)}
+        """Every histogram by its `vllm:` name (without the prefix).
+
+        Three follow from the others, so they are made here rather than observed per request:
+        every request has n = 1 (`request_params_n` holds one 1 per finished request, and
+        `request_max_num_generation_tokens` is `request_generation_tokens`) and none is preempted
+        (`request_num_preemptions` holds one 0 per finished request).
+        """
+        out = {name: value for name, value in vars(self).items() if isinstance(value, BucketHistogram)}
+        out["request_max_num_generation_tokens"] = self.request_generation_tokens.copy()
+        finished = self.request_success_total
+        for name, buckets, value in (("request_params_n", REQUEST_PARAMS_N_BUCKETS, 1.0),
+                                     ("request_num_preemptions", REQUEST_NUM_PREEMPTIONS_BUCKETS, 0.0)):
+            histogram = BucketHistogram(buckets)
+            if finished:
+                histogram.observe(value, finished)
+            out[name] = histogram
+        return out
 
     def counters(self) -> dict[str, int]:
         """Every counter by name (without the `vllm:` prefix)."""
@@ -302,21 +312,20 @@ class EventKind(Enum):
     KV_RELEASED = "kv_released"    # a held lease ended by expiry (not by release_kv)
 
 
-@dataclass(frozen=True, slots=True)
-class Event:
-    """Something that happened to `request` at `time`."""
+class Event(NamedTuple):
+    """Something that happened to `request` at `time` (a named tuple: the simulator makes millions)."""
 
     kind: EventKind
     request: EngineRequest
     time: float
 
 
-@dataclass(frozen=True, slots=True)
-class Step:
+class Step(NamedTuple):
     """What the engine runs next: `num_steps` equal forward passes of `step_seconds` each from `start`.
 
     `prefill` lists (request, prompt tokens) chunks (only in single steps); `decode` lists the
     requests that produce one token per pass, `joiners` those of them whose first token it is.
+    A named tuple, cheap to make (one per step); the core tells steps apart by identity.
     """
 
     start: float
@@ -341,11 +350,15 @@ class Step:
 class EngineCore:
     """The continuous-batching model of one vLLM engine (see the module docstring for the rules)."""
 
-    def __init__(self, perf: EnginePerf, config: EngineConfig | None = None) -> None:
+    def __init__(self, perf: EnginePerf, config: EngineConfig | None = None, *, all_metrics: bool = True) -> None:
+        """`all_metrics=False` observes only what an autoscaler reads (TTFT, ITL, queue time, prompt
+        and generation tokens per request, and the counters), leaving the other histograms empty: the
+        cluster simulator's choice, as it observes nothing else."""
         self.perf = perf
         self.config = config or EngineConfig()
         self.capacity = self.config.max_kv_tokens or perf.max_kv_tokens
         self.metrics = EngineMetrics(max_model_len=self.config.max_model_len)
+        self._all_metrics = all_metrics
         self._seq = 0
         self._waiting: deque[EngineRequest] = deque()
         self._transferring: list[tuple[float, int, EngineRequest]] = []
@@ -416,6 +429,9 @@ class EngineCore:
         """Apply the time-driven transitions due by `now`: KV transfers done, leases expired."""
         events: list[Event] = []
         transferring = self._transferring
+        leases = self._lease_heap
+        if not (transferring and transferring[0][0] <= now) and not (leases and leases[0][0] <= now):
+            return events
         while transferring and transferring[0][0] <= now:
             done, _, request = heapq.heappop(transferring)
             if request.phase is not Phase.TRANSFERRING:
@@ -424,7 +440,6 @@ class EngineCore:
             request.computed_tokens = request.prompt_tokens
             self._ready.append(request)
             events.append(Event(EventKind.KV_LOADED, request, done))
-        leases = self._lease_heap
         while leases and leases[0][0] <= now:
             expiry, _, request = heapq.heappop(leases)
             if self._held.get(request.request_id) is request:
@@ -436,10 +451,13 @@ class EngineCore:
     def next_timer(self) -> float | None:
         """The earliest time `poll` has work (a transfer finishing, a lease expiring), or None."""
         leases = self._lease_heap
-        while leases and self._held.get(leases[0][2].request_id) is not leases[0][2]:
+        held = self._held
+        while leases and held.get(leases[0][2].request_id) is not leases[0][2]:
             heapq.heappop(leases)    # released early
-        times = [heap[0][0] for heap in (self._transferring, leases) if heap]
-        return min(times) if times else None
+        transferring = self._transferring
+        if transferring:
+            return min(transferring[0][0], leases[0][0]) if leases else transferring[0][0]
+        return leases[0][0] if leases else None
 
     # --- stepping -----------------------------------------------------------------------------
 
@@ -451,11 +469,43 @@ class EngineCore:
         """
         if self._step is not None:
             raise RuntimeError("a step is already in flight")
+        decoding = self._decoding
+        if self._prefilling or self._ready or self._waiting:
+            chunks, joiners, prefill_seconds = self._schedule_prompts(now)
+        elif decoding:
+            chunks, joiners, prefill_seconds = [], [], 0.0   # decode only (most steps): nothing to admit
+        else:
+            return None
+        batch = len(decoding)
+        if not chunks and not batch:
+            return None
+        perf = self.perf
+        kv_tokens = self._decode_kv
+        num_steps = 1
+        if not chunks:
+            num_steps = max(1, min(max_decode_steps, self._finish_heap[0][0] - self._decode_steps))
+            if num_steps > 1 and (self._transferring or self._lease_heap):
+                timer = self.next_timer()
+                if timer is not None:
+                    first = perf.decode_step_seconds(batch, kv_tokens)
+                    num_steps = max(1, min(num_steps, math.ceil((timer - now) / first - 1e-9)))
+        decode_seconds = perf.decode_step_seconds(batch, kv_tokens + batch * (num_steps - 1) // 2) if batch else 0.0
+        step = Step(now, num_steps, prefill_seconds + decode_seconds, tuple(chunks), tuple(decoding), tuple(joiners),
+                    kv_tokens)
+        self._step = step
+        return step
+
+    def _schedule_prompts(self, now: float) -> tuple[list[tuple[EngineRequest, int]], list[EngineRequest], float]:
+        """The prompt side of `next_step`: continue partial prefills, let ready requests join the
+        batch, admit waiting ones. Returns the prefill chunks, the joiners and the chunks' time."""
         config = self.config
-        budget = config.max_num_batched_tokens - len(self._decoding)
-        running = len(self._decoding) + len(self._prefilling)
+        max_num_seqs = config.max_num_seqs
+        decoding = self._decoding
+        budget = config.max_num_batched_tokens - len(decoding)
+        running = len(decoding) + len(self._prefilling)
         perf = self.perf
         chunks: list[tuple[EngineRequest, int]] = []
+        chunk_tokens = 0
         continued_seconds = 0.0
         for request in self._prefilling:
             if budget <= 0:
@@ -464,18 +514,19 @@ class EngineCore:
             offset = request.computed_tokens
             continued_seconds += perf.prefill_seconds(offset + chunk) - perf.prefill_seconds(offset)
             chunks.append((request, chunk))
+            chunk_tokens += chunk
             budget -= chunk
         first_tokens = 0
         joiners: list[EngineRequest] = []
         ready = self._ready
-        while ready and running < config.max_num_seqs and budget > 0:
+        while ready and running < max_num_seqs and budget > 0:
             request = ready.popleft()
             self._join(request, 0)
             joiners.append(request)
             running += 1
             budget -= 1
         waiting = self._waiting
-        while waiting and running < config.max_num_seqs:
+        while waiting and running < max_num_seqs:
             request = waiting[0]
             remote = request.do_remote_prefill and now <= request.remote_kv_deadline
             if not remote and budget <= 0:
@@ -501,31 +552,15 @@ class EngineCore:
             chunk = min(request.prompt_tokens, budget)
             self._prefilling.append(request)
             chunks.append((request, chunk))
+            chunk_tokens += chunk
             first_tokens += chunk
             budget -= chunk
             running += 1
-        batch = len(self._decoding)
-        if not chunks and not batch:
-            return None
-        kv_tokens = self._decode_kv
-        if chunks:
-            num_steps = 1
-            prefill_seconds = continued_seconds
-            if first_tokens:
-                prefill_seconds = max(perf.prefill_seconds(sum(c for _, c in chunks)),
-                                      perf.prefill_seconds(first_tokens) + continued_seconds)
-        else:
-            num_steps = max(1, min(max_decode_steps, self._finish_heap[0][0] - self._decode_steps))
-            prefill_seconds = 0.0
-            timer = self.next_timer()
-            if num_steps > 1 and timer is not None:
-                first = perf.decode_step_seconds(batch, kv_tokens)
-                num_steps = max(1, min(num_steps, math.ceil((timer - now) / first - 1e-9)))
-        decode_seconds = perf.decode_step_seconds(batch, kv_tokens + batch * (num_steps - 1) // 2) if batch else 0.0
-        self._step = Step(start=now, num_steps=num_steps, step_seconds=prefill_seconds + decode_seconds,
-                          prefill=tuple(chunks), decode=tuple(self._decoding), joiners=tuple(joiners),
-                          kv_tokens=kv_tokens)
-        return self._step
+        prefill_seconds = continued_seconds
+        if first_tokens:
+            prefill_seconds = max(perf.prefill_seconds(chunk_tokens),
+                                  perf.prefill_seconds(first_tokens) + continued_seconds)
+        return chunks, joiners, prefill_seconds
 
     def shorten(self, step: Step, now: float) -> Step:
         """Cut a fused decode step at its first pass boundary at or after `now` (something arrived).
@@ -562,28 +597,33 @@ class EngineCore:
         metrics = self.metrics
         events: list[Event] = []
         batch = len(step.decode)
+        passes = step.num_steps
+        prefill = step.prefill
         # vllm:iteration_tokens_total: prompt tokens computed plus tokens generated, per pass (a prefill
         # that completes generates its first token in its last chunk's pass).
-        computed = sum(tokens for _, tokens in step.prefill)
-        first_tokens = sum(1 for request, tokens in step.prefill if request.computed_tokens + tokens
-                           >= request.prompt_tokens)
-        if computed + batch:
-            metrics.iteration_tokens_total.observe(computed + first_tokens + batch)
-            if step.num_steps > 1 and batch:
-                metrics.iteration_tokens_total.observe(batch, step.num_steps - 1)
+        if self._all_metrics:
+            if prefill:
+                iteration_tokens = batch
+                for request, tokens in prefill:
+                    iteration_tokens += tokens + (request.computed_tokens + tokens >= request.prompt_tokens)
+                metrics.iteration_tokens_total.observe(iteration_tokens)
+            elif batch:
+                metrics.iteration_tokens_total.observe(batch, passes)   # decode only: every pass is the batch
         if batch:
-            passes = step.num_steps
             self._decode_steps += passes
+            decode_steps = self._decode_steps
             self._decode_kv += batch * passes
             metrics.generation_tokens_total += batch * passes
-            first_time = now - (passes - 1) * step.step_seconds
-            for request in step.joiners:
-                self._first_token(request, first_time, events)
-            itl_count = batch * passes - len(step.joiners)
+            joiners = step.joiners
+            if joiners:
+                first_time = now - (passes - 1) * step.step_seconds
+                for request in joiners:
+                    self._first_token(request, first_time, events)
+            itl_count = batch * passes - len(joiners)
             if itl_count > 0:
                 metrics.inter_token_latency_seconds.observe(step.step_seconds, itl_count)
             heap = self._finish_heap
-            while heap and heap[0][0] <= self._decode_steps:
+            while heap and heap[0][0] <= decode_steps:
                 _, _, request = heapq.heappop(heap)
                 if request.phase is not Phase.DECODING:
                     continue
@@ -591,8 +631,8 @@ class EngineCore:
                 request.generated_tokens = request.limit
                 self._decode_kv -= request.prompt_tokens + request.limit
                 self._finish(request, now, events)
-        if step.prefill:
-            for request, chunk in step.prefill:
+        if prefill:
+            for request, chunk in prefill:
                 request.computed_tokens += chunk
                 metrics.prompt_tokens_local_compute += chunk
                 if request.computed_tokens < request.prompt_tokens:
@@ -685,21 +725,21 @@ class EngineCore:
         request.finish_time = now
         metrics = self.metrics
         generated = request.limit
-        decode_time = now - request.first_token_time
+        arrival, scheduled, first_token = request.arrival_time, request.scheduled_time, request.first_token_time
         metrics.request_success_total += 1
-        metrics.e2e_request_latency_seconds.observe(now - request.arrival_time)
-        metrics.request_queue_time_seconds.observe(request.scheduled_time - request.arrival_time)
-        metrics.request_prefill_time_seconds.observe(request.first_token_time - request.scheduled_time)
-        metrics.request_decode_time_seconds.observe(decode_time)
-        metrics.request_inference_time_seconds.observe(now - request.scheduled_time)
+        metrics.request_queue_time_seconds.observe(scheduled - arrival)
         metrics.request_prompt_tokens.observe(request.prompt_tokens)
         metrics.request_generation_tokens.observe(generated)
-        metrics.request_max_num_generation_tokens.observe(generated)
-        metrics.request_params_max_tokens.observe(request.max_tokens)
-        metrics.request_params_n.observe(1)
-        metrics.request_num_preemptions.observe(0)
-        metrics.request_prefill_kv_computed_tokens.observe(request.prompt_tokens if request.local_prefill else 0)
-        metrics.request_time_per_output_token_seconds.observe(decode_time / (generated - 1) if generated > 1 else 0.0)
+        if self._all_metrics:
+            decode_time = now - first_token
+            metrics.e2e_request_latency_seconds.observe(now - arrival)
+            metrics.request_prefill_time_seconds.observe(first_token - scheduled)
+            metrics.request_decode_time_seconds.observe(decode_time)
+            metrics.request_inference_time_seconds.observe(now - scheduled)
+            metrics.request_params_max_tokens.observe(request.max_tokens)
+            metrics.request_prefill_kv_computed_tokens.observe(request.prompt_tokens if request.local_prefill else 0)
+            metrics.request_time_per_output_token_seconds.observe(decode_time / (generated - 1) if generated > 1
+                                                                  else 0.0)
         if request.do_remote_decode:
             request.phase = Phase.HELD
             request.lease_expiry = now + self.config.kv_lease_seconds

@@ -53,7 +53,7 @@ def timeline(result: SimResult) -> dict[str, Any]:
     return out
 
 
-def build_report(result: SimResult, trace_name: str = "", speedup: float = 1.0) -> dict[str, Any]:
+def build_report(result: SimResult, trace_name: str = "", speedup: float = 1.0, rate_scale: int = 1) -> dict[str, Any]:
     """The report as a JSON-ready dict (DESIGN.md's keys first)."""
     slo = result.config.slo
     tpot = result.tpot_s()
@@ -84,6 +84,7 @@ def build_report(result: SimResult, trace_name: str = "", speedup: float = 1.0) 
         "replicas_stopped": result.replicas_stopped,
         "trace": trace_name,
         "speedup": speedup,
+        "rate_scale": rate_scale,
         "policy": result.policy,
         "config": {
             "prefill": config.prefill, "decode": config.decode,
@@ -112,7 +113,9 @@ def summary(report: dict[str, Any], wall_s: float | None = None) -> str:
     config = report["config"]
     goodput_per_gpu_hour = report["goodput_per_gpu_hour"]
     lines = [
-        f"xpyd sim: {report['trace'] or 'trace'} x{report['speedup']:g}, {report['requests']:,} requests over "
+        f"xpyd sim: {report['trace'] or 'trace'} x{report['speedup']:g}"
+        + (f", rate x{report['rate_scale']}" if report.get("rate_scale", 1) != 1 else "")
+        + f", {report['requests']:,} requests over "
         f"{report['duration_s']:,.1f} s, policy {report['policy']}, start {config['prefill']}P/{config['decode']}D",
         f"  attainment {report['attainment']:.1%} (TTFT <= {config['slo_ttft_ms']:g} ms: "
         f"{report['attainment_ttft']:.1%}, TPOT <= {config['slo_tpot_ms']:g} ms: {report['attainment_tpot']:.1%})",

@@ -128,6 +128,12 @@ class SimResult:
 ProgressCallback = Callable[[int, int, float], None]
 
 _STEP, _TIMER, _READY, _TICK = 0, 1, 2, 3
+_FIRST_TOKEN, _FINISHED, _KV_LOADED = EventKind.FIRST_TOKEN, EventKind.FINISHED, EventKind.KV_LOADED
+
+# The vllm:* series `observe()` reads (the autoscaler's queries): only these are summed per tick.
+_WINDOW_HISTOGRAMS = ("time_to_first_token_seconds", "inter_token_latency_seconds", "request_queue_time_seconds",
+                      "request_prompt_tokens", "request_generation_tokens")
+_WINDOW_COUNTERS = ("prompt_tokens_total", "generation_tokens_total", "request_success_total")
 
 
 class _Replica:
@@ -151,7 +157,8 @@ class _Replica:
 
 @dataclass
 class _RoleMetrics:
-    """Cumulative vllm:* series of a role (all its engines, also stopped ones) at one tick."""
+    """Cumulative vllm:* series of a role (all its engines, also stopped ones) at one tick: those `observe()`
+    reads."""
 
     histograms: dict[str, BucketHistogram]
     counters: dict[str, int]
@@ -196,7 +203,8 @@ class Simulator:
         self._capacity = probe.capacity
 
     def engines(self, role: str) -> list[EngineCore]:
-        """Every engine the role has had (started, draining or stopped), oldest first."""
+        """Every engine the role has had (started, draining or stopped), oldest first. Their metrics
+        hold only what `observe()` reads (`EngineCore(all_metrics=False)`)."""
         return [replica.core for replica in self._replicas[role]]
 
     # --- the run ----------------------------------------------------------------------------------
@@ -309,33 +317,32 @@ class Simulator:
     def _handle(self, replica: _Replica, events: list[Event]) -> None:
         trace = self.trace
         if replica.role == PREFILL:
-            for event in events:
-                if event.kind is EventKind.FINISHED:
-                    index = event.request.tag
+            for kind, engine_request, time in events:
+                if kind is _FINISHED:
+                    index = engine_request.tag
                     replica.outstanding_tokens -= trace[index].isl
                     replica.outstanding_requests -= 1
-                    self._lease_deadline[index] = event.request.lease_expiry
+                    self._lease_deadline[index] = engine_request.lease_expiry
                     target = self._route(DECODE)
                     if target is None:
                         self._proxy_queue[DECODE].append(index)
                     else:
-                        self._send_decode(index, target, event.time)
+                        self._send_decode(index, target, time)
             return
-        for event in events:
-            kind = event.kind
-            index = event.request.tag
-            if kind is EventKind.KV_LOADED:
+        for kind, engine_request, time in events:
+            index = engine_request.tag
+            if kind is _KV_LOADED:
                 producer = self._prefill_of[index]
                 assert producer is not None
-                if producer.core.release_kv(event.request.request_id, event.time):
-                    self._kick(producer, event.time, arrived=False)
-            elif kind is EventKind.FIRST_TOKEN:
-                ttft = event.time - trace[index].arrival_s
+                if producer.core.release_kv(engine_request.request_id, time):
+                    self._kick(producer, time, arrived=False)
+            elif kind is _FIRST_TOKEN:
+                ttft = time - trace[index].arrival_s
                 self._ttft[index] = ttft
                 self._client_ttft.observe(ttft)
-            elif kind is EventKind.FINISHED:
+            elif kind is _FINISHED:
                 request = trace[index]
-                e2e = event.time - request.arrival_s
+                e2e = time - request.arrival_s
                 self._e2e[index] = e2e
                 if request.osl > 1:
                     self._client_tpot.observe((e2e - self._ttft[index]) / (request.osl - 1))
@@ -384,7 +391,8 @@ class Simulator:
     def _push_step(self, replica: _Replica, end: float) -> None:
         replica.step_token += 1
         replica.step_end = end
-        self._push(end, _STEP, replica, replica.step_token)
+        self._seq += 1
+        heapq.heappush(self._heap, (end, self._seq, _STEP, replica, replica.step_token))
 
     def _push(self, time: float, kind: int, replica: _Replica | None, token: int) -> None:
         self._seq += 1
@@ -394,7 +402,8 @@ class Simulator:
 
     def _start_replica(self, role: str, now: float, ready: bool) -> None:
         replicas = self._replicas[role]
-        replica = _Replica(f"{role}-{len(replicas)}", role, EngineCore(self.perf, self.config.engine), now, ready)
+        core = EngineCore(self.perf, self.config.engine, all_metrics=False)   # observe() reads no more
+        replica = _Replica(f"{role}-{len(replicas)}", role, core, now, ready)
         replicas.append(replica)
         if ready:
             self._routable[role].append(replica)
@@ -468,13 +477,14 @@ class Simulator:
             counters: dict[str, int] = {}
             for replica in replicas:
                 metrics = replica.core.metrics
-                for name, histogram in metrics.histograms().items():
+                for name in _WINDOW_HISTOGRAMS:
+                    histogram: BucketHistogram = getattr(metrics, name)
                     if name in histograms:
                         histograms[name].add(histogram)
                     else:
                         histograms[name] = histogram.copy()
-                for name, value in metrics.counters().items():
-                    counters[name] = counters.get(name, 0) + value
+                for name in _WINDOW_COUNTERS:
+                    counters[name] = counters.get(name, 0) + getattr(metrics, name)
             roles[role] = _RoleMetrics(histograms, counters)
         history = self._history
         history.append((now, self._arrived, roles, self._client_ttft.copy(), self._client_tpot.copy()))
