@@ -12,8 +12,17 @@ from xpyd.api.load import parse_serving
 from xpyd.api.naming import SERVING_LABEL
 from xpyd.controller.handlers import CHILD_KINDS, cache_kinds, is_urgent, owner_of, pod_signal
 from xpyd.kube import Kube
-from xpyd.kube.cache import Cache, Kind, Reflector, implies, is_not_older, parse_selector, pod_view, \
-    selector_matches, without_managed_fields
+from xpyd.kube.cache import (
+    Cache,
+    Kind,
+    Reflector,
+    implies,
+    is_not_older,
+    parse_selector,
+    pod_view,
+    selector_matches,
+    without_managed_fields,
+)
 from xpyd.kube.client import request_kind
 from xpyd.render import render
 
