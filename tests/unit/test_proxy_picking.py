@@ -4,6 +4,7 @@ pod endpoints and P2pNccl registrations: the proxy's pure parts."""
 from __future__ import annotations
 
 import datetime
+import json
 import random
 from collections import Counter
 from typing import Any
@@ -14,7 +15,7 @@ from prometheus_client import REGISTRY, generate_latest
 from xpyd.api.models import RoutingPolicy
 from xpyd.common import exposition
 from xpyd.proxy.breaker import Breaker, BreakerState
-from xpyd.proxy.discovery import _equality_selector, pod_endpoints, pod_ready
+from xpyd.proxy.discovery import pod_endpoints, pod_ready
 from xpyd.proxy.metrics import Counter as MetricCounter
 from xpyd.proxy.metrics import Gauge, Histogram
 from xpyd.proxy.p2pnccl import EXPIRY_SECONDS, RegistrationTable
@@ -274,16 +275,16 @@ def test_pod_endpoints() -> None:
     assert not pod_ready({"metadata": {}, "status": {}})
 
 
-@pytest.mark.parametrize(("selector", "labels"), [
-    ("a=b,c=d", {"a": "b", "c": "d"}),
-    ("a==b", {"a": "b"}),
-    ("", {}),
-    ("a!=b", None),
-    ("a in (b,c)", None),
-    ("!a", None),
-])
-def test_equality_selector(selector: str, labels: dict[str, str] | None) -> None:
-    assert _equality_selector(selector) == labels
+@pytest.mark.parametrize("selector", ["a!=b", "xpyd.io/role in (decode)", "!a"])
+def test_a_set_based_selector_is_left_to_the_server(selector: str) -> None:
+    from xpyd.proxy.discovery import PodWatcher
+
+    published: list[list[Endpoint]] = []
+    kube = _ScriptedKube(_Streamed({"metadata": {"resourceVersion": "1"}, "items": [_pod("a", "10.0.0.1")]}))
+    watcher = PodWatcher(kube, "ns", selector, 8000, published.append)  # type: ignore[arg-type]
+    watcher.reflector.relist()
+    assert published == [[Endpoint("http://10.0.0.1:8000", checked=True)]]  # not filtered again here
+    assert kube.queries == [[("labelSelector", selector)]]
 
 
 # -- P2pNccl registrations ------------------------------------------------------------------------
@@ -305,31 +306,61 @@ def test_registration_table() -> None:
     assert table.endpoints("prefill") == table.endpoints("decode") == []
 
 
+class _Streamed:
+    """What `Kube.open` returns: a LIST's body, or a watch's stream of JSON lines."""
+
+    def __init__(self, body: Any = None, events: list[Any] | None = None) -> None:
+        self.body, self.events = body, events or []
+        self.response = self
+
+    def read(self) -> bytes:
+        return json.dumps(self.body).encode()
+
+    def stream(self, amt: Any = None, decode_content: bool = False) -> Any:
+        return iter([json.dumps(event).encode() + b"\n" for event in self.events])
+
+    def release_conn(self) -> None:
+        pass
+
+
+class _ScriptedKube:
+    """A `Kube` whose every `open` answers the next scripted response."""
+
+    def __init__(self, *responses: _Streamed) -> None:
+        self.responses = list(responses)
+        self.queries: list[list[tuple[str, str]]] = []
+
+    def open(self, method: str, path: str, query: list[tuple[str, str]], timeout: Any) -> _Streamed:
+        self.queries.append(query)
+        return self.responses.pop(0)
+
+
 def test_pod_watcher_applies_list_and_watch_events() -> None:
     from xpyd.proxy.discovery import PodWatcher
 
-    published: list[list[Endpoint]] = []
-    watcher = PodWatcher(None, "ns", "xpyd.io/role=decode", 8000, published.append)  # type: ignore[arg-type]
-    watcher._get = lambda query: {"metadata": {"resourceVersion": "10"},  # type: ignore[method-assign]
-                                  "items": [_pod("a", "10.0.0.1")]}
-    assert watcher._list() == "10"
     ready_b = _pod("b", "10.0.0.2")
     ready_b["metadata"]["resourceVersion"] = "12"
+    deleting_a = _pod("a", "10.0.0.1", deleting=True)
+    deleting_a["metadata"]["resourceVersion"] = "14"
     events = [{"type": "ADDED", "object": ready_b},
               {"type": "BOOKMARK", "object": {"metadata": {"resourceVersion": "13"}}},
-              {"type": "MODIFIED", "object": {**_pod("a", "10.0.0.1", deleting=True),
-                                              "metadata": {**_pod("a", "10.0.0.1", deleting=True)["metadata"],
-                                                           "resourceVersion": "14"}}},
+              {"type": "MODIFIED", "object": deleting_a},
               {"type": "MODIFIED", "object": {**_pod("c", "10.0.0.3"), "metadata": {"name": "c", "labels": {}}}},
               {"type": "DELETED", "object": _pod("b", "10.0.0.2")}]
-    watcher._stream = lambda query: iter(events)  # type: ignore[method-assign]
-    assert watcher._watch("10") == "14"
+    kube = _ScriptedKube(_Streamed({"metadata": {"resourceVersion": "10"}, "items": [_pod("a", "10.0.0.1")]}),
+                         _Streamed(events=events),
+                         _Streamed(events=[{"type": "ERROR", "object": {"code": 410, "message": "too old"}}]))
+    published: list[list[Endpoint]] = []
+    watcher = PodWatcher(kube, "ns", "xpyd.io/role=decode", 8000, published.append)  # type: ignore[arg-type]
+    assert watcher.reflector.relist() == "10"
+    assert watcher.reflector._watch("10") == "14"
     a, b = Endpoint("http://10.0.0.1:8000", checked=True), Endpoint("http://10.0.0.2:8000", checked=True)
     deleting = Endpoint("http://10.0.0.1:8000", checked=True, terminating=True,
                         drain_timeout_at=DRAIN_TIMEOUT_AT)
     assert published == [[a], [a, b], [deleting, b], [deleting]]
-    watcher._stream = lambda query: iter([{"type": "ERROR", "object": {"code": 410, "message": "too old"}}])  # type: ignore[method-assign]
-    assert watcher._watch("14") == ""                  # 410 Gone: list again
+    assert watcher.reflector._watch("14") == ""                  # 410 Gone: list again
+    assert ("labelSelector", "xpyd.io/role=decode") in kube.queries[1]
+    assert ("resourceVersion", "10") in kube.queries[1] and ("allowWatchBookmarks", "true") in kube.queries[1]
 
 
 @pytest.mark.parametrize(("usable", "fallback", "missing"), [

@@ -133,7 +133,10 @@ class Reflector:
         self.watch_seconds = watch_seconds
         self.synced = threading.Event()
         self.stopping = threading.Event()
-        self._terms = parse_selector(selector)
+        try:
+            self._terms: list[tuple[str, str | None]] | None = parse_selector(selector)
+        except ValueError:
+            self._terms = None  # a set-based selector: only the server filters
         self._objects: dict[tuple[str, str], JSON] = {}
         #: (namespace, value of `index_label`) -> keys: a list by that label reads only its objects.
         self.index_label = index_label
@@ -201,7 +204,7 @@ class Reflector:
 
     def _upsert(self, obj: JSON, announce: bool = True) -> None:
         key = _key(obj)
-        if not selector_matches((obj.get("metadata") or {}).get("labels"), self._terms):
+        if self._terms is not None and not selector_matches((obj.get("metadata") or {}).get("labels"), self._terms):
             self._remove(key, announce)  # it lost the labels the reflector selects
             return
         with self._lock:
