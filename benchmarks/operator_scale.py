@@ -444,30 +444,34 @@ def cleanup(setup: Setup, observer: Observer, namespace: str, timeout: float) ->
 # ---- the table ---------------------------------------------------------------------------------------
 
 
-def table(rounds: list[Round], workers: int) -> Iterator[str]:
+def header(workers: int) -> Iterator[str]:
     yield (f"operator: xpyd operator -A --workers {workers}, out of cluster; {os.cpu_count()} cores shared with "
            "the control plane")
     yield (f"{'pools':>6} {'create s':>9} {'children p50 s':>15} {'p99 s':>6} {'max s':>6} {'last after create s':>20} "
            f"{'idle req/s':>11} {'non-watch req/s':>16} {'idle writes':>12} {'CPU %':>6} {'RSS MB':>7} "
            f"{'drift del s':>12} {'drift scale s':>14} {'cleanup s':>10} {'converge req (apiserver/own)':>29}")
-    for r in rounds:
-        children = sorted(r.children_s)
-        yield (f"{r.pools:>6} {r.create_s:>9.1f} {percentile(children, 0.5):>15.2f} "
-               f"{percentile(children, 0.99):>6.2f} {max(children):>6.2f} {r.last_after_create_s:>20.2f} "
-               f"{r.idle_dispatched / r.idle_s:>11.3f} {r.idle_non_watch / r.idle_s:>16.3f} {r.idle_writes:>12.0f} "
-               f"{100 * r.idle_cpu_s / r.idle_s:>6.2f} {r.rss_mb:>7.0f} {r.drift_delete_s:>12.2f} "
-               f"{r.drift_scale_s:>14.2f} {r.cleanup_s:>10.1f} "
-               f"{f'{r.converge_dispatched:.0f}/{r.converge_requests:.0f}':>29}")
-    for r in rounds:
-        detail = ", ".join(f"{verb} {resource}: {n:.0f}" for (verb, resource), n in sorted(r.converge_by_kind.items()))
-        yield f"  {r.pools} pools, requests until converged by verb and resource: {detail}"
-        cpu = ", ".join(f"{name} {seconds:.1f}" for name, seconds in r.converge_cpu.items())
-        total = sum(r.converge_cpu.values())
-        yield (f"  {r.pools} pools, CPU seconds from the create to the last child: {cpu}; together {total:.1f}, "
-               f"{total / (os.cpu_count() or 1):.1f} s of wall time on {os.cpu_count()} cores")
-        if r.idle_requests:
-            detail = ", ".join(f"{verb} {resource}: {n:.0f}" for (verb, resource), n in sorted(r.idle_requests.items()))
-            yield f"  {r.pools} pools, idle requests by verb and resource: {detail}"
+
+
+def row(r: Round) -> str:
+    children = sorted(r.children_s)
+    return (f"{r.pools:>6} {r.create_s:>9.1f} {percentile(children, 0.5):>15.2f} "
+            f"{percentile(children, 0.99):>6.2f} {max(children):>6.2f} {r.last_after_create_s:>20.2f} "
+            f"{r.idle_dispatched / r.idle_s:>11.3f} {r.idle_non_watch / r.idle_s:>16.3f} {r.idle_writes:>12.0f} "
+            f"{100 * r.idle_cpu_s / r.idle_s:>6.2f} {r.rss_mb:>7.0f} {r.drift_delete_s:>12.2f} "
+            f"{r.drift_scale_s:>14.2f} {r.cleanup_s:>10.1f} "
+            f"{f'{r.converge_dispatched:.0f}/{r.converge_requests:.0f}':>29}")
+
+
+def details(r: Round) -> Iterator[str]:
+    detail = ", ".join(f"{verb} {resource}: {n:.0f}" for (verb, resource), n in sorted(r.converge_by_kind.items()))
+    yield f"  {r.pools} pools, requests until converged by verb and resource: {detail}"
+    cpu = ", ".join(f"{name} {seconds:.1f}" for name, seconds in r.converge_cpu.items())
+    total = sum(r.converge_cpu.values())
+    yield (f"  {r.pools} pools, CPU seconds from the create to the last child: {cpu}; together {total:.1f}, "
+           f"{total / (os.cpu_count() or 1):.1f} s of wall time on {os.cpu_count()} cores")
+    if r.idle_requests:
+        detail = ", ".join(f"{verb} {resource}: {n:.0f}" for (verb, resource), n in sorted(r.idle_requests.items()))
+        yield f"  {r.pools} pools, idle requests by verb and resource: {detail}"
 
 
 def main() -> int:
@@ -480,6 +484,9 @@ def main() -> int:
     parser.add_argument("--json", type=Path, help="also write the rounds as JSON here")
     args = parser.parse_args()
     rounds: list[Round] = []
+    out = sys.stdout
+    for line in header(args.workers):
+        out.write(line + "\n")
     with tempfile.TemporaryDirectory(prefix="xpyd-operator-scale-") as tmp:
         workdir = Path(tmp)
         setup = start_cluster(workdir)
@@ -488,7 +495,8 @@ def main() -> int:
             operator = OperatorProcess(setup, args.workers)
             for count in args.pools:
                 rounds.append(run_round(setup, operator, count, args.idle_seconds, args.converge_timeout))
-                sys.stderr.write(f"round of {count} pools done\n")
+                out.write(row(rounds[-1]) + "\n")
+                out.flush()
         except BenchError as error:
             sys.stderr.write(f"operator_scale: {error}\n")
             with contextlib.suppress(OSError):
@@ -498,8 +506,9 @@ def main() -> int:
             if operator is not None:
                 operator.stop()
             setup.plane.down(progress=lambda message: None)
-    for line in table(rounds, args.workers):
-        sys.stdout.write(line + "\n")
+    for r in rounds:
+        for line in details(r):
+            out.write(line + "\n")
     if args.json:
         args.json.write_text(json.dumps([{**r.__dict__, **{
             name: {f"{verb} {resource}": n for (verb, resource), n in getattr(r, name).items()}

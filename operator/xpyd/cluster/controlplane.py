@@ -33,7 +33,7 @@ from xpyd.common.netguard import require_loopback
 from xpyd.kube import Kube
 
 HOST = "127.0.0.1"
-SERVICE_CIDR = "10.0.0.0/24"  # a label on Service objects only: nothing routes or dials it
+SERVICE_CIDR = "10.0.0.0/16"  # a label on Service objects only: nothing routes or dials it (room for many pools)
 KWOK_NODE_ANNOTATION = "kwok.x-k8s.io/node"
 # Controllers that cannot work on loopback (Endpoints and EndpointSlices refuse 127/8), node IPAM
 # (pod IPs come from the runtime), and node lifecycle: fake nodes have no kubelet whose silence

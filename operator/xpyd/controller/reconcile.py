@@ -198,9 +198,11 @@ def _converge(kube: Kube, body: JSON, serving: DisaggregatedServing, replicas: d
         children[(obj["apiVersion"], kind, child)] = (fingerprint(live, obj), _rendered_metadata(obj))
         if kind == "Deployment":
             live_deployments[child] = live
-    # The applies go out together, in two waves: what the pods need (their ServiceAccount, RBAC,
-    # Services), then the Deployments that create them.
-    for wave in ([o for o in stale if o["kind"] != "Deployment"], [o for o in stale if o["kind"] == "Deployment"]):
+    # The applies go out together, in two waves: what the pods need (their ServiceAccount, Role,
+    # Services), then the Deployments that create them with the RoleBinding (the API server checks
+    # a binding's Role exists and grants nothing beyond the binder's own rights: it must come after).
+    second = ("Deployment", "RoleBinding")
+    for wave in ([o for o in stale if o["kind"] not in second], [o for o in stale if o["kind"] in second]):
         for obj, live in zip(wave, kube.apply_all(wave), strict=True):
             children[(obj["apiVersion"], obj["kind"], obj["metadata"]["name"])] = (fingerprint(live, obj),
                                                                                    _rendered_metadata(obj))
