@@ -13,6 +13,7 @@ import pytest
 from tests.integration.fakekube import FakeKube
 from tests.integration.rig import COMPLETION, NAMESPACE, Rig, common_port, eventually, pod, pod_discovery, rig
 from xpyd.common.netguard import require_loopback
+from xpyd.proxy.pool import Endpoint
 from xpyd.testing.stubengine import StubEngine
 
 pytestmark = pytest.mark.integration
@@ -94,3 +95,34 @@ async def test_prefill_and_decode_of_different_revisions_are_never_paired(fake: 
         finally:
             for engine in engines:
                 await engine.stop()
+
+
+def _label(r: Rig, compat: dict[str, str]) -> None:
+    """Give the rig's engines these KV compatibility hashes (by engine name), as discovery would."""
+    for role, engines in (("prefill", r.prefill), ("decode", r.decode)):
+        r.proxy.set_endpoints(role, [Endpoint(e.url, compat=compat[e.name]) for e in engines])
+
+
+async def test_a_failed_decode_is_retried_on_the_other_revisions_pair() -> None:
+    engines = ([StubEngine(name="p-a"), StubEngine(name="p-b")],
+               [StubEngine(name="d-a", fail_status=500), StubEngine(name="d-b")])
+    async with rig(engines=engines) as r:
+        _label(r, {"p-a": "a", "p-b": "b", "d-a": "a", "d-b": "b"})
+        results = await _load(r, 20, concurrency=2)
+        assert [status for status, _ in results] == [200] * 20, results
+        p_a, p_b = r.prefill
+        d_a, d_b = r.decode
+        assert d_a.started > 0 and p_a.started == d_a.started       # each failed decode was p-a's partner...
+        assert d_b.completed == 20 and _prefills_read(d_b) == {p_b.engine_id}   # ...and its retry went to p-b
+
+
+async def test_a_failed_decode_with_no_other_pair_is_a_decode_failure_not_a_skew() -> None:
+    engines = ([StubEngine(name="p-a")], [StubEngine(name="d-a", fail_status=500), StubEngine(name="d-c")])
+    async with rig(engines=engines) as r:
+        _label(r, {"p-a": "a", "d-a": "a", "d-c": "c"})
+        status, answer, _ = await r.post("/v1/completions", COMPLETION)
+        assert status == 503 and "Decode failed on 1 instance(s)" in answer["error"]["message"], answer
+        assert r.decode[1].started == 0
+        connector = r.proxy.config.connector.value
+        assert r.proxy.metrics.requests.value(connector, "completions", "unavailable") == 1
+        assert r.proxy.metrics.requests.value(connector, "completions", "incompatible") == 0

@@ -312,8 +312,12 @@ class Proxy:
                 if not decodes:
                     raise RequestError(503, "No decode instance is available.")
                 prefill = self.pools["prefill"].choose(pairable(prefills, decodes, _compat))
+                if prefill is None and decode_failures:  # pairs there were; the request's failed
+                    raise RequestError(503, f"Decode failed on {decode_failures} instance(s); no other decode "
+                                            "instance pairs with a prefill instance.")
                 if prefill is None:
-                    return await self._without_prefill(context, "no_compatible_pair", tried_decode)
+                    reason = "prefill_failed" if prefill_failures else "no_compatible_pair"
+                    return await self._without_prefill(context, reason, tried_decode)
                 kv_compat = prefill.compat
             decode = self.pools["decode"].choose(partners(decodes, kv_compat, _compat))
             assert decode is not None  # a prefill is only chosen with partners, a reuse only kept with some
