@@ -126,3 +126,15 @@ async def test_a_failed_decode_with_no_other_pair_is_a_decode_failure_not_a_skew
         connector = r.proxy.config.connector.value
         assert r.proxy.metrics.requests.value(connector, "completions", "unavailable") == 1
         assert r.proxy.metrics.requests.value(connector, "completions", "incompatible") == 0
+
+
+async def test_with_the_decode_only_fallback_no_pair_means_decode_alone() -> None:
+    engines = ([StubEngine(name="p-a")], [StubEngine(name="d-b")])
+    async with rig(engines=engines, decode_only_fallback=True) as r:
+        _label(r, {"p-a": "a", "d-b": "b"})
+        status, answer, _ = await r.post("/v1/completions", COMPLETION)
+        assert status == 200, answer
+        assert (r.prefill[0].started, r.decode[0].started) == (0, 1)
+        assert r.decode[0].seen[0].body.get("kv_transfer_params") is None       # it computed the prompt itself
+        assert r.proxy.metrics.fallbacks.value("no_compatible_pair") == 1
+        assert (await _ready(r))[0] == 200
