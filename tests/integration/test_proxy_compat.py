@@ -12,6 +12,7 @@ import pytest
 
 from tests.integration.fakekube import FakeKube
 from tests.integration.rig import COMPLETION, NAMESPACE, Rig, common_port, eventually, pod, pod_discovery, rig
+from xpyd.api.naming import Role
 from xpyd.common.netguard import require_loopback
 from xpyd.proxy.pool import Endpoint
 from xpyd.testing.stubengine import StubEngine
@@ -99,7 +100,8 @@ async def test_prefill_and_decode_of_different_revisions_are_never_paired(fake: 
 
 def _label(r: Rig, compat: dict[str, str]) -> None:
     """Give the rig's engines these KV compatibility hashes (by engine name), as discovery would."""
-    for role, engines in (("prefill", r.prefill), ("decode", r.decode)):
+    roles: list[tuple[Role, list[StubEngine]]] = [("prefill", r.prefill), ("decode", r.decode)]
+    for role, engines in roles:
         r.proxy.set_endpoints(role, [Endpoint(e.url, compat=compat[e.name]) for e in engines])
 
 
