@@ -17,7 +17,7 @@ import aiohttp
 import kubernetes
 from aiohttp import web
 
-from xpyd.api.naming import Role
+from xpyd.api.naming import KV_COMPAT_LABEL, Role
 from xpyd.common.netguard import require_loopback
 from xpyd.common.timefmt import rfc3339
 from xpyd.kube import Kube
@@ -129,11 +129,15 @@ def common_port(hosts: list[str]) -> int:
     raise AssertionError("no common free port")
 
 
-def pod(name: str, role: str, ip: str, ready: bool = True, deleting: bool = False) -> dict[str, Any]:
+def pod(name: str, role: str, ip: str, ready: bool = True, deleting: bool = False,
+        compat: str | None = None) -> dict[str, Any]:
     """An engine Pod of the `llama` serving in NAMESPACE; `deleting`: deleted just now, with the
-    rendered engines' grace period (drain timeout 60 s, shutdown margin 30 s)."""
-    meta: dict[str, Any] = {"name": name, "namespace": NAMESPACE,
-                            "labels": {"xpyd.io/serving": "llama", "xpyd.io/role": role}}
+    rendered engines' grace period (drain timeout 60 s, shutdown margin 30 s); `compat`: its KV
+    compatibility hash label."""
+    labels = {"xpyd.io/serving": "llama", "xpyd.io/role": role}
+    if compat is not None:
+        labels[KV_COMPAT_LABEL] = compat
+    meta: dict[str, Any] = {"name": name, "namespace": NAMESPACE, "labels": labels}
     if deleting:
         meta["deletionTimestamp"] = rfc3339(time.time() + 90)
     return {"apiVersion": "v1", "kind": "Pod", "metadata": meta,

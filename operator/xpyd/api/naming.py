@@ -12,6 +12,9 @@ ROLES: Final[tuple[Role, ...]] = ("prefill", "decode")
 FIELD_MANAGER: Final = "xpyd-operator"
 SERVING_LABEL: Final = "xpyd.io/serving"
 ROLE_LABEL: Final = "xpyd.io/role"
+#: On engine pods: the KV compatibility hash of their pool (`xpyd.render.compat`); the proxy pairs a
+#: prefill and a decode instance only when theirs are equal.
+KV_COMPAT_LABEL: Final = "xpyd.io/kv-compat"
 
 
 def child_name(serving: str, component: Component) -> str:

@@ -21,6 +21,7 @@ from collections.abc import Callable, Iterable
 from typing import Final
 
 from xpyd.api.models import ENGINE_SHUTDOWN_MARGIN_SECONDS
+from xpyd.api.naming import KV_COMPAT_LABEL
 from xpyd.common.jsontypes import JSON
 from xpyd.common.timefmt import parse_rfc3339
 from xpyd.kube import Kube
@@ -40,17 +41,19 @@ def pod_ready(pod: JSON) -> bool:
 
 def pod_endpoints(pods: Iterable[JSON], engine_port: int) -> list[Endpoint]:
     """The engine URL of every pod that has an IP, ready or not (a pod that is not ready keeps its
-    outstanding requests and gets no new ones), with its readiness and, for a terminating pod, when
-    its drain reaches its timeout: the engines' shutdown margin before its deletionTimestamp."""
+    outstanding requests and gets no new ones), with its readiness, its KV compatibility hash (the
+    `xpyd.io/kv-compat` label) and, for a terminating pod, when its drain reaches its timeout: the
+    engines' shutdown margin before its deletionTimestamp."""
     endpoints = []
     for pod in pods:
         ip = pod.get("status", {}).get("podIP")
         if ip:
-            deletion = pod.get("metadata", {}).get("deletionTimestamp")
+            metadata = pod.get("metadata", {})
+            deletion = metadata.get("deletionTimestamp")
             deadline = parse_rfc3339(deletion)
             endpoints.append(Endpoint(
                 url=f"http://{host_port(ip, engine_port)}", ready=pod_ready(pod), checked=True,
-                terminating=bool(deletion),
+                terminating=bool(deletion), compat=(metadata.get("labels") or {}).get(KV_COMPAT_LABEL),
                 drain_timeout_at=None if deadline is None else deadline - ENGINE_SHUTDOWN_MARGIN_SECONDS))
     return endpoints
 

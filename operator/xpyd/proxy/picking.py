@@ -11,12 +11,19 @@ breaking keeps them from herding onto the same idle instance.
 - PowerOfTwo: two distinct candidates drawn at random, the less loaded of the two (ties random);
   nearly as balanced as LeastLoaded and less prone to herding when many proxies share a pool.
 - RoundRobin: candidates in a stable order (by name), one after another, ignoring load.
+
+Pairing: a prefill and a decode instance may serve one request only when their KV compatibility
+hashes (the pods' `xpyd.io/kv-compat` label, `xpyd.render.compat`) are equal; an instance without
+one (a fixed URL, a pod rendered before the label existed) pairs only with others without one. The
+prefill is picked among those that have a compatible decode candidate (`pairable`), then the decode
+among that prefill's partners (`partners`): during a rollout new prefill pairs with new decode and
+old with old, and a prefill whose kind of decode is gone gets no requests.
 """
 
 from __future__ import annotations
 
 import random
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import TypeVar
 
 from xpyd.api.models import RoutingPolicy
@@ -48,3 +55,15 @@ def _least(first: T, second: T, *, load: Callable[[T], float], rng: random.Rando
     if a == b:
         return first if rng.random() < 0.5 else second
     return first if a < b else second
+
+
+def pairable(prefills: Iterable[T], decodes: Iterable[T], compat: Callable[[T], str | None]) -> list[T]:
+    """The prefill candidates that have at least one decode candidate of an equal compatibility
+    hash (None, no hash, equals only None)."""
+    kinds = {compat(decode) for decode in decodes}
+    return [prefill for prefill in prefills if compat(prefill) in kinds]
+
+
+def partners(decodes: Iterable[T], kind: str | None, compat: Callable[[T], str | None]) -> list[T]:
+    """The decode candidates a prefill of compatibility hash `kind` may pair with."""
+    return [decode for decode in decodes if compat(decode) == kind]

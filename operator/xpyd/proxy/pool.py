@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import math
 import random
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Final
 from urllib.parse import urlsplit
@@ -51,6 +51,8 @@ class Endpoint:
     drain_timeout_at: float | None = None
     #: P2pNccl: the instance's ZMQ address (host:port), when known from registration.
     zmq_address: str | None = None
+    #: The pod's KV compatibility hash (`naming.KV_COMPAT_LABEL`); None: a fixed URL or an unlabelled pod.
+    compat: str | None = None
 
 
 @dataclass(eq=False)
@@ -64,6 +66,8 @@ class Instance:
     ready: bool = True
     #: Whether `ready` was a Pod's Ready condition (see `Endpoint.checked`).
     checked: bool = False
+    #: The KV compatibility hash (see `Endpoint.compat`): pairs only with an equal one.
+    compat: str | None = None
     healthy: bool | None = None
     #: time.monotonic() when discovery first reported the instance terminating; None while it is not.
     terminating_since: float | None = None
@@ -196,6 +200,7 @@ class Pool:
             instance.listed = True
             instance.ready = endpoint.ready
             instance.checked = endpoint.checked
+            instance.compat = endpoint.compat
             if not endpoint.terminating:
                 instance.terminating_since = None
             elif instance.terminating_since is None:
@@ -226,7 +231,10 @@ class Pool:
 
     def pick(self, now: float, exclude: Iterable[str] = ()) -> Instance | None:
         """The candidate the routing policy picks, or None."""
-        candidates = self.candidates(now, exclude)
+        return self.choose(self.candidates(now, exclude))
+
+    def choose(self, candidates: Sequence[Instance]) -> Instance | None:
+        """The one of `candidates` (some of this pool's `candidates()`) the routing policy picks, or None."""
         if not candidates:
             return None
         self.turn += 1

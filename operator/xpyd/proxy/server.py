@@ -45,7 +45,7 @@ from typing import Final
 import aiohttp
 from aiohttp import web
 
-from xpyd.api.naming import ROLES, Role
+from xpyd.api.naming import KV_COMPAT_LABEL, ROLES, Role
 from xpyd.common import exposition
 from xpyd.common.jsontypes import JSON
 from xpyd.proxy import protocol
@@ -53,6 +53,7 @@ from xpyd.proxy.config import ProxyConfig, client_timeouts
 from xpyd.proxy.health import HealthProber
 from xpyd.proxy.legs import Context, DecodeFailed, Legs, PrefillFailed, UpstreamAnswer
 from xpyd.proxy.metrics import Gauge, GaugeSample, ProxyMetrics
+from xpyd.proxy.picking import pairable, partners
 from xpyd.proxy.pool import Endpoint, Instance, Pool
 from xpyd.proxy.validation import ApiEndpoint, RequestError, error_body, parse
 
@@ -75,6 +76,20 @@ def _error_response(status: int, message: str, request_id: str | None = None, pa
     if request_id:
         response.headers["X-Request-Id"] = request_id
     return response
+
+
+def _compat(instance: Instance) -> str | None:
+    return instance.compat
+
+
+class NoCompatiblePair(RequestError):
+    """Both roles have instances that could take a request, but no prefill has a decode of its KV
+    compatibility hash (a rollout between revisions that cannot share KV, or a misconfiguration)."""
+
+    def __init__(self) -> None:
+        super().__init__(503, "No prefill and decode instances of the same KV compatibility (the pods' "
+                              f"{KV_COMPAT_LABEL} label) are available: a prefill's KV cache cannot be "
+                              "read by any decode instance now.")
 
 
 class Proxy:
@@ -182,7 +197,8 @@ class Proxy:
                     url=endpoint.url, ready=known.ready and endpoint.ready, checked=known.checked or endpoint.checked,
                     terminating=known.terminating or endpoint.terminating,
                     drain_timeout_at=endpoint.drain_timeout_at or known.drain_timeout_at,
-                    zmq_address=endpoint.zmq_address or known.zmq_address)
+                    zmq_address=endpoint.zmq_address or known.zmq_address,
+                    compat=known.compat if endpoint.compat is None else endpoint.compat)
         for instance in self.pools[role].update(merged.values(), time.monotonic(), time.time()):
             self._spawn(self.health_prober.probe(instance))
 
@@ -246,6 +262,9 @@ class Proxy:
                               authorization=request.headers.get("Authorization"), started=started)
             try:
                 response = await self._serve(context)
+            except NoCompatiblePair as error:
+                outcome = "incompatible"
+                return _error_response(error.status, error.message, request_id)
             except RequestError as error:
                 outcome = "unavailable" if error.status >= 500 else "invalid"
                 return _error_response(error.status, error.message, request_id)
@@ -276,16 +295,32 @@ class Proxy:
         prefill_failures = decode_failures = 0
         reusable: JSON | None = None
         retrying: str | None = None  # the role whose failed leg the next attempt sends again
+        kv_compat: str | None = None  # the compatibility hash of the prefill whose KV is reusable
         while True:
+            now = time.monotonic()
+            decodes = self.pools["decode"].candidates(now, tried_decode)
+            if reusable is not None and not partners(decodes, kv_compat, _compat):
+                if not decodes:
+                    raise RequestError(503, "No decode instance is available.")
+                reusable = None  # no decode left that can read that KV: a whole new attempt
             prefill = None
             if reusable is None:
-                prefill = self.pools["prefill"].pick(time.monotonic(), tried_prefill)
-                if prefill is None:
+                prefills = self.pools["prefill"].candidates(now, tried_prefill)
+                if not prefills:
                     reason = "prefill_failed" if prefill_failures else "no_prefill_instance"
                     return await self._without_prefill(context, reason, tried_decode)
-            decode = self.pools["decode"].pick(time.monotonic(), tried_decode)
-            if decode is None:
-                raise RequestError(503, "No decode instance is available.")
+                if not decodes:
+                    raise RequestError(503, "No decode instance is available.")
+                prefill = self.pools["prefill"].choose(pairable(prefills, decodes, _compat))
+                if prefill is None and decode_failures:  # pairs there were; the request's failed
+                    raise RequestError(503, f"Decode failed on {decode_failures} instance(s); no other decode "
+                                            "instance pairs with a prefill instance.")
+                if prefill is None:
+                    reason = "prefill_failed" if prefill_failures else "no_compatible_pair"
+                    return await self._without_prefill(context, reason, tried_decode)
+                kv_compat = prefill.compat
+            decode = self.pools["decode"].choose(partners(decodes, kv_compat, _compat))
+            assert decode is not None  # a prefill is only chosen with partners, a reuse only kept with some
             if retrying is not None:  # counted once there is an instance to retry on
                 self.metrics.retries.inc(retrying)
                 retrying = None
@@ -321,6 +356,8 @@ class Proxy:
     async def _without_prefill(self, context: Context, reason: str, tried_decode: set[str]) -> web.StreamResponse:
         """No prefill instance could serve: 503, or decode alone when configured to (never silently)."""
         if not self.config.decode_only_fallback:
+            if reason == "no_compatible_pair":
+                raise NoCompatiblePair()
             message = ("No prefill instance is available." if reason == "no_prefill_instance"
                        else "Prefill failed on every instance tried.")
             raise RequestError(503, message)
@@ -380,15 +417,27 @@ class Proxy:
         now = time.monotonic()
         return [role for role in needed if not self.pools[role].candidates(now)]
 
+    def compatible_pair(self) -> bool:
+        """Whether some prefill and decode instances that could take a request now share a KV
+        compatibility hash."""
+        now = time.monotonic()
+        return bool(pairable(self.pools["prefill"].candidates(now), self.pools["decode"].candidates(now), _compat))
+
     async def ready(self, request: web.Request) -> web.Response:
         """GET /ready (readiness): 200 while requests can be served; 503 once draining, so the pod
         leaves the Service's endpoints while it still serves what reaches it, and 503 while a role
-        has no instance to take a request, so clients reach a replica that can serve."""
+        has no instance to take a request, or (without the decode-only fallback) no prefill has a
+        decode of its KV compatibility hash, so clients reach a replica that can serve."""
         if self.draining:
             return web.json_response({"status": "draining"}, status=503)
         missing = self.missing_roles()
         if missing:
             return web.json_response({"status": "unavailable", "missing": missing}, status=503)
+        if not self.config.decode_only_fallback and not self.compatible_pair():
+            now = time.monotonic()
+            compat = {role: sorted({i.compat or "" for i in pool.candidates(now)}) for role, pool in self.pools.items()}
+            return web.json_response({"status": "unavailable", "missing": [], "reason": "no_compatible_pair",
+                                      "compat": compat}, status=503)
         return web.json_response({"status": "ready"})
 
     async def metrics_page(self, request: web.Request) -> web.Response:

@@ -29,6 +29,7 @@ from xpyd.api.naming import Role
 from xpyd.common.args import last_flag_value
 from xpyd.common.jsontypes import JSON
 from xpyd.render import engine
+from xpyd.render.compat import compat_hash
 
 DEFAULT_OPERATOR_IMAGE: Final = f"ghcr.io/xpyd-operator/xpyd-operator:{__version__}"
 #: After SIGTERM the proxy fails readiness and serves on this long, while the pod leaves the Service
@@ -90,6 +91,7 @@ def _engine_objects(name: str, namespace: str, spec: DisaggregatedServingSpec, r
     deployment = _render(
         "engine-deployment.yaml.j2",
         **common,
+        pod_labels={**naming.labels(name, role), naming.KV_COMPAT_LABEL: compat_hash(spec, role)},
         role=role_spec,
         engine=spec.engine,
         replicas=options.replicas.get(role, role_spec.replicas),
