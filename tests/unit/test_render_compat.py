@@ -18,8 +18,10 @@ pytestmark = pytest.mark.unit
 
 def hashes(spec: dict[str, Any]) -> tuple[str, str]:
     parsed = parse_serving(serving(spec)).spec
-    prefill, decode = (compat_hash(parsed, role) for role in ROLES)
-    return prefill, decode
+    labels = {o["metadata"]["name"]: o["spec"]["template"]["metadata"]["labels"].get(KV_COMPAT_LABEL)
+              for o in render("llama", "ns", parsed) if o["kind"] == "Deployment"}
+    assert labels["llama-prefill"] == labels["llama-decode"] == compat_hash(parsed)
+    return labels["llama-prefill"], labels["llama-decode"]
 
 
 BASE = hashes({})
@@ -60,11 +62,12 @@ KEEPS = {
     "proxy": {"proxy": {"replicas": 3, "routingPolicy": "RoundRobin"}},
 }
 
-# A setting on one role only: that role's hash moves, so the two are never paired.
-SPLITS = {
-    "kv cache dtype on decode": ({"decode": {"extraArgs": ["--kv-cache-dtype=fp8"]}}, "decode"),
-    "block size on prefill": ({"prefill": {"extraArgs": ["--block-size=32"]}}, "prefill"),
-    "layout env on prefill": ({"prefill": {"env": [{"name": "VLLM_KV_CACHE_LAYOUT", "value": "HND"}]}}, "prefill"),
+# A must-match setting on one role only: a new revision of the pool, both roles' hash moves (and
+# both roll), so the pool is never split into halves that do not pair.
+ONE_SIDED = {
+    "kv cache dtype on decode": {"decode": {"extraArgs": ["--kv-cache-dtype=fp8"]}},
+    "block size on prefill": {"prefill": {"extraArgs": ["--block-size=32"]}},
+    "layout env on prefill": {"prefill": {"env": [{"name": "VLLM_KV_CACHE_LAYOUT", "value": "HND"}]}},
 }
 
 
@@ -86,12 +89,11 @@ def test_what_may_differ_keeps_the_hash(change: dict[str, Any]) -> None:
     assert hashes(change) == BASE
 
 
-@pytest.mark.parametrize(("change", "role"), SPLITS.values(), ids=SPLITS.keys())
-def test_a_must_match_setting_on_one_role_splits_the_roles(change: dict[str, Any], role: str) -> None:
+@pytest.mark.parametrize("change", ONE_SIDED.values(), ids=ONE_SIDED.keys())
+def test_a_must_match_setting_on_one_role_is_a_new_revision_of_both(change: dict[str, Any]) -> None:
     prefill, decode = hashes(change)
-    assert prefill != decode
-    assert (prefill if role == "prefill" else decode) != BASE[0]
-    assert (decode if role == "prefill" else prefill) == BASE[0]
+    assert prefill == decode != BASE[0]
+    assert hashes({"prefill": change.get("decode", {}), "decode": change.get("prefill", {})}) != (prefill, decode)
 
 
 def test_the_hash_labels_the_pods_not_the_deployment_or_its_selector() -> None:
@@ -99,7 +101,7 @@ def test_the_hash_labels_the_pods_not_the_deployment_or_its_selector() -> None:
     deployments = {o["metadata"]["name"]: o for o in render("llama", "ns", s) if o["kind"] == "Deployment"}
     for role in ROLES:
         deployment = deployments[f"llama-{role}"]
-        assert deployment["spec"]["template"]["metadata"]["labels"][KV_COMPAT_LABEL] == compat_hash(s, role)
+        assert deployment["spec"]["template"]["metadata"]["labels"][KV_COMPAT_LABEL] == compat_hash(s)
         assert KV_COMPAT_LABEL not in deployment["metadata"]["labels"]
         assert KV_COMPAT_LABEL not in deployment["spec"]["selector"]["matchLabels"]
     assert KV_COMPAT_LABEL not in deployments["llama-proxy"]["spec"]["template"]["metadata"]["labels"]

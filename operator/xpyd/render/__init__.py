@@ -91,7 +91,7 @@ def _engine_objects(name: str, namespace: str, spec: DisaggregatedServingSpec, r
     deployment = _render(
         "engine-deployment.yaml.j2",
         **common,
-        pod_labels={**naming.labels(name, role), naming.KV_COMPAT_LABEL: compat_hash(spec, role)},
+        pod_labels={**naming.labels(name, role), naming.KV_COMPAT_LABEL: compat_hash(spec)},
         role=role_spec,
         engine=spec.engine,
         replicas=options.replicas.get(role, role_spec.replicas),

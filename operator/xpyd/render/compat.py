@@ -12,8 +12,12 @@ What it covers, and why:
 - The model: its name, where its weights come from (PVC claim and path, Hub revision) and the
   vLLM flags that change the weights, the tokenizer, the KV cache's shape or dtype, or its blocks
   (`MUST_MATCH_FLAGS`), and the environment variables that change the KV cache's layout
-  (`MUST_MATCH_ENV`), as each role's pod sets them: a flag set on one role only moves that role's
-  hash, so a misconfigured pair is never used.
+  (`MUST_MATCH_ENV`), as each role's pod sets them. Both roles' values go into one hash, which
+  both roles' pods carry: the hash names a revision of the pool's KV settings, so a setting
+  changed on one role rolls both roles and the old pods of each pair only with each other. (A
+  hash per role would split a pool whose roles set a must-match flag differently, e.g. one role
+  spelling out a default, into two halves that never pair: an outage where the engines may well
+  agree. Whether they do is the engines' to say.)
 - The connector and the settings both ends must share: the buffer device, NIXL's backends,
   Mooncake's protocol, LMCache's PYTHONHASHSEED (its chunk keys), P2pNccl's send type, and the
   user's extra connector config (unknown keys count: a key the operator cannot judge is assumed
@@ -26,7 +30,7 @@ name, --max-model-len, the transport (RDMA or TCP, UCX settings, NIC mapping: UC
 ports, and the load failure policy (decode's own behaviour). The contents of an LMCache ConfigMap
 are not known to the render and not covered.
 
-The values are compared as written: `--dtype=auto` on one role and nothing on the other differ.
+The values are hashed as written, so spelling out a default (`--dtype=auto`) is a new revision.
 """
 
 from __future__ import annotations
@@ -36,7 +40,7 @@ import json
 from typing import Final
 
 from xpyd.api.models import Connector, DisaggregatedServingSpec, RoleSpec
-from xpyd.api.naming import Role
+from xpyd.api.naming import ROLES, Role
 from xpyd.common.args import last_flag_value
 from xpyd.common.jsontypes import JSON
 
@@ -87,11 +91,19 @@ def _connector_settings(spec: DisaggregatedServingSpec) -> JSON:
     return settings
 
 
-def compat_inputs(spec: DisaggregatedServingSpec, role: Role) -> JSON:
-    """Everything the hash of `role`'s pool covers (see the module docstring)."""
+def _role_settings(spec: DisaggregatedServingSpec, role: Role) -> JSON:
     role_spec: RoleSpec = getattr(spec, role)
     args = [*spec.engine.extra_args, *role_spec.extra_args]
     env = {var.name: var.to_wire() for var in [*spec.engine.env, *role_spec.env] if var.name in MUST_MATCH_ENV}
+    return {
+        "flags": {flag: last_flag_value(args, flag) for flag in MUST_MATCH_FLAGS},
+        "switches": {flag: _switch(args, flag) for flag in MUST_MATCH_SWITCHES},
+        "env": [env.get(name) for name in MUST_MATCH_ENV],
+    }
+
+
+def compat_inputs(spec: DisaggregatedServingSpec) -> JSON:
+    """Everything the pool's hash covers (see the module docstring)."""
     source = spec.model.source
     return {
         "image": spec.engine.image,
@@ -99,14 +111,12 @@ def compat_inputs(spec: DisaggregatedServingSpec, role: Role) -> JSON:
         "model": spec.model.name,
         "pvc": None if source.pvc is None else [source.pvc.claim_name, source.pvc.path.strip("/")],
         "hub_revision": None if source.hub is None else source.hub.revision,
-        "flags": {flag: last_flag_value(args, flag) for flag in MUST_MATCH_FLAGS},
-        "switches": {flag: _switch(args, flag) for flag in MUST_MATCH_SWITCHES},
-        "env": [env.get(name) for name in MUST_MATCH_ENV],
+        "roles": {role: _role_settings(spec, role) for role in ROLES},
         "kv_transfer": _connector_settings(spec),
     }
 
 
-def compat_hash(spec: DisaggregatedServingSpec, role: Role) -> str:
-    """The KV compatibility hash of `role`'s pool: a short hex digest of `compat_inputs`."""
-    text = json.dumps(compat_inputs(spec, role), sort_keys=True, separators=(",", ":"))
+def compat_hash(spec: DisaggregatedServingSpec) -> str:
+    """The KV compatibility hash of the pool (both roles'): a short hex digest of `compat_inputs`."""
+    text = json.dumps(compat_inputs(spec), sort_keys=True, separators=(",", ":"))
     return hashlib.sha256(text.encode()).hexdigest()[:HASH_DIGITS]
