@@ -479,9 +479,11 @@ async def test_decode_leg_waits_for_the_transfer_and_decodes_only() -> None:
         ttft = result.token_times[0] - sent
         assert result.done and len(result.token_times) == 20
         assert result.usage is not None and result.usage["prompt_tokens"] == 400
-        # Transfer, then one decode step; no prefill (which alone would take ~26 ms more).
+        # Transfer, then one decode step before the first token (a lower bound: wall time can only
+        # add); no prefill on decode, which the token sources below show (an upper bound on wall
+        # time would only measure how busy this machine is).
         first_step = slow.decode_step_seconds(1, 400)
-        assert transfer_s + first_step <= ttft < transfer_s + first_step + 0.015
+        assert transfer_s + first_step <= ttft
         decode_metrics = await scrape(session, decode)
         assert decode_metrics.value("vllm:prompt_tokens_by_source_total", source="external_kv_transfer") == 400
         assert decode_metrics.value("vllm:prompt_tokens_by_source_total", source="local_compute") == 0
