@@ -240,7 +240,7 @@ class LeaderElector:
             self.on_started()
         elif not holding and self.acting:
             self.acting = False
-            log.warning("stopped leading (Lease %s/%s, identity %s)", self.namespace, self.name, self.identity)
+            log.info("stopped leading (Lease %s/%s, identity %s)", self.namespace, self.name, self.identity)
             self.on_stopped()
 
     def stop(self) -> None:
