@@ -6,7 +6,9 @@ from __future__ import annotations
 import copy
 import itertools
 import math
+import socket
 from dataclasses import replace
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -20,6 +22,7 @@ from xpyd.controller.leader import (
     released,
     succeeded,
 )
+from xpyd.controller.main import candidate_identity, default_lease_namespace
 from xpyd.kube import KubeError
 
 pytestmark = pytest.mark.unit
@@ -216,3 +219,22 @@ def test_a_leader_that_cannot_reach_the_api_server_steps_down_at_its_deadline() 
     api.down = False
     assert a.round() == Action.ACQUIRE and a.holding()  # the Lease still names it: nobody took over
     assert math.isclose(a.candidate.renewed_at or 0, clock.now)
+
+
+# ---- the operator's candidate --------------------------------------------------------------------
+
+
+def test_lease_namespace_is_the_pods_own(tmp_path: Path) -> None:
+    own = tmp_path / "namespace"
+    own.write_text("ops\n")
+    assert default_lease_namespace(own) == "ops"
+    assert default_lease_namespace(tmp_path / "absent") == "xpyd-system"
+
+
+def test_identity_is_the_pod_name_and_a_fresh_suffix(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("POD_NAME", "xpyd-operator-7d9f-abcde")
+    first, second = candidate_identity(), candidate_identity()
+    assert first.startswith("xpyd-operator-7d9f-abcde_") and second.startswith("xpyd-operator-7d9f-abcde_")
+    assert first != second  # a restarted process never passes for the one that held the Lease
+    monkeypatch.delenv("POD_NAME")
+    assert candidate_identity().startswith(socket.gethostname() + "_")
