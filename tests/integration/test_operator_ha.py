@@ -23,6 +23,7 @@ from tests.integration.test_operator import (
     request,
 )
 from xpyd.controller.main import LEASE_NAME, serve
+from xpyd.controller.metrics import OperatorMetrics
 
 pytestmark = pytest.mark.integration
 
@@ -87,8 +88,6 @@ def assert_one_writer_at_a_time(first: list[Write], second: list[Write]) -> None
 
 
 def metric_leader(op: Operator) -> float:
-    from xpyd.controller.metrics import OperatorMetrics
-
     families: dict[str, Any] = {f.name: f for f in OperatorMetrics(op.memo.state).collect()}
     return float(families["xpyd_operator_leader"].samples[0].value)
 
