@@ -1,10 +1,13 @@
 """What users do, against a real API server: helm install, kubectl apply of every sample, updates,
-drift, GPU shortage, invalid input, deletion, operator restarts, and the plain manifests."""
+drift, GPU shortage, invalid input, deletion, operator restarts, a standby operator taking over, and
+the plain manifests."""
 
 from __future__ import annotations
 
 import copy
 import json
+import os
+import signal
 import time
 import urllib.request
 from collections.abc import Iterator
@@ -19,6 +22,8 @@ from tests.servings import INVALID, SCHEMA_INVALID, TRANSITIONS, serving
 from xpyd.api.load import load_servings
 from xpyd.cluster.controlplane import ControlPlane
 from xpyd.common.netguard import NonLoopbackAddress, require_loopback, require_loopback_url
+from xpyd.controller.leader import Timing
+from xpyd.controller.main import LEASE_NAME
 
 pytestmark = pytest.mark.e2e
 
@@ -257,6 +262,44 @@ def test_operator_restart_mid_reconcile_converges_without_duplicates(operator: C
         "llama-8b-decode", "llama-8b-prefill", "llama-8b-proxy"]
     replica_sets = operator.get("replicasets", "-n", namespace)["items"]
     assert len(replica_sets) == 3  # one template each: nothing was rolled twice
+
+
+def test_a_standby_replica_takes_over_when_the_leader_dies(operator: Cluster, namespace: str) -> None:
+    """replicas=2: the Lease names one pod. Its process killed (no release), another candidate
+    takes the Lease within the takeover bound and repairs a deleted child."""
+    chart = str(ROOT / "charts" / "xpyd-operator")
+    def scale(replicas: int) -> None:
+        operator.run("helm", "upgrade", RELEASE, chart, "--namespace", OPERATOR_NAMESPACE, "--reuse-values",
+                     "--set", f"replicas={replicas}", "--wait", "--timeout", "120s", timeout=180)
+        eventually(lambda: (operator.get("deployment", "-n", OPERATOR_NAMESPACE, RELEASE) or {})
+                   .get("status", {}).get("readyReplicas") == replicas, timeout=120, what=f"{replicas} replicas ready")
+
+    def holder() -> str:
+        lease = operator.get("lease", "-n", OPERATOR_NAMESPACE, LEASE_NAME) or {}
+        return str(lease.get("spec", {}).get("holderIdentity") or "")
+
+    scale(2)
+    try:
+        operator.apply(NIXL, namespace)
+        wait_ready(operator, namespace, "llama-8b", timeout=120)
+        leader = eventually(holder, what="a leader")
+        pods = {p["metadata"]["name"]: p for p in operator.get(
+            "pods", "-n", OPERATOR_NAMESPACE, "-l", "app.kubernetes.io/name=xpyd-operator")["items"]
+            if not p["metadata"].get("deletionTimestamp")}
+        assert len(pods) == 2
+        (pod,) = [p for name, p in pods.items() if leader.startswith(f"{name}_")]
+        pid = int(pod["status"]["containerStatuses"][0]["containerID"].removeprefix("xpyd://"))
+        os.killpg(pid, signal.SIGKILL)  # a crash: the Lease is not released
+        killed = time.monotonic()
+        eventually(lambda: holder() not in ("", leader), timeout=60, interval=0.2, what="another holder")
+        took = time.monotonic() - killed
+        print(f"\ntakeover after the leader's death: {took:.1f} s (bound {Timing().takeover_bound:.0f} s)")
+        assert took <= Timing().takeover_bound + 2  # + kubectl's polling
+        operator.kubectl("delete", "deployment", "llama-8b-decode", "-n", namespace)
+        eventually(lambda: operator.get("deployment", "-n", namespace, "llama-8b-decode"), timeout=30,
+                   what="decode repaired by the new leader")
+    finally:
+        scale(1)
 
 
 # ------------------------------------------------------------------------------------------------

@@ -45,7 +45,17 @@ OPERATOR_RULES: dict[Rule, set[str]] = {
 FORBIDDEN_VERBS = {"*", "delete", "deletecollection", "escalate", "bind", "impersonate"}
 
 OPERATOR_ARGS = ["-A", "--liveness=http://0.0.0.0:8080/healthz", "--metrics=http://0.0.0.0:8081/metrics",
-                 f"--operator-image={IMAGE}", "--resync-seconds=600", "--workers=8"]
+                 f"--operator-image={IMAGE}", "--resync-seconds=600", "--workers=8", "--leader-elect",
+                 "--leader-election-namespace=xpyd-system"]
+
+#: The leader election's Role, in the release namespace: create of leases (RBAC cannot restrict a
+#: create by name), get and update of the operator's own Lease only.
+LEASE_RULES = [
+    {"apiGroups": ["coordination.k8s.io"], "resources": ["leases"], "verbs": ["create"]},
+    {"apiGroups": ["coordination.k8s.io"], "resources": ["leases"], "resourceNames": ["xpyd-operator"],
+     "verbs": ["get", "update"]},
+]
+POD_NAME_ENV = {"name": "POD_NAME", "valueFrom": {"fieldRef": {"fieldPath": "metadata.name"}}}
 
 
 def rule_table(rules: list[dict[str, Any]]) -> dict[Rule, set[str]]:

@@ -75,7 +75,8 @@ def _cmd_operator(args: argparse.Namespace) -> int:
 
     return run(namespaces=args.namespace, all_namespaces=args.all_namespaces, liveness=args.liveness,
                operator_image=args.operator_image, resync_seconds=args.resync_seconds, verbose=args.verbose,
-               metrics=args.metrics or None, workers=args.workers)
+               metrics=args.metrics or None, workers=args.workers, leader_elect=args.leader_elect,
+               lease_namespace=args.leader_election_namespace)
 
 
 def _cmd_cluster(args: argparse.Namespace) -> int:
@@ -147,6 +148,10 @@ def build_parser() -> argparse.ArgumentParser:
                           "operator's watch-fed cache (drift is otherwise repaired on its watch event)")
     operator.add_argument("--workers", type=positive_int, default=8,
                           help="DisaggregatedServings reconciled at once (and autoscaler decisions made at once)")
+    operator.add_argument("--leader-elect", action="store_true", help="elect one active replica on the Lease "
+                          "xpyd-operator (the others stand by with warm caches and take over when it stops)")
+    operator.add_argument("--leader-election-namespace", default=None, help="namespace of that Lease (default: "
+                          "the pod's own namespace, else xpyd-system)")
     operator.add_argument("-v", "--verbose", action="store_true", help="debug logging")
     operator.set_defaults(func=_cmd_operator)
     cluster = commands.add_parser("cluster", help="the local control plane (real API server, fake GPU nodes)")

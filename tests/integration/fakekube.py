@@ -4,13 +4,17 @@ API-server behaviour the operator relies on.
 Added on top of kmock: server-side apply creates missing objects; uid, generation,
 resourceVersion and creationTimestamp bookkeeping (generation moves only with the spec); the
 status subresource (a PATCH to /status changes only status, a PATCH to the object never does);
-label selectors (equality and existence terms) on lists; `generateName`; error injection; and a log of every write.
+optimistic concurrency (a PUT whose resourceVersion is not the stored one is 409 Conflict, as the
+API server answers it, and a PUT of a missing object 404; kmock itself serves no PUT); label
+selectors (equality and existence terms) on lists; `generateName`; error injection; and a log of
+every write, with its client's User-Agent and when it arrived.
 """
 
 from __future__ import annotations
 
 import copy
 import itertools
+import time
 import uuid
 from collections import Counter
 from dataclasses import dataclass
@@ -40,6 +44,7 @@ RESOURCES: dict[str, JSON] = {
                                        "subresources": {"status"}},
     "rbac.authorization.k8s.io/v1/roles": {"kind": "Role", "namespaced": True},
     "rbac.authorization.k8s.io/v1/rolebindings": {"kind": "RoleBinding", "namespaced": True},
+    "coordination.k8s.io/v1/leases": {"kind": "Lease", "namespaced": True},
 }
 VERBS = {"get", "list", "watch", "create", "update", "patch", "delete"}
 
@@ -49,6 +54,9 @@ class Write:
     method: str
     path: str
     content_type: str
+    agent: str = ""
+    #: time.monotonic() when it arrived.
+    at: float = 0.0
 
 
 def _matches(labels: dict[str, str], selector: str) -> bool:
@@ -104,10 +112,35 @@ class FakeKube(kmock.KubernetesEmulator):  # type: ignore[misc]
                 self._failures[key] -= 1
                 return await self._render_error(kmock.KubernetesError(status=self._fail_status[key],
                                                                       message="injected failure"))
-            self.writes.append(Write(method, str(request.url.path), request.headers.get("Content-Type", "")))
+            self.writes.append(Write(method, str(request.url.path), request.headers.get("Content-Type", ""),
+                                     request.headers.get("User-Agent", ""), time.monotonic()))
+            if method == "PUT":
+                return await self._replace(request)
             async with self._lock:
                 self._prepare(request, method)
         return await super()._handle(request)  # type: ignore[no-any-return]
+
+    async def _replace(self, request: rendering.Request) -> aiohttp.web.StreamResponse:
+        """A PUT (kmock serves none): the whole object replaced, only if it names the stored
+        resourceVersion (checked and written under one lock, so two PUTs of one version cannot
+        both pass)."""
+        key = (request.resource, request.namespace, request.name)
+        obj = copy.deepcopy(request.data) if isinstance(request.data, dict) else {}
+        async with self._lock:
+            current = self._objects[key].raw if key in self._objects and not self._objects[key].deleted else None
+            if current is None:
+                error = kmock.KubernetesError(status=404, message="not found")
+            elif obj.get("metadata", {}).get("resourceVersion") != current["metadata"].get("resourceVersion"):
+                error = kmock.KubernetesError(status=409, message="Operation cannot be fulfilled: the object "
+                                              "has been modified; please apply your changes to the latest version")
+            else:
+                meta = obj.setdefault("metadata", {})
+                meta.update({k: current["metadata"][k] for k in ("uid", "creationTimestamp", "generation")
+                             if k in current["metadata"]}, resourceVersion=str(next(self._versions)))
+                self._objects[key] = obj
+                await self._buses[request.resource].put({"type": "MODIFIED", "object": obj})
+                return aiohttp.web.json_response(obj)
+        return await self._render_error(error)  # type: ignore[no-any-return]
 
     def _prepare(self, request: rendering.Request, method: str) -> None:
         """Shape a write the way the API server would, before kmock stores it."""

@@ -24,7 +24,9 @@ from tests.chart import (
     DASHBOARD,
     IMAGE,
     INSTALL,
+    LEASE_RULES,
     OPERATOR_ARGS,
+    POD_NAME_ENV,
     assert_least_privilege,
     install_objects,
     load_docs,
@@ -136,9 +138,12 @@ def test_default_install() -> None:
         ("ClusterRole", RELEASE, None),
         ("ClusterRoleBinding", RELEASE, None),
         ("Deployment", RELEASE, NAMESPACE),
+        ("Role", f"{RELEASE}-leader-election", NAMESPACE),
+        ("RoleBinding", f"{RELEASE}-leader-election", NAMESPACE),
         ("ServiceAccount", RELEASE, NAMESPACE),
     ]
     assert_least_privilege(one(objects, "ClusterRole")["rules"])
+    assert one(objects, "Role")["rules"] == LEASE_RULES
     deployment = one(objects, "Deployment")
     assert deployment["spec"]["replicas"] == 1
     assert deployment["spec"]["strategy"] == {"type": "Recreate"}
@@ -146,6 +151,22 @@ def test_default_install() -> None:
     assert container["image"] == IMAGE
     assert container["command"] == ["xpyd", "operator"]
     assert container["args"] == OPERATOR_ARGS
+    assert container["env"] == [POD_NAME_ENV]
+
+
+@pytest.mark.parametrize(("replicas", "strategy"), [
+    (1, {"type": "Recreate"}),
+    (2, {"type": "RollingUpdate", "rollingUpdate": {"maxSurge": 1, "maxUnavailable": 0}}),
+    (3, {"type": "RollingUpdate", "rollingUpdate": {"maxSurge": 1, "maxUnavailable": 0}}),
+])
+def test_replicas_and_their_update_strategy(replicas: int, strategy: dict[str, Any]) -> None:
+    objects = template("--set", f"replicas={replicas}")
+    deployment = one(objects, "Deployment")
+    assert deployment["spec"]["replicas"] == replicas
+    assert deployment["spec"]["strategy"] == strategy
+    # Every replica takes part in the election, whatever their number: a change of the number never
+    # runs an unelected replica beside an elected one.
+    assert operator_container(objects)["args"] == OPERATOR_ARGS
 
 
 def test_operator_is_non_root_and_read_only() -> None:
@@ -175,7 +196,8 @@ def test_operator_args_follow_values() -> None:
     assert container["image"] == "registry.local/xpyd:dev"
     assert container["args"] == ["-n", "a", "-n", "b", "--liveness=http://0.0.0.0:8080/healthz",
                                  "--metrics=http://0.0.0.0:8081/metrics", "--operator-image=registry.local/xpyd:dev",
-                                 "--resync-seconds=15", "--workers=3", "-v"]
+                                 "--resync-seconds=15", "--workers=3", "--leader-elect",
+                                 "--leader-election-namespace=xpyd-system", "-v"]
 
 
 def test_pod_placement_values() -> None:
@@ -207,15 +229,19 @@ def test_watch_namespaces_grant_roles_in_those_namespaces_only() -> None:
         ("Deployment", RELEASE, NAMESPACE),
         ("Role", RELEASE, "a"),
         ("Role", RELEASE, "b"),
+        ("Role", f"{RELEASE}-leader-election", NAMESPACE),
         ("RoleBinding", RELEASE, "a"),
         ("RoleBinding", RELEASE, "b"),
+        ("RoleBinding", f"{RELEASE}-leader-election", NAMESPACE),
         ("ServiceAccount", RELEASE, NAMESPACE),
     ]
     # Cluster-wide, only what kopf needs to notice watched namespaces come and go.
     assert rule_table(one(objects, "ClusterRole")["rules"]) == {("", "namespaces"): {"list", "watch"}}
     subject = {"kind": "ServiceAccount", "name": RELEASE, "namespace": NAMESPACE}
     for obj in objects:
-        if obj["kind"] == "Role":
+        if obj["kind"] == "Role" and obj["metadata"]["namespace"] == NAMESPACE:
+            assert obj["rules"] == LEASE_RULES
+        elif obj["kind"] == "Role":
             assert_least_privilege(obj["rules"])
         if obj["kind"] in ("RoleBinding", "ClusterRoleBinding"):
             assert obj["subjects"] == [subject]
@@ -226,6 +252,7 @@ def test_watch_namespaces_grant_roles_in_those_namespaces_only() -> None:
 def test_rbac_can_be_left_out() -> None:
     objects = template("--set", "rbac.create=false")
     assert {o["kind"] for o in objects} == {"ServiceAccount", "Deployment"}
+    assert "--leader-elect" in operator_container(objects)["args"]  # the rules granted another way
 
 
 # ---- monitoring ----------------------------------------------------------------------------------

@@ -15,6 +15,7 @@ import kubernetes
 import pytest
 
 from tests.integration.fakekube import FakeKube
+from xpyd.controller.leader import Timing
 from xpyd.controller.main import build, serve
 from xpyd.kube import Kube
 
@@ -40,26 +41,43 @@ SERVING = {
 }
 
 
-class Operator:
-    """One operator instance in this event loop; start and stop it like a pod."""
+#: Leader election in tests: short, so that a takeover takes seconds.
+LEASE_TIMING = Timing(lease_duration=2.0, renew_deadline=1.5, retry_period=0.3)
+LEASE_NAMESPACE = "xpyd-system"
 
-    def __init__(self, url: str, resync_seconds: float = 3600.0) -> None:
+
+class Operator:
+    """One operator instance in this event loop; start and stop it like a pod. With `identity`, it
+    elects its leader on the Lease (LEASE_TIMING), and its requests carry the User-Agent
+    `xpyd-test/<identity>` (which FakeKube records with every write)."""
+
+    def __init__(self, url: str, resync_seconds: float = 3600.0, identity: str | None = None) -> None:
         self.url = url
         self.resync_seconds = resync_seconds
+        self.identity = identity
         self.task: asyncio.Task[None] | None = None
         self.stop_flag = asyncio.Event()
+        self.memo = kopf.Memo()
 
-    async def start(self) -> None:
+    def build(self) -> tuple[kopf.OperatorRegistry, kopf.Memo]:
         config = kubernetes.client.Configuration(host=self.url)
         config.connection_pool_maxsize = 32
         kube = Kube(kubernetes.client.ApiClient(config))
+        if self.identity is not None:
+            kube.api.user_agent = f"xpyd-test/{self.identity}"
         def login(**_: Any) -> kopf.ConnectionInfo:
             return kopf.ConnectionInfo(server=self.url, insecure=True)
 
         # Cluster-wide, as the chart installs it (kmock cannot serve kopf's namespace watch).
+        elected = self.identity is not None
         registry, memo = build("example/xpyd:test", self.resync_seconds, [], kube=kube, retry_seconds=0.5,
-                               login=login)
+                               login=login, lease_namespace=LEASE_NAMESPACE if elected else None,
+                               lease_timing=LEASE_TIMING if elected else None, identity=self.identity)
+        self.memo = memo
+        return registry, memo
 
+    async def start(self) -> None:
+        registry, memo = self.build()
         self.stop_flag = asyncio.Event()
         self.task = asyncio.create_task(serve(registry, memo, [], liveness=None,
                                               stop_flag=self.stop_flag))  # type: ignore[arg-type]

@@ -243,6 +243,19 @@ def test_due_after_the_interval_or_a_spec_change() -> None:
     assert scaler.due(changed, now[0] + 1)
 
 
+def test_a_new_process_waits_out_the_interval_since_the_recorded_decision() -> None:
+    # Another replica (the last leader) decided at t=1000: its decision is in the status.
+    kube, prom, now = FakeKube(PODS), FakePrometheus(busy_results()), [1000.0]
+    obj = body(intervalSeconds=30)
+    autoscaler(kube, prom, now).step(obj)
+    (patch,) = kube.status_patches
+    obj["status"] = patch
+    successor = autoscaler(kube, prom, now)
+    assert not successor.due(obj, now[0] + 10)
+    assert successor.due(obj, now[0] + 30)
+    assert successor.due(body(intervalSeconds=30), now[0])  # never decided: at once
+
+
 def test_unknown_profile_is_reported() -> None:
     kube, prom, now = FakeKube(PODS), FakePrometheus(busy_results()), [1000.0]
     obj = body()

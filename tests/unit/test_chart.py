@@ -22,7 +22,9 @@ from tests.chart import (
     DASHBOARD,
     IMAGE,
     INSTALL,
+    LEASE_RULES,
     OPERATOR_ARGS,
+    POD_NAME_ENV,
     assert_least_privilege,
     install_objects,
     one,
@@ -78,6 +80,7 @@ def test_values_defaults() -> None:
     v = values()
     assert v["image"] == {"repository": "ghcr.io/xpyd-operator/xpyd-operator", "tag": "", "pullPolicy": "IfNotPresent"}
     assert v["watchNamespaces"] == []
+    assert v["replicas"] == 1
     assert v["resources"]["requests"] == {"cpu": "100m", "memory": "256Mi"}
     assert "memory" in v["resources"]["limits"]
     assert v["monitoring"]["dashboard"]["labels"] == {"grafana_dashboard": "1"}
@@ -93,6 +96,8 @@ def test_values_defaults() -> None:
     ("watchNamespaces", ["a", "a"]),
     ("watchNamespaces", "a"),
     ("resyncSeconds", 0),
+    ("replicas", 0),
+    ("replicas", 1.5),
     ("workers", 0),
     ("workers", 2.5),
     ("verbose", "yes"),
@@ -207,16 +212,20 @@ def test_install_has_exactly_the_operator() -> None:
         ("CustomResourceDefinition", "disaggregatedservings.xpyd.io"),
         ("Deployment", "xpyd-operator"),
         ("Namespace", "xpyd-system"),
+        ("Role", "xpyd-operator-leader-election"),
+        ("RoleBinding", "xpyd-operator-leader-election"),
         ("ServiceAccount", "xpyd-operator"),
     ]
     for obj in objects:
-        if obj["kind"] in ("ServiceAccount", "Deployment"):
+        if obj["kind"] in ("ServiceAccount", "Deployment", "Role", "RoleBinding"):
             assert obj["metadata"]["namespace"] == "xpyd-system"
     binding = one(objects, "ClusterRoleBinding")
     assert binding["roleRef"] == {"apiGroup": "rbac.authorization.k8s.io", "kind": "ClusterRole",
                                   "name": "xpyd-operator"}
     assert binding["subjects"] == [{"kind": "ServiceAccount", "name": "xpyd-operator", "namespace": "xpyd-system"}]
     assert one(objects, "Namespace")["metadata"]["labels"]["pod-security.kubernetes.io/enforce"] == "restricted"
+    assert one(objects, "Role")["rules"] == LEASE_RULES
+    assert one(objects, "RoleBinding")["subjects"] == binding["subjects"]
 
 
 def test_install_deployment() -> None:
@@ -232,6 +241,7 @@ def test_install_deployment() -> None:
     assert container["image"] == IMAGE
     assert container["command"] == ["xpyd", "operator"]
     assert container["args"] == OPERATOR_ARGS
+    assert container["env"] == [POD_NAME_ENV]
     assert container["livenessProbe"]["httpGet"] == {"path": "/healthz", "port": 8080}
     assert container["securityContext"] == {
         "runAsNonRoot": True, "runAsUser": 65532, "runAsGroup": 65532, "readOnlyRootFilesystem": True,

@@ -17,8 +17,11 @@ DisaggregatedServing whose mode is not Off, under the object's reconcile lock:
    the single writer of the Deployments) applies to the children's replicas.
 
 The decision state (forecasts, capacity corrections, stabilisation windows) lives in memory. After
-an operator restart it starts empty, which only delays scale-down: a down-step needs a whole
-stabilisation window of recommendations.
+an operator restart or a hand-over to another replica it starts empty, which only delays
+scale-down: a down-step needs a whole stabilisation window of recommendations. Such a process makes
+its first decision of an object only once `intervalSeconds` have passed since the last decision
+recorded in its status (`status.autoscaler.lastDecision.time`), so the hand-over never decides twice
+in one interval.
 """
 
 from __future__ import annotations
@@ -55,7 +58,7 @@ from xpyd.autoscaler.sizing import DEFAULT_MAX_NUM_BATCHED_TOKENS, DEFAULT_MAX_N
 from xpyd.common import exposition
 from xpyd.common.args import last_flag_value
 from xpyd.common.jsontypes import JSON
-from xpyd.common.timefmt import rfc3339
+from xpyd.common.timefmt import parse_rfc3339, rfc3339
 from xpyd.controller.status import ConditionValue, merge_conditions, status_changed
 from xpyd.kube import Kube, KubeError
 from xpyd.perf.model import PerfModel
@@ -237,11 +240,19 @@ class Autoscaler:
             self.forget(body["metadata"]["namespace"], body["metadata"]["name"])
             return False
         meta = body["metadata"]
+        interval = float(spec.get("intervalSeconds", 30)) - 0.5
         with self._guard:
             memory = self._memory.get((meta["namespace"], meta["name"]))
-        if memory is None or memory.uid != meta.get("uid") or memory.generation != meta.get("generation"):
+        if memory is None or memory.uid != meta.get("uid"):
+            # Not decided by this process yet (a new object, a restart, a replica that just took over
+            # the Lease): wait out the interval since the last change of replicas the status records,
+            # so a hand-over never decides twice within one interval.
+            last = parse_rfc3339(((body.get("status") or {}).get("autoscaler") or {}).get("lastDecision", {})
+                                 .get("time"))
+            return last is None or now - last >= interval
+        if memory.generation != meta.get("generation"):
             return True
-        return now - memory.last_run_s >= float(spec.get("intervalSeconds", 30)) - 0.5
+        return now - memory.last_run_s >= interval
 
     def forget(self, namespace: str, name: str) -> None:
         with self._guard:

@@ -17,6 +17,11 @@
   deleting a DisaggregatedServing hang whenever the operator is not running) starts a decision for
   every object whose decision is due, each in its own worker, so one slow Prometheus delays no
   other pool; a decision that changes replicas in Auto mode queues the pool's reconcile.
+- With leader election (`elector`, see xpyd.controller.leader), every replica keeps its caches
+  warm, but only the one holding the Lease runs workers, resyncs and autoscaler decisions: they
+  start (every pool queued) when it acquires the Lease and stop when it loses it. Its writes are
+  fenced (`Kube.fence`): once its renew deadline passes, a reconcile or decision still in flight
+  cannot write, so the next leader never meets a write of the old one.
 kopf runs the process (startup and cleanup, signals, the liveness endpoint).
 """
 
@@ -37,6 +42,7 @@ from xpyd.api import models
 from xpyd.api.naming import FIELD_MANAGER, SERVING_LABEL
 from xpyd.common.jsontypes import JSON
 from xpyd.controller.autoscale import Autoscaler
+from xpyd.controller.leader import LeaderElector
 from xpyd.controller.reconcile import InvalidSpec, Verified, reconcile
 from xpyd.controller.workqueue import WorkQueue
 from xpyd.kube import Kube, KubeError
@@ -136,6 +142,8 @@ class OperatorState:
     use_cache: bool = True
     queue: WorkQueue[Key] = field(init=False)
     cache: Cache | None = None
+    #: The Lease election (None: this replica always acts, as a single replica does).
+    elector: LeaderElector | None = None
     _locks: dict[Key, threading.Lock] = field(default_factory=dict)
     #: Per pool, what its last reconcile verified (see `reconcile.Verified`), kept with its lock.
     _verified: dict[Key, Verified] = field(default_factory=dict)
@@ -206,8 +214,12 @@ class OperatorState:
         if key is not None:
             self.queue.add(key, urgent=is_urgent(kind, old, new))
 
+    def acting(self) -> bool:
+        """Whether this replica may reconcile and decide now (holds the Lease, or needs none)."""
+        return self.elector is None or self.elector.holding()
+
     def start(self) -> None:
-        """Fill the caches (up to SYNC_TIMEOUT_SECONDS), start the workers, queue every pool."""
+        """Fill the caches (up to SYNC_TIMEOUT_SECONDS); then lead at once, or stand by for the Lease."""
         if self.use_cache:
             self.cache = Cache(self.kube, cache_kinds(), self.namespaces, on_change=self.changed)
             self.cache.start()
@@ -215,40 +227,64 @@ class OperatorState:
             if late:
                 log.warning("not listed yet (read from the API server until they are): %s", late)
             self.kube.cache = self.cache
+        if self.elector is None:
+            self.lead()
+        else:
+            self.queue.shutdown()  # a standby's watch events queue nothing
+            self.elector.start()
+
+    def lead(self) -> None:
+        """Start working: a fresh queue (the last term's may hold stale retries), its workers, every
+        pool queued."""
+        queue: WorkQueue[Key] = WorkQueue(base=self.retry_seconds, cap=RETRY_CAP_SECONDS)
+        self.queue = queue
+        self._threads = [thread for thread in self._threads if thread.is_alive()]
         for index in range(self.workers):
-            thread = threading.Thread(target=self._work, name=f"reconcile-{index}", daemon=True)
+            thread = threading.Thread(target=self._work, args=(queue,), name=f"reconcile-{index}", daemon=True)
             thread.start()
             self._threads.append(thread)
         self.resync()
 
-    def stop(self) -> None:
+    def follow(self) -> None:
+        """Stop working: the workers finish their current pool and take no other; no decision starts."""
         self.queue.shutdown()
+
+    def stop(self) -> None:
+        """Stop working, then (when elected) hand the Lease over, then stop the caches."""
+        if self.elector is not None:
+            self.elector.stop()
+            self.elector.resign()
+        self.follow()
         if self._decisions is not None:
             self._decisions.shutdown(wait=False, cancel_futures=True)
-        if self.cache is not None:
-            self.cache.stop()
-            self.kube.cache = None
         for thread in self._threads:
             thread.join(timeout=5.0)
         self._threads.clear()
+        if self.elector is not None:
+            self.elector.release()  # after the work stopped: the next leader starts at once
+        if self.cache is not None:
+            self.cache.stop()
+            self.kube.cache = None
 
-    def _work(self) -> None:
-        while (key := self.queue.get()) is not None:
+    def _work(self, queue: WorkQueue[Key]) -> None:
+        while (key := queue.get()) is not None:
             try:
                 self.reconcile(*key)
             except InvalidSpec:
-                self.queue.forget(key)  # reported in its status and Events; its next change comes back
+                queue.forget(key)  # reported in its status and Events; its next change comes back
             except KubeError as error:
-                log.warning("reconcile of %s/%s failed, retrying in %.1f s: %s", *key, self.queue.retry(key), error)
+                log.warning("reconcile of %s/%s failed, retrying in %.1f s: %s", *key, queue.retry(key), error)
             except Exception:  # a bug in one object's reconcile must not stop the worker
-                log.exception("reconcile of %s/%s failed, retrying in %.1f s", *key, self.queue.retry(key))
+                log.exception("reconcile of %s/%s failed, retrying in %.1f s", *key, queue.retry(key))
             else:
-                self.queue.forget(key)
+                queue.forget(key)
             finally:
-                self.queue.done(key)
+                queue.done(key)
 
     def resync(self) -> None:
         """Queue every pool (from the cache once it serves), and drop the locks of pools gone."""
+        if not self.acting():
+            return
         bodies, listed = _list_all(self, "resync")
         for body in bodies:
             self.queue.add(_key(body))
@@ -257,12 +293,16 @@ class OperatorState:
     def autoscale_due(self) -> None:
         """Start a decision for every autoscaled object whose decision is due and not running."""
         assert self.autoscaler is not None
+        if not self.acting():
+            return
         if self._decisions is None:
             self._decisions = ThreadPoolExecutor(max_workers=self.workers, thread_name_prefix="autoscale")
         bodies, listed = _list_all(self, "autoscaler")
         now = self.autoscaler.clock()
         for body in bodies:
             key = _key(body)
+            if not self.acting():
+                break  # the Lease was lost meanwhile
             with self._locks_guard:
                 if key in self._deciding or not self.autoscaler.due(body, now):
                     continue

@@ -4,9 +4,13 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
+import secrets
+import socket
 import threading
 from collections.abc import Callable
-from typing import Any
+from pathlib import Path
+from typing import Any, Final
 from urllib.parse import urlsplit
 
 import kopf
@@ -15,15 +19,39 @@ from aiohttp import web
 from xpyd.common import exposition
 from xpyd.controller.autoscale import Autoscaler
 from xpyd.controller.handlers import OperatorState, register
+from xpyd.controller.leader import LeaderElector, Timing
 from xpyd.controller.metrics import OperatorMetrics
 from xpyd.kube import Kube
 from xpyd.render import DEFAULT_OPERATOR_IMAGE
 
+#: The Lease the replicas of one operator elect their leader with.
+LEASE_NAME: Final = "xpyd-operator"
+#: Where a pod finds its own namespace (the service account's projected volume).
+NAMESPACE_FILE: Final = Path("/var/run/secrets/kubernetes.io/serviceaccount/namespace")
+DEFAULT_LEASE_NAMESPACE: Final = "xpyd-system"
+
+
+def default_lease_namespace(namespace_file: Path = NAMESPACE_FILE) -> str:
+    """The pod's own namespace, else xpyd-system (outside a cluster)."""
+    try:
+        return namespace_file.read_text().strip() or DEFAULT_LEASE_NAMESPACE
+    except OSError:
+        return DEFAULT_LEASE_NAMESPACE
+
+
+def candidate_identity() -> str:
+    """The pod's name (`POD_NAME`, from the downward API) or the host name, with a random suffix:
+    a restarted process is a new candidate, never mistaken for the one that held the Lease."""
+    return f"{os.environ.get('POD_NAME') or socket.gethostname()}_{secrets.token_hex(4)}"
+
 
 def build(operator_image: str | None, resync_seconds: float, namespaces: list[str],
           kube: Kube | None = None, retry_seconds: float = 1.0,
-          login: Callable[..., Any] | None = None, workers: int = 8) -> tuple[kopf.OperatorRegistry, kopf.Memo]:
-    """The registry and memo of one operator instance (tests run several in one process).
+          login: Callable[..., Any] | None = None, workers: int = 8, lease_namespace: str | None = None,
+          lease_timing: Timing | None = None, identity: str | None = None,
+          ) -> tuple[kopf.OperatorRegistry, kopf.Memo]:
+    """The registry and memo of one operator instance (tests run several in one process). With
+    `lease_namespace`, the instance elects its leader on the Lease `xpyd-operator` there.
 
     kopf's own credentials come from `login`, by default the kubernetes client's: in-cluster
     service account, else the current kubeconfig (the same as `Kube.from_environment`).
@@ -35,6 +63,10 @@ def build(operator_image: str | None, resync_seconds: float, namespaces: list[st
     state = OperatorState(kube=kube, operator_image=operator_image or DEFAULT_OPERATOR_IMAGE,
                           resync_seconds=resync_seconds, namespaces=namespaces, retry_seconds=retry_seconds,
                           autoscaler=Autoscaler(kube), workers=workers)
+    if lease_namespace is not None:
+        state.elector = LeaderElector(kube, lease_namespace, LEASE_NAME, identity or candidate_identity(),
+                                      lease_timing or Timing(), on_started=state.lead, on_stopped=state.follow)
+        kube.fence = state.elector.holding
     return registry, kopf.Memo(state=state)
 
 
@@ -67,7 +99,7 @@ async def serve(registry: kopf.OperatorRegistry, memo: kopf.Memo, namespaces: li
             memo=memo,
             clusterwide=not namespaces,
             namespaces=namespaces,
-            standalone=True,  # one replica (Recreate strategy): no peering objects needed
+            standalone=True,  # no kopf peering: replicas elect their leader on a Lease (controller.leader)
             liveness_endpoint=liveness or None,
             stop_flag=stop_flag,
             ready_flag=ready_flag,
@@ -78,10 +110,12 @@ async def serve(registry: kopf.OperatorRegistry, memo: kopf.Memo, namespaces: li
 
 
 def run(namespaces: list[str], all_namespaces: bool, liveness: str | None, operator_image: str | None,
-        resync_seconds: float, verbose: bool, metrics: str | None = None, workers: int = 8) -> int:
+        resync_seconds: float, verbose: bool, metrics: str | None = None, workers: int = 8,
+        leader_elect: bool = False, lease_namespace: str | None = None) -> int:
     kopf.configure(verbose=verbose, log_format=kopf.LogFormat.JSON)
     logging.getLogger("xpyd").setLevel(logging.DEBUG if verbose else logging.INFO)
     scope = [] if all_namespaces else namespaces
-    registry, memo = build(operator_image, resync_seconds, scope, workers=workers)
+    registry, memo = build(operator_image, resync_seconds, scope, workers=workers,
+                           lease_namespace=(lease_namespace or default_lease_namespace()) if leader_elect else None)
     asyncio.run(serve(registry, memo, scope, liveness, metrics=metrics))
     return 0

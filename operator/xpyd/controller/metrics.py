@@ -35,5 +35,8 @@ class OperatorMetrics(Collector):
                 synced.add_metric((kind,), float(all(r.synced.is_set() for r in reflectors)))
         yield cached
         yield synced
+        yield GaugeMetricFamily("xpyd_operator_leader", "1 while this replica reconciles and decides (it holds "
+                                "the leader's Lease, or runs without leader election), 0 while it stands by.",
+                                value=float(self.state.acting()))
         yield GaugeMetricFamily("xpyd_operator_workqueue_depth", "DisaggregatedServings waiting for a reconcile.",
                                 value=len(self.state.queue))

@@ -4,11 +4,12 @@ from xpyd.kube.client import (
     CLUSTER_SCOPED,
     PLURALS,
     REQUEST_TIMEOUT_SECONDS,
+    Fenced,
     Kube,
     KubeError,
     load_client_config,
     resource_path,
 )
 
-__all__ = ["CLUSTER_SCOPED", "PLURALS", "REQUEST_TIMEOUT_SECONDS", "Kube", "KubeError", "load_client_config",
-           "resource_path"]
+__all__ = ["CLUSTER_SCOPED", "PLURALS", "REQUEST_TIMEOUT_SECONDS", "Fenced", "Kube", "KubeError",
+           "load_client_config", "resource_path"]

@@ -11,6 +11,7 @@ import json
 import logging
 import threading
 from collections import Counter
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -42,6 +43,7 @@ PLURALS: Final[dict[tuple[str, str], str]] = {
     ("policy/v1", "PodDisruptionBudget"): "poddisruptionbudgets",
     ("rbac.authorization.k8s.io/v1", "Role"): "roles",
     ("rbac.authorization.k8s.io/v1", "RoleBinding"): "rolebindings",
+    ("coordination.k8s.io/v1", "Lease"): "leases",
     (models.API_VERSION, models.KIND): models.PLURAL,
 }
 
@@ -60,6 +62,13 @@ class KubeError(Exception):
     def __init__(self, status: int, message: str) -> None:
         super().__init__(f"HTTP {status}: {message}" if status else message)
         self.status = status
+
+
+class Fenced(KubeError):
+    """A write refused before it was sent: this replica does not hold the leader's Lease."""
+
+    def __init__(self, method: str, path: str) -> None:
+        super().__init__(0, f"{method} {path}: not sent, this operator replica is not the leader")
 
 
 def resource_path(api_version: str, kind: str, namespace: str | None, name: str | None = None,
@@ -115,6 +124,9 @@ class Kube:
 
     api: kubernetes.client.ApiClient
     cache: Cache | None = None
+    #: When set, a write (of anything but a Lease) is sent only while it returns True: a replica that
+    #: lost the leader's Lease cannot finish a decision it started under it (see controller.leader).
+    fence: Callable[[], bool] | None = None
     #: Requests sent, by (verb, resource, HTTP status; 0 when no answer came): the operator's /metrics.
     requests: Counter[tuple[str, str, int]] = field(default_factory=Counter, init=False, compare=False)
     _requests_guard: threading.Lock = field(default_factory=threading.Lock, init=False, repr=False, compare=False)
@@ -128,6 +140,9 @@ class Kube:
     def _call(self, method: str, path: str, body: Any = None, query: list[tuple[str, str]] | None = None,
               content_type: str = "application/json") -> JSON | None:
         """One request; None for a GET of a missing object, KubeError for any other failure."""
+        if self.fence is not None and method != "GET" and request_kind(method, path, [])[1] != "leases" \
+                and not self.fence():
+            raise Fenced(method, path)
         try:
             method, url, headers, body, _ = self.api.param_serialize(
                 method=method, resource_path=path, query_params=query or [], body=body,
@@ -206,6 +221,13 @@ class Kube:
         meta = obj["metadata"]
         result = self._call("POST", resource_path(obj["apiVersion"], obj["kind"], meta.get("namespace")), body=obj)
         return result or {}
+
+    def replace(self, obj: JSON) -> JSON:
+        """PUT the whole object. The API server refuses it (409) unless `metadata.resourceVersion`
+        is the stored one: an update only of what was read."""
+        meta = obj["metadata"]
+        path = resource_path(obj["apiVersion"], obj["kind"], meta["namespace"], meta["name"])
+        return self._call("PUT", path, body=obj) or {}
 
     def patch(self, api_version: str, kind: str, namespace: str | None, name: str, patch: JSON,
               subresource: str | None = None) -> JSON:
