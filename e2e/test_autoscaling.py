@@ -138,7 +138,8 @@ def events(cluster: Cluster, namespace: str, name: str) -> list[dict[str, Any]]:
 
 def operator_metrics(cluster: Cluster) -> list[tuple[str, dict[str, str]]]:
     """The operator's /metrics: (sample name, labels) of every sample."""
-    (pod,) = cluster.get("pods", "-n", OPERATOR_NAMESPACE, "-l", "app.kubernetes.io/name=xpyd-operator")["items"]
+    (pod,) = [p for p in cluster.get("pods", "-n", OPERATOR_NAMESPACE, "-l", "app.kubernetes.io/name=xpyd-operator")[
+        "items"] if not p["metadata"].get("deletionTimestamp")]  # a replica of an earlier test may still be going
     url = require_loopback_url(f"http://{require_loopback(pod['status']['podIP'])}:8081/metrics")
     with urllib.request.urlopen(url, timeout=5) as response:
         text = response.read().decode()
