@@ -29,9 +29,9 @@ import sys
 import tempfile
 import time
 from dataclasses import dataclass
-from pathlib import Path
 
 import aiohttp
+from procstats import cpu_seconds
 
 HOST = "127.0.0.1"
 RUN_TIMEOUT_S = 180.0
@@ -56,12 +56,6 @@ def free_port() -> int:
     with socket.socket() as sock:
         sock.bind((HOST, 0))
         return int(sock.getsockname()[1])
-
-
-def cpu_seconds(pid: int) -> float:
-    """User + system CPU time of a process (Linux /proc)."""
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 async def wait_ready(session: aiohttp.ClientSession, url: str, process: subprocess.Popen[str]) -> None:

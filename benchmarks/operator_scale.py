@@ -47,6 +47,7 @@ from pathlib import Path
 from typing import Any
 
 import yaml
+from procstats import cpu_seconds, rss_kib
 
 from xpyd.api import models
 from xpyd.api.load import parse_serving
@@ -55,6 +56,7 @@ from xpyd.cluster.binaries import Binaries, locate_binaries
 from xpyd.cluster.controlplane import ClusterState, ControlPlane, free_port, write_kubeconfig
 from xpyd.common.jsontypes import JSON
 from xpyd.common.stats import percentile
+from xpyd.controller.handlers import CHILD_KINDS
 from xpyd.kube import Kube
 from xpyd.kube.cache import Cache, Kind
 from xpyd.render import render
@@ -66,9 +68,6 @@ CHART = ROOT / "charts" / "xpyd-operator"
 OPERATOR_NAMESPACE = "xpyd-system"
 OPERATOR_SA = "xpyd-operator"
 FLOW_SCHEMA = "xpyd-operator-bench"
-CHILD_KINDS = (("apps/v1", "Deployment"), ("v1", "Service"), ("v1", "ServiceAccount"),
-               ("policy/v1", "PodDisruptionBudget"), ("rbac.authorization.k8s.io/v1", "Role"),
-               ("rbac.authorization.k8s.io/v1", "RoleBinding"))
 WRITE_VERBS = frozenset({"POST", "PUT", "PATCH", "DELETE"})
 
 
@@ -198,10 +197,7 @@ class OperatorProcess:
         return cpu_seconds(self.process.pid)
 
     def rss_mb(self) -> float:
-        for line in Path(f"/proc/{self.process.pid}/status").read_text().splitlines():
-            if line.startswith("VmRSS:"):
-                return int(line.split()[1]) / 1024
-        return float("nan")
+        return rss_kib(self.process.pid) / 1024
 
     def stop(self) -> None:
         self.process.terminate()
@@ -210,15 +206,6 @@ class OperatorProcess:
         except subprocess.TimeoutExpired:
             self.process.kill()
         self.log.close()
-
-
-def cpu_seconds(pid: int) -> float:
-    """User plus system CPU seconds of a process so far (0 once it is gone)."""
-    try:
-        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    except OSError:
-        return 0.0
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 def control_plane_cpu(setup: Setup) -> dict[str, float]:

@@ -41,10 +41,10 @@ import time
 import uuid
 from collections.abc import Iterator
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 import aiohttp
+from procstats import rss_kib
 
 from xpyd.cluster.controlplane import free_port
 from xpyd.proxy import protocol
@@ -243,20 +243,13 @@ async def _measure(url: str, clients: int, stream: bool, seconds: float, paced_r
     return Result(len(latencies) / seconds, _percentile(latencies, 0.5), _percentile(latencies, 0.99), errors)
 
 
-def _rss_kib(pid: int) -> int:
-    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-        if line.startswith("VmRSS:"):
-            return int(line.split()[1])
-    return 0
-
-
 async def _soak(url: str, pid: int, seconds: float, clients: int) -> list[tuple[float, int]]:
     samples: list[tuple[float, int]] = []
     started = time.monotonic()
 
     async def sample() -> None:
         while time.monotonic() - started < seconds:
-            samples.append((time.monotonic() - started, _rss_kib(pid)))
+            samples.append((time.monotonic() - started, rss_kib(pid)))
             await asyncio.sleep(max(1.0, seconds / 12))
 
     sampler = asyncio.ensure_future(sample())
@@ -264,7 +257,7 @@ async def _soak(url: str, pid: int, seconds: float, clients: int) -> list[tuple[
     await _measure(url, clients, False, half)
     await _measure(url, clients, True, seconds - half - 1)
     await sampler
-    samples.append((time.monotonic() - started, _rss_kib(pid)))
+    samples.append((time.monotonic() - started, rss_kib(pid)))
     return samples
 
 
