@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Build the binaries of a local Kubernetes control plane (etcd, kube-apiserver,
-# kube-controller-manager, kube-scheduler, kubectl, kwok, helm) from Go modules at
-# pinned versions.
+# kube-controller-manager, kube-scheduler, kubectl, kwok, helm) and the LeaderWorkerSet
+# controller from Go modules at pinned versions.
 #
 # Why from source: the only thing reachable from CI and developer machines is the Go
 # module proxy (no release tarballs, no container images), so every binary is compiled
@@ -29,6 +29,7 @@ ETCD_VERSION=v3.6.16        # kwok pairs recent Kubernetes with etcd 3.6
 KUBERNETES_VERSION=v1.37.2
 KWOK_VERSION=v0.8.0
 HELM_VERSION=v3.22.0
+LWS_VERSION=v0.9.0          # sigs.k8s.io/lws: multi-node replicas (its CRDs are copied beside it)
 
 # Kubernetes publishes its staging repos as k8s.io/<name> at v0.<minor>.<patch>;
 # k8s.io/kubernetes itself requires them at v0.0.0 with replaces to local paths, which
@@ -70,6 +71,7 @@ ETCD_DIR=$BIN_ROOT/etcd-$ETCD_VERSION
 K8S_DIR=$BIN_ROOT/kubernetes-$KUBERNETES_VERSION
 KWOK_DIR=$BIN_ROOT/kwok-$KWOK_VERSION
 HELM_DIR=$BIN_ROOT/helm-$HELM_VERSION
+LWS_DIR=$BIN_ROOT/lws-$LWS_VERSION
 
 START=$SECONDS
 log() { printf '[build %4ss] %s\n' "$((SECONDS - START))" "$*"; }
@@ -107,6 +109,18 @@ gen_kubernetes_gomod() {
   printf ')\n'
 }
 
+gen_lws_gomod() {
+  cat <<EOF
+module xpyd.local/e2e/build/lws
+
+go 1.26.0
+
+tool sigs.k8s.io/lws/cmd
+
+require sigs.k8s.io/lws $LWS_VERSION
+EOF
+}
+
 setup_go() {
   command -v go >/dev/null || { echo "go is not installed (need Go >= 1.26)" >&2; exit 1; }
   export GOMODCACHE=$XPYD_CACHE/go/mod
@@ -121,7 +135,7 @@ setup_go() {
 
 if [[ $TIDY == 1 ]]; then
   setup_go
-  for comp in etcd kubernetes; do
+  for comp in etcd kubernetes lws; do
     log "$comp: regenerating $HERE/$comp/go.mod and go.sum"
     mkdir -p "$HERE/$comp"
     "gen_${comp}_gomod" > "$HERE/$comp/go.mod"
@@ -148,17 +162,21 @@ write_env() {
     echo "KWOK_VERSION=$KWOK_VERSION"
     echo "HELM=$HELM_DIR/helm"
     echo "HELM_VERSION=$HELM_VERSION"
+    echo "LWS_CONTROLLER=$LWS_DIR/lws-controller"
+    echo "LWS_CRDS=$LWS_DIR/crds"
+    echo "LWS_VERSION=$LWS_VERSION"
   } > "$tmp"
   mv -f "$tmp" "$ENV_FILE"      # atomic: readers never see a half-written file
   mkdir -p "$BIN_ROOT/current"
-  for b in "$ETCD_DIR/etcd" "$K8S_DIR"/* "$KWOK_DIR/kwok" "$HELM_DIR/helm"; do
+  for b in "$ETCD_DIR/etcd" "$K8S_DIR"/* "$KWOK_DIR/kwok" "$HELM_DIR/helm" "$LWS_DIR/lws-controller"; do
     ln -sfn "$b" "$BIN_ROOT/current/$(basename "$b")"
   done
 }
 
 all_cached() {
   have_all "$ETCD_DIR" etcd && have_all "$K8S_DIR" "${K8S_BINARIES[@]}" &&
-    have_all "$KWOK_DIR" kwok && have_all "$HELM_DIR" helm
+    have_all "$KWOK_DIR" kwok && have_all "$HELM_DIR" helm &&
+    have_all "$LWS_DIR" lws-controller && [[ -d $LWS_DIR/crds ]]
 }
 
 mkdir -p "$BIN_ROOT"
@@ -277,6 +295,21 @@ build_helm() {
   GOBIN=$1 run_logged helm go install -trimpath -ldflags "$ldflags" "helm.sh/helm/v3/cmd/helm@$HELM_VERSION"
 }
 
+build_lws() {
+  # A tools module rather than `go install pkg@version`: the proxy refuses the module's
+  # version list, which `go install` reads for deprecations. Its main package is `cmd`;
+  # the version is stamped as its Makefile does. The CRDs come from the same module, so
+  # the cluster installs exactly the API this controller serves.
+  local out=$1 pkg=sigs.k8s.io/lws
+  prepare_module lws "$pkg $LWS_VERSION"
+  local ldflags="-s -w -X $pkg/pkg/version.GitVersion=$LWS_VERSION"
+  (cd "$WORK" && run_logged lws go build -mod=mod -trimpath -ldflags "$ldflags" -o "$out/lws-controller" "$pkg/cmd")
+  mkdir -p "$out/crds"
+  # Both: the controller always runs its DisaggregatedSet reconciler too.
+  cp "$(go env GOMODCACHE)/$pkg@$LWS_VERSION"/config/crd/bases/*.yaml "$out/crds/"
+  chmod u+w "$out/crds"/*
+}
+
 log "cache: $XPYD_CACHE ($(go version | cut -d' ' -f3))"
 build_component etcd "$ETCD_VERSION" "$ETCD_DIR" build_etcd \
   "etcd --version" "etcd Version: ${ETCD_VERSION#v}" etcd
@@ -284,6 +317,8 @@ build_component kwok "$KWOK_VERSION" "$KWOK_DIR" build_kwok \
   "kwok --version" "${KWOK_VERSION#v}" kwok
 build_component helm "$HELM_VERSION" "$HELM_DIR" build_helm \
   "helm version" "Version:\"$HELM_VERSION\"" helm
+build_component lws "$LWS_VERSION" "$LWS_DIR" build_lws \
+  "lws-controller --version" "Version: $LWS_VERSION" lws-controller
 build_component kubernetes "$KUBERNETES_VERSION" "$K8S_DIR" build_kubernetes \
   "kube-apiserver --version" "Kubernetes $KUBERNETES_VERSION" "${K8S_BINARIES[@]}"
 

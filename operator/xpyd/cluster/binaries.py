@@ -21,6 +21,8 @@ class Binaries:
     kubectl: Path
     kwok: Path
     helm: Path
+    lws_controller: Path
+    lws_crds: Path
     prometheus: Path | None = None
 
     @property
@@ -78,11 +80,13 @@ def locate_binaries(build: bool = True) -> Binaries:
         kube_controller_manager=Path(values["KUBE_CONTROLLER_MANAGER"]),
         kube_scheduler=Path(values["KUBE_SCHEDULER"]), kubectl=Path(values["KUBECTL"]),
         kwok=Path(values["KWOK"]), helm=Path(values["HELM"]),
+        lws_controller=Path(values["LWS_CONTROLLER"]), lws_crds=Path(values["LWS_CRDS"]),
         prometheus=Path(prometheus) if prometheus else None,
     )
 
 
-_REQUIRED = ("ETCD", "KUBE_APISERVER", "KUBE_CONTROLLER_MANAGER", "KUBE_SCHEDULER", "KUBECTL", "KWOK", "HELM")
+_REQUIRED = ("ETCD", "KUBE_APISERVER", "KUBE_CONTROLLER_MANAGER", "KUBE_SCHEDULER", "KUBECTL", "KWOK", "HELM",
+             "LWS_CONTROLLER", "LWS_CRDS")
 
 
 def _complete(path: Path) -> bool:

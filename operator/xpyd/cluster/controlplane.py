@@ -1,8 +1,8 @@
 """`xpyd cluster up|down|status`: a real Kubernetes control plane on loopback.
 
-etcd, kube-apiserver, kube-controller-manager, kube-scheduler and kwok run as local processes
-from binaries built by `e2e/build/build.sh`; fake GPU nodes are registered through kwok; the pod
-process runtime (`xpyd cluster runtime`) runs the pods. Everything binds 127.0.0.1, RBAC is on,
+etcd, kube-apiserver, kube-controller-manager, kube-scheduler, kwok and the LeaderWorkerSet
+controller run as local processes from binaries built by `e2e/build/build.sh`; fake GPU nodes are
+registered through kwok; the pod process runtime (`xpyd cluster runtime`) runs the pods. Everything binds 127.0.0.1, RBAC is on,
 and the admin kubeconfig is written to `<state>/kubeconfig`.
 """
 
@@ -25,7 +25,7 @@ from typing import Any
 
 import yaml
 
-from xpyd.cluster import pki
+from xpyd.cluster import lws, pki
 from xpyd.cluster.binaries import Binaries, locate_binaries
 from xpyd.cluster.nodes import DEFAULT_NODES, NodeSpec, node_object
 from xpyd.cluster.pidfiles import kill_leftover_pods
@@ -200,6 +200,8 @@ class ControlPlane:
             self._start_kwok(state, bins)
             self._register_nodes(state, nodes)
             progress(f"{len(nodes)} fake nodes Ready ({time.monotonic() - started:.1f}s)")
+            self._start_lws(state, bins, files)
+            progress(f"LeaderWorkerSet controller and webhooks ready ({time.monotonic() - started:.1f}s)")
             if bins.prometheus is not None:
                 self._start_prometheus(state, bins.prometheus)
                 progress(f"prometheus ready at {state.prometheus_url} ({time.monotonic() - started:.1f}s)")
@@ -279,6 +281,38 @@ class ControlPlane:
             "--manage-all-nodes=false", f"--manage-nodes-with-annotation-selector={KWOK_NODE_ANNOTATION}=fake",
             f"--node-ip={HOST}", f"--server-address={HOST}:{free_port()}", "--cidr=127.64.0.0/10",
         ], env={"HOME": str(home)})
+
+    def _start_lws(self, state: ClusterState, bins: Binaries, files: pki.Files) -> None:
+        """The LWS CRDs, then its controller with the webhook server on loopback, then the webhook
+        configurations pointing at it (registered last: until it serves, they would refuse pods)."""
+        admin = Kube.from_kubeconfig(state.kubeconfig)
+        definitions = lws.crds(bins.lws_crds)
+        for crd in definitions:
+            admin.apply(crd)
+        directory = self.state_dir / "lws"
+        cert_dir = directory / "certs"
+        pki.issue_serving_cert(files, cert_dir, "lws-webhook")
+        webhook_port, health_port = free_ports(2)
+        config = directory / "config.yaml"
+        config.write_text(yaml.safe_dump(lws.controller_config(HOST, webhook_port, health_port, cert_dir)))
+        deadline = time.monotonic() + 30
+        while not all(lws.established(admin.get(crd["apiVersion"], crd["kind"], None, crd["metadata"]["name"]))
+                      for crd in definitions):
+            if time.monotonic() > deadline:
+                raise ClusterError("LeaderWorkerSet CRDs not Established after 30s")
+            time.sleep(0.2)
+        self._spawn(state, "lws-controller", [str(bins.lws_controller), f"--config={config}"],
+                    env={"KUBECONFIG": str(state.kubeconfig)})
+
+        def serving() -> bool:
+            with urllib.request.urlopen(f"http://{HOST}:{health_port}/readyz", timeout=2) as response:
+                ready = response.status == 200
+            with socket.create_connection((HOST, webhook_port), timeout=1):
+                return bool(ready)
+
+        self._wait(state, "lws-controller", serving, 60)
+        for configuration in lws.webhook_configurations(HOST, webhook_port, files.ca_cert.read_bytes()):
+            admin.apply(configuration)
 
     def _start_prometheus(self, state: ClusterState, binary: Path) -> None:
         """Prometheus scraping the pods the runtime lists in file_sd (the Debian build has no

@@ -103,3 +103,21 @@ def generate(directory: Path) -> Files:
         if path.suffix == ".key":
             path.chmod(0o600)
     return files
+
+
+def issue_serving_cert(files: Files, directory: Path, common_name: str) -> tuple[Path, Path]:
+    """A serving certificate for 127.0.0.1 signed by the cluster's CA, written as `tls.crt` and
+    `tls.key` in `directory` (the names controller-runtime's webhook server reads)."""
+    directory.mkdir(parents=True, exist_ok=True)
+    ca_cert = x509.load_pem_x509_certificate(files.ca_cert.read_bytes())
+    ca_key = serialization.load_pem_private_key(files.ca_key.read_bytes(), password=None)
+    assert isinstance(ca_key, ec.EllipticCurvePrivateKey)
+    key = _key()
+    cert = _cert(_name(common_name), ca_cert.subject, key.public_key(), ca_key, ca=False,
+                 usages=[ExtendedKeyUsageOID.SERVER_AUTH],
+                 sans=[x509.DNSName("localhost"), x509.IPAddress(ipaddress.ip_address("127.0.0.1"))])
+    cert_path, key_path = directory / "tls.crt", directory / "tls.key"
+    cert_path.write_bytes(cert.public_bytes(serialization.Encoding.PEM))
+    key_path.write_bytes(_pem_key(key))
+    key_path.chmod(0o600)
+    return cert_path, key_path

@@ -44,10 +44,16 @@ PLURALS: Final[dict[tuple[str, str], str]] = {
     ("rbac.authorization.k8s.io/v1", "Role"): "roles",
     ("rbac.authorization.k8s.io/v1", "RoleBinding"): "rolebindings",
     ("coordination.k8s.io/v1", "Lease"): "leases",
+    ("leaderworkerset.x-k8s.io/v1", "LeaderWorkerSet"): "leaderworkersets",
+    ("apps/v1", "StatefulSet"): "statefulsets",
+    ("apiextensions.k8s.io/v1", "CustomResourceDefinition"): "customresourcedefinitions",
+    ("admissionregistration.k8s.io/v1", "MutatingWebhookConfiguration"): "mutatingwebhookconfigurations",
+    ("admissionregistration.k8s.io/v1", "ValidatingWebhookConfiguration"): "validatingwebhookconfigurations",
     (models.API_VERSION, models.KIND): models.PLURAL,
 }
 
-CLUSTER_SCOPED: Final = frozenset({"Node", "Namespace"})
+CLUSTER_SCOPED: Final = frozenset({"Node", "Namespace", "CustomResourceDefinition", "MutatingWebhookConfiguration",
+                                   "ValidatingWebhookConfiguration"})
 
 REQUEST_TIMEOUT_SECONDS: Final = 15.0
 #: Connections kept per API server: the operator's workers and their concurrent applies share them.
@@ -273,7 +279,7 @@ class Kube:
     def apply(self, obj: JSON) -> JSON:
         """Server-side apply with the operator's field manager, taking ownership of its fields."""
         meta = obj["metadata"]
-        path = resource_path(obj["apiVersion"], obj["kind"], meta["namespace"], meta["name"])
+        path = resource_path(obj["apiVersion"], obj["kind"], meta.get("namespace"), meta["name"])
         result = self._call("PATCH", path, body=obj, content_type="application/apply-patch+yaml",
                             query=[("fieldManager", FIELD_MANAGER), ("force", "true")])
         return self._observe(result)
