@@ -48,6 +48,13 @@ MOONCAKE_DEVICE_NAME_ADDED: Final[VersionTuple] = (0, 32)
 GPU_NIC_MAPPING_ADDED: Final[VersionTuple] = (0, 23)
 #: NixlPushConnector (PR #35264) was merged after the 0.23 release.
 NIXL_PUSH_ADDED: Final[VersionTuple] = (0, 24)
+#: The multiprocessing multi-node launch (`--nnodes`, `--node-rank`, `--master-addr`, `--master-port`;
+#: `--headless` workers run the executor of their ranks) is new in the 0.12.0 wheel (arg_utils.py);
+#: before it a replica spanning nodes needs a Ray cluster, which the operator does not run.
+MULTI_NODE_ADDED: Final[VersionTuple] = (0, 12)
+#: NixlConnector handles pipeline parallelism only from the 0.32.0 wheel (nixl/base_worker.py keys the
+#: handshake by (pp_rank, tp_rank)), and there only on the producer: a kv_consumer with PP > 1 raises.
+NIXL_PIPELINE_PARALLEL_ADDED: Final[VersionTuple] = (0, 32)
 #: `--shutdown-timeout` (drain in-flight requests on SIGTERM) exists from 0.18 on.
 SHUTDOWN_TIMEOUT_ADDED: Final[VersionTuple] = (0, 18)
 
@@ -63,6 +70,9 @@ BEFORE_0_16_REGEX: Final = r"^0[.]([0-9]|1[0-5])([.][0-9]+)?$"
 
 #: CEL regex for "vLLM version < 0.32": MooncakeConnector ignores `device_name`.
 BEFORE_0_32_REGEX: Final = r"^0[.]([0-9]|[12][0-9]|3[01])([.][0-9]+)?$"
+
+#: CEL regex for "vLLM version < 0.12": no multiprocessing multi-node launch.
+BEFORE_0_12_REGEX: Final = r"^0[.]([0-9]|1[01])([.][0-9]+)?$"
 
 #: CEL regex for "vLLM version < 0.10" (older than OLDEST_SUPPORTED).
 BEFORE_OLDEST_REGEX: Final = r"^0[.][0-9]([.][0-9]+)?$"

@@ -74,7 +74,10 @@ def test_version_regexes_agree_with_boundaries() -> None:
         assert bool(re.match(vllm.BEFORE_0_23_REGEX, text)) == ((0, minor) < vllm.GPU_NIC_MAPPING_ADDED)
         assert bool(re.match(vllm.BEFORE_OLDEST_REGEX, text)) == ((0, minor) < vllm.OLDEST_SUPPORTED)
         assert bool(re.match(vllm.BEFORE_0_32_REGEX, text)) == ((0, minor) < vllm.MOONCAKE_DEVICE_NAME_ADDED)
-    for regex in (vllm.UP_TO_0_23_REGEX, vllm.BEFORE_0_16_REGEX, vllm.BEFORE_0_23_REGEX, vllm.BEFORE_0_32_REGEX):
+        assert bool(re.match(vllm.BEFORE_0_32_REGEX, text)) == ((0, minor) < vllm.NIXL_PIPELINE_PARALLEL_ADDED)
+        assert bool(re.match(vllm.BEFORE_0_12_REGEX, text)) == ((0, minor) < vllm.MULTI_NODE_ADDED)
+    for regex in (vllm.UP_TO_0_23_REGEX, vllm.BEFORE_0_16_REGEX, vllm.BEFORE_0_23_REGEX, vllm.BEFORE_0_32_REGEX,
+                  vllm.BEFORE_0_12_REGEX):
         assert not re.match(regex, "1.2")
 
 

@@ -52,6 +52,10 @@ FreeForm = Annotated[
 ]
 Port = Annotated[int, Field(ge=1, le=65535)]
 Name = Annotated[str, Field(min_length=1, max_length=253)]
+#: A label key: an optional DNS-subdomain prefix and `/`, then a name of at most 63 characters.
+LABEL_KEY_PATTERN: Final = (r"^([a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*/)?"
+                            r"[A-Za-z0-9]([-A-Za-z0-9_.]{0,61}[A-Za-z0-9])?$")
+LabelName = Annotated[str, Field(min_length=1, max_length=317, pattern=LABEL_KEY_PATTERN)]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -62,6 +66,8 @@ MAX_DATA_PARALLEL = 64
 #: The most tensor-parallel ranks of one engine (`tensorParallelSize`; the proxy bounds
 #: `--decode-tensor-parallel-size` by it).
 MAX_TENSOR_PARALLEL = 64
+#: The most nodes one multi-node replica may span (`nodesPerReplica`).
+MAX_NODES_PER_REPLICA = 64
 #: The most seconds a stopping proxy keeps serving while it fails readiness (`--drain-seconds`), and the
 #: most its requests in flight get afterwards (`--finish-timeout`): a stopping proxy must not hold its
 #: pod for long. The proxy refuses longer values; the render caps what it passes by them.
@@ -608,24 +614,66 @@ class RoleSpec(APIModel):
         default_factory=UpdateStrategySpec, description="Rolling update of this pool."
     )
     pod_annotations: dict[str, str] = Field(default_factory=dict, description="Extra annotations on the pods.")
+    nodes_per_replica: int = Field(
+        default=1, ge=1, le=MAX_NODES_PER_REPLICA,
+        description="Nodes (pods) one replica spans. 1: a Deployment, one pod per replica. Above 1: a "
+        "LeaderWorkerSet (leaderworkerset.x-k8s.io/v1, which the cluster must serve), one group of pods per "
+        "replica: the leader runs the API server and the workers join it; each pod gets tensorParallelSize x "
+        "pipelineParallelSize x dataParallelSize / nodesPerReplica GPUs. With dataParallelSize 1 the "
+        "tensor and pipeline ranks are spread over the nodes; above 1 the data-parallel ranks are.",
+    )
+    topology_key: LabelName | None = Field(
+        default=None,
+        description="With nodesPerReplica above 1: a node label (a rack, an NVLink domain, e.g. "
+        "nvidia.com/gpu.clique) whose domains each hold one replica's pods, and only them (LeaderWorkerSet's "
+        "exclusive placement). Unset: the pods of a replica may land anywhere.",
+    )
 
     rules = (
         Rule(
-            cel="!has(self.gpu.count) || self.gpu.count == "
+            cel="!has(self.gpu.count) || self.gpu.count * self.nodesPerReplica == "
             "self.tensorParallelSize * self.pipelineParallelSize * self.dataParallelSize",
-            message="gpu.count must equal tensorParallelSize x pipelineParallelSize x dataParallelSize",
-            check=lambda r: r.gpu.count is None or r.gpu.count == r.parallel_gpus,
+            message="gpu.count must equal tensorParallelSize x pipelineParallelSize x dataParallelSize / "
+            "nodesPerReplica (the GPUs of each pod)",
+            check=lambda r: r.gpu.count is None or r.gpu.count * r.nodes_per_replica == r.parallel_gpus,
             field_path=".gpu.count",
+        ),
+        Rule(
+            cel="self.dataParallelSize > 1 ? self.dataParallelSize % self.nodesPerReplica == 0 : "
+            "(self.tensorParallelSize * self.pipelineParallelSize) % self.nodesPerReplica == 0",
+            message="nodesPerReplica must divide dataParallelSize (its ranks are spread over the nodes) or, with "
+            "dataParallelSize 1, tensorParallelSize x pipelineParallelSize (vLLM requires the world size to "
+            "divide by --nnodes)",
+            check=lambda r: (r.data_parallel_size % r.nodes_per_replica == 0 if r.data_parallel_size > 1
+                             else (r.tensor_parallel_size * r.pipeline_parallel_size) % r.nodes_per_replica == 0),
+            field_path=".nodesPerReplica",
+        ),
+        Rule(
+            cel="!has(self.topologyKey) || self.nodesPerReplica > 1",
+            message="topologyKey places the pods of a multi-node replica: it needs nodesPerReplica above 1",
+            check=lambda r: r.topology_key is None or r.nodes_per_replica > 1,
+            field_path=".topologyKey",
         ),
     )
 
     @property
     def parallel_gpus(self) -> int:
+        """GPUs of one replica's engine: its tensor x pipeline x data-parallel world."""
         return self.tensor_parallel_size * self.pipeline_parallel_size * self.data_parallel_size
 
     @property
+    def multi_node(self) -> bool:
+        return self.nodes_per_replica > 1
+
+    @property
     def gpus(self) -> int:
-        return self.gpu.count or self.parallel_gpus
+        """GPUs of each pod."""
+        return self.gpu.count or self.parallel_gpus // self.nodes_per_replica
+
+    @property
+    def gpus_per_replica(self) -> int:
+        """GPUs of one replica (all the pods of its group)."""
+        return self.gpus * self.nodes_per_replica
 
 
 # ---------------------------------------------------------------------------------------------
@@ -910,20 +958,36 @@ def _gpu_nic_mapping_supported(spec: DisaggregatedServingSpec) -> bool:
     return vllm.parse_version(spec.engine.vllm_version) >= vllm.GPU_NIC_MAPPING_ADDED
 
 
+def _multi_node_supported(spec: DisaggregatedServingSpec) -> bool:
+    if not (spec.prefill.multi_node or spec.decode.multi_node):
+        return True
+    return (spec.kv_transfer.connector.is_nixl
+            and vllm.parse_version(spec.engine.vllm_version) >= vllm.MULTI_NODE_ADDED)
+
+
+def _nixl_pipeline_supported(spec: DisaggregatedServingSpec) -> bool:
+    if not spec.kv_transfer.connector.is_nixl:
+        return True
+    if spec.decode.pipeline_parallel_size > 1:
+        return False
+    return (spec.prefill.pipeline_parallel_size == 1
+            or vllm.parse_version(spec.engine.vllm_version) >= vllm.NIXL_PIPELINE_PARALLEL_ADDED)
+
+
 def _gpu_budget_holds(spec: DisaggregatedServingSpec) -> bool:
     budget = spec.autoscaling.gpu_budget
     if budget is None:
         return True
     floor = (
-        spec.autoscaling.prefill.min_replicas * spec.prefill.gpus
-        + spec.autoscaling.decode.min_replicas * spec.decode.gpus
+        spec.autoscaling.prefill.min_replicas * spec.prefill.gpus_per_replica
+        + spec.autoscaling.decode.min_replicas * spec.decode.gpus_per_replica
     )
     return floor <= budget
 
 
-_GPUS_CEL: Final = (
-    "(has(self.{role}.gpu.count) ? self.{role}.gpu.count : self.{role}.tensorParallelSize * "
-    "self.{role}.pipelineParallelSize * self.{role}.dataParallelSize)"
+_GPUS_CEL: Final = (  # GPUs of one replica
+    "(has(self.{role}.gpu.count) ? self.{role}.gpu.count * self.{role}.nodesPerReplica : "
+    "self.{role}.tensorParallelSize * self.{role}.pipelineParallelSize * self.{role}.dataParallelSize)"
 )
 
 
@@ -993,6 +1057,25 @@ class DisaggregatedServingSpec(APIModel):
             message=f"kvTransfer.rdma.gpuNicMapping needs engine.vllmVersion >= "
             f"{vllm.format_version(vllm.GPU_NIC_MAPPING_ADDED)} (VLLM_GPU_NIC_PCIE_MAPPING is new in it)",
             check=_gpu_nic_mapping_supported,
+        ),
+        Rule(
+            cel="(self.prefill.nodesPerReplica == 1 && self.decode.nodesPerReplica == 1) || "
+            "((self.kvTransfer.connector == 'NixlConnector' || self.kvTransfer.connector == 'NixlPushConnector') "
+            f"&& !self.engine.vllmVersion.matches('{vllm.BEFORE_0_12_REGEX}'))",
+            message=f"nodesPerReplica above 1 needs a NIXL connector and engine.vllmVersion >= "
+            f"{vllm.format_version(vllm.MULTI_NODE_ADDED)}: older releases span nodes only on Ray, and the other "
+            "connectors' per-rank ports are not reachable on a worker node",
+            check=_multi_node_supported,
+        ),
+        Rule(
+            cel="!(self.kvTransfer.connector == 'NixlConnector' || self.kvTransfer.connector == "
+            "'NixlPushConnector') || (self.decode.pipelineParallelSize == 1 && "
+            "(self.prefill.pipelineParallelSize == 1 || "
+            f"!self.engine.vllmVersion.matches('{vllm.BEFORE_0_32_REGEX}')))",
+            message="NIXL connectors take no pipeline parallelism on decode (vLLM's kv_consumer refuses it), and "
+            f"on prefill only from engine.vllmVersion {vllm.format_version(vllm.NIXL_PIPELINE_PARALLEL_ADDED)} "
+            "(older releases key the hand-off by tensor rank alone)",
+            check=_nixl_pipeline_supported,
         ),
         Rule(
             cel="!has(self.autoscaling.gpuBudget) || self.autoscaling.prefill.minReplicas * "

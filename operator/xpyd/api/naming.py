@@ -15,6 +15,8 @@ ROLE_LABEL: Final = "xpyd.io/role"
 #: On engine pods: the KV compatibility hash of their pool (`xpyd.render.compat`); the proxy pairs a
 #: prefill and a decode instance only when theirs are equal.
 KV_COMPAT_LABEL: Final = "xpyd.io/kv-compat"
+#: LeaderWorkerSet's label of a pod's index in its group: 0 on the leader, which alone serves.
+LWS_WORKER_INDEX_LABEL: Final = "leaderworkerset.sigs.k8s.io/worker-index"
 
 
 def child_name(serving: str, component: Component) -> str:
@@ -30,6 +32,12 @@ def selector_labels(serving: str, component: Component) -> dict[str, str]:
 def selector_string(serving: str, component: Component) -> str:
     """`selector_labels` as a label-selector string for list/watch calls."""
     return ",".join(f"{key}={value}" for key, value in selector_labels(serving, component).items())
+
+
+def serving_selector_string(serving: str, role: Role, multi_node: bool) -> str:
+    """The pods of a role that serve requests: every pod, or each multi-node replica's leader."""
+    selector = selector_string(serving, role)
+    return f"{selector},{LWS_WORKER_INDEX_LABEL}=0" if multi_node else selector
 
 
 def labels(serving: str, component: Component) -> dict[str, str]:

@@ -12,6 +12,12 @@ as kwok would make them.
 Nothing is bound or dialled outside 127.0.0.0/8: pod IPs are loopback, `0.0.0.0` in a pod's
 arguments means its own pod IP (as it would inside the pod's network namespace), and every
 address is checked by `netguard` first.
+
+As the kubelet does, `$(NAME)` in a container's args and env values is replaced by the value of
+NAME in its env. There is no cluster DNS: an env value that is a pod's name under a headless
+Service (`<hostname>.<subdomain>.<namespace>[.svc[.cluster.local]]`, as LeaderWorkerSet gives
+workers their leader) is replaced by that pod's IP, and a pod whose env names a pod not yet
+running waits until it is.
 """
 
 from __future__ import annotations
@@ -21,6 +27,7 @@ import contextlib
 import json
 import logging
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -91,6 +98,40 @@ def _localise(value: str, ip: str) -> str:
     return value.replace("0.0.0.0", ip)
 
 
+_REFERENCE = re.compile(r"\$\$|\$\(([A-Za-z_][A-Za-z0-9_.-]*)\)")
+
+
+def expand(text: str, env: dict[str, str]) -> str:
+    """The kubelet's expansion of `$(NAME)` from `env`; `$$` is a literal `$`, and a reference to a
+    name not in `env` stays as written."""
+    def replace(match: re.Match[str]) -> str:
+        if match.group(0) == "$$":
+            return "$"
+        name = match.group(1)
+        return env.get(name, match.group(0))
+
+    return _REFERENCE.sub(replace, text)
+
+
+def pod_dns_name(pod: JSON) -> str | None:
+    """`<hostname>.<subdomain>.<namespace>` of a pod under a headless Service, if it has one."""
+    spec, meta = pod.get("spec") or {}, pod["metadata"]
+    if not spec.get("subdomain"):
+        return None
+    return f"{spec.get('hostname') or meta['name']}.{spec['subdomain']}.{meta['namespace']}"
+
+
+def _dns_key(value: str) -> str:
+    for suffix in (".svc.cluster.local", ".svc"):
+        if value.endswith(suffix):
+            return value[: -len(suffix)]
+    return value
+
+
+class Unresolved(Exception):
+    """A pod's env names a pod that has no IP yet."""
+
+
 @dataclass
 class PodProcess:
     uid: str
@@ -103,6 +144,8 @@ class PodProcess:
     restarts: int = 0
     ready: bool = False
     exited_at: float | None = None
+    #: `<hostname>.<subdomain>.<namespace>` when the pod is under a headless Service.
+    dns_name: str | None = None
     started_at: str = field(default_factory=rfc3339)
     last_status: JSON = field(default_factory=dict)
 
@@ -160,6 +203,11 @@ class PodRuntime:
         self.poll_seconds = poll_seconds
         self.pods: dict[str, PodProcess] = {}
         self.deleting: set[str] = set()
+        #: `<hostname>.<subdomain>.<namespace>` -> IP of the running pods under a headless Service, and
+        #: the `<subdomain>.<namespace>` of the pods seen (names under them wait for their pod).
+        self.dns: dict[str, str] = {}
+        self.subdomains: set[str] = set()
+        self._reserved: dict[str, str] = {}
         self._next_host: dict[str, int] = {}
         self._targets = ""
         self.directory = Path(state.state_dir) / "pods"
@@ -186,16 +234,16 @@ class PodRuntime:
         """The process of a pod, or None when its image is not one the runtime can run."""
         container = pod["spec"]["containers"][0]
         command = list(container.get("command") or [])
-        args = [_localise(a, ip) for a in container.get("args") or []]
         if command[:1] == ["xpyd"] and len(command) > 1 and command[1] in POD_SUBCOMMANDS:
             host = ["--host", ip] if command[1] in SERVING_SUBCOMMANDS else []
-            argv = [sys.executable, "-m", "xpyd.cli", *command[1:], *host, *args]
+            prefix = [sys.executable, "-m", "xpyd.cli", *command[1:], *host]
         elif container.get("image", "").startswith(ENGINE_IMAGES):
-            argv = [sys.executable, "-m", "xpyd.cli", "engine-sim", "--host", ip, *args]
+            prefix = [sys.executable, "-m", "xpyd.cli", "engine-sim", "--host", ip]
         else:
             return None
-        return ProcessPlan(argv=argv, env=self._env(pod, container, ip, directory),
-                           readiness=_readiness(container))
+        env = self._env(pod, container, ip, directory)
+        args = [_localise(expand(a, env), ip) for a in container.get("args") or []]
+        return ProcessPlan(argv=prefix + args, env=env, readiness=_readiness(container))
 
     def _env(self, pod: JSON, container: JSON, ip: str, directory: Path) -> dict[str, str]:
         meta = pod["metadata"]
@@ -210,8 +258,19 @@ class PodRuntime:
         for var in container.get("env") or []:
             value = self._env_value(meta["namespace"], var, fields)
             if value is not None:
-                env[var["name"]] = _localise(value, ip)
+                env[var["name"]] = self._resolve(_localise(expand(value, env), ip))
         return env
+
+    def _resolve(self, value: str) -> str:
+        """A pod DNS name's IP (what cluster DNS would answer for a headless Service's pod)."""
+        if value.count(".") < 2 or value.replace(".", "").isdigit():
+            return value
+        key = _dns_key(value)
+        if key in self.dns:
+            return self.dns[key]
+        if any(key.endswith(f".{sub}") for sub in self.subdomains):
+            raise Unresolved(value)
+        return value
 
     def _env_value(self, namespace: str, var: JSON, fields: dict[str, str]) -> str | None:
         if "value" in var:
@@ -296,24 +355,37 @@ class PodRuntime:
             runner = self.pods.get(uid)
             if runner is None:
                 runner = self._admit(pod)
+                if runner is None:
+                    continue
             self._supervise(runner)
             runner.ready = runner.probe()
             self._report(pod, runner)
         for uid in set(self.pods) - seen - self.deleting:
-            self.pods.pop(uid).stop(grace=1)
+            self._forget(self.pods.pop(uid)).stop(grace=1)
+        for uid in set(self._reserved) - seen:
+            ip = self._reserved.pop(uid)
+            self.dns = {name: address for name, address in self.dns.items() if address != ip}
         self._write_targets(pods)
 
-    def _admit(self, pod: JSON) -> PodProcess:
+    def _admit(self, pod: JSON) -> PodProcess | None:
+        """Start a new pod's process; None while its env names a pod that has no IP yet."""
         meta = pod["metadata"]
         ports = [int(p["containerPort"]) for c in pod["spec"]["containers"] for p in c.get("ports", [])]
-        ip = self.allocate_ip(pod["spec"]["nodeName"], ports)
+        ip = self._reserved.pop(meta["uid"], None) or self.allocate_ip(pod["spec"]["nodeName"], ports)
         directory = self.directory / f"{meta['namespace']}_{meta['name']}"
         runner = PodProcess(uid=meta["uid"], namespace=meta["namespace"], name=meta["name"], ip=ip,
-                            plan=None, directory=directory)
+                            plan=None, directory=directory, dns_name=pod_dns_name(pod))
+        if runner.dns_name is not None:  # its own name resolves from now on (a leader names itself)
+            self.subdomains.add(runner.dns_name.split(".", 1)[1])
+            self.dns[runner.dns_name] = ip
         try:
             runner.plan = self.plan(pod, ip, directory)
         except KubeError as error:
             log.warning("cannot prepare %s/%s yet: %s", meta["namespace"], meta["name"], error)
+        except Unresolved as error:
+            log.info("%s/%s waits for %s to run", meta["namespace"], meta["name"], error)
+            self._reserved[meta["uid"]] = ip  # its address, for the next try
+            return None
         if runner.plan is not None:
             runner.start()
         self.pods[runner.uid] = runner
@@ -348,10 +420,17 @@ class PodRuntime:
             except KubeError as error:
                 log.warning("could not remove pod %s: %s", pod["metadata"]["name"], error)
             finally:
-                self.pods.pop(uid, None)
+                if (gone := self.pods.pop(uid, None)) is not None:
+                    self._forget(gone)
                 self.deleting.discard(uid)
 
         threading.Thread(target=finish, daemon=True).start()
+
+    def _forget(self, runner: PodProcess) -> PodProcess:
+        """Drop a pod's DNS name (unless a successor of the same name has it now)."""
+        if runner.dns_name is not None and self.dns.get(runner.dns_name) == runner.ip:
+            del self.dns[runner.dns_name]
+        return runner
 
     def _write_targets(self, pods: list[JSON]) -> None:
         """Prometheus file_sd targets: every ready pod the runtime runs that serves HTTP."""

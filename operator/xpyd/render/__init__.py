@@ -79,6 +79,9 @@ def endpoint(name: str, namespace: str, spec: DisaggregatedServingSpec) -> str:
 
 def _engine_objects(name: str, namespace: str, spec: DisaggregatedServingSpec, role: Role,
                     options: RenderOptions) -> list[JSON]:
+    """A single-node pool: Deployment, headless Service, budget. A multi-node pool: LeaderWorkerSet
+    (which makes its own headless Service, with the not-ready addresses workers need to find
+    their leader) and budget."""
     role_spec = getattr(spec, role)
     common = {
         "name": naming.child_name(name, role),
@@ -86,22 +89,45 @@ def _engine_objects(name: str, namespace: str, spec: DisaggregatedServingSpec, r
         "labels": naming.labels(name, role),
         "selector": naming.selector_labels(name, role),
     }
-    vols, mounts = engine.volumes(spec, role)
-    ports = engine.ports(spec, role)
-    deployment = _render(
-        "engine-deployment.yaml.j2",
+    workload = {
         **common,
+        "role": role_spec,
+        "replicas": options.replicas.get(role, role_spec.replicas),
+        "connector": spec.kv_transfer.connector.value,
+        "transport": engine.transport(spec),
+    }
+    if role_spec.multi_node:
+        lws = _render("engine-leaderworkerset.yaml.j2", **workload,
+                      leader_template=_engine_pod(name, namespace, spec, role, "leader"),
+                      worker_template=_engine_pod(name, namespace, spec, role, "worker"))
+        return lws + _render("pdb.yaml.j2", **common)
+    ports = engine.ports(spec, role)
+    deployment = _render("engine-deployment.yaml.j2", **workload,
+                         pod_template=_engine_pod(name, namespace, spec, role, None))
+    service_ports = [{"name": p["name"], "port": p["containerPort"], "targetPort": p["name"], "protocol": "TCP"}
+                     for p in ports]
+    return (deployment
+            + _render("engine-service.yaml.j2", **common, ports=service_ports)
+            + _render("pdb.yaml.j2", **common))
+
+
+def _engine_pod(name: str, namespace: str, spec: DisaggregatedServingSpec, role: Role,
+                node: engine.NodeRole | None) -> JSON:
+    """The pod template of a pool: of its Deployment (`node` None), or of a multi-node replica's
+    leader or workers."""
+    role_spec = getattr(spec, role)
+    vols, mounts = engine.volumes(spec, role)
+    (pod,) = _render(
+        "engine-pod.yaml.j2",
         pod_labels={**naming.labels(name, role), naming.KV_COMPAT_LABEL: compat_hash(spec)},
         role=role_spec,
         engine=spec.engine,
-        replicas=options.replicas.get(role, role_spec.replicas),
-        connector=spec.kv_transfer.connector.value,
-        transport=engine.transport(spec),
+        serving=node != "worker",
         rdma=spec.kv_transfer.rdma is not None,
         command=engine.command(spec),
-        args=engine.args(spec, role, proxy_host(name, namespace)),
+        args=engine.args(spec, role, proxy_host(name, namespace), node),
         env=engine.env(spec, role, proxy_host(name, namespace)),
-        ports=ports,
+        ports=engine.ports(spec, role, node),
         resources=engine.resources(spec, role),
         volumes=vols,
         volume_mounts=mounts,
@@ -112,11 +138,7 @@ def _engine_objects(name: str, namespace: str, spec: DisaggregatedServingSpec, r
         termination_grace_seconds=engine.termination_grace_seconds(spec, role),
         startup_failure_threshold=engine.startup_failure_threshold(role_spec),
     )
-    service_ports = [{"name": p["name"], "port": p["containerPort"], "targetPort": p["name"], "protocol": "TCP"}
-                     for p in ports]
-    return (deployment
-            + _render("engine-service.yaml.j2", **common, ports=service_ports)
-            + _render("pdb.yaml.j2", **common))
+    return pod
 
 
 def proxy_args(name: str, namespace: str, spec: DisaggregatedServingSpec) -> list[str]:
@@ -139,8 +161,8 @@ def proxy_args(name: str, namespace: str, spec: DisaggregatedServingSpec) -> lis
         f"--port={spec.proxy.port}",
         f"--connector={kv.connector.value}",
         f"--namespace={namespace}",
-        f"--prefill-selector={naming.selector_string(name, 'prefill')}",
-        f"--decode-selector={naming.selector_string(name, 'decode')}",
+        f"--prefill-selector={naming.serving_selector_string(name, 'prefill', spec.prefill.multi_node)}",
+        f"--decode-selector={naming.serving_selector_string(name, 'decode', spec.decode.multi_node)}",
         f"--engine-port={spec.engine.port}",
         f"--routing-policy={spec.proxy.routing_policy.value}",
         f"--served-model-name={spec.model.served_name}",

@@ -5,7 +5,7 @@ from __future__ import annotations
 import ast
 import inspect
 import math
-from typing import Any, Final
+from typing import Any, Final, Literal
 
 from xpyd import vllm
 from xpyd.api.models import (
@@ -28,6 +28,17 @@ LMCACHE_MOUNT: Final = "/etc/lmcache"
 #: The project's engine image (engine-image/): vLLM plus RDMA userspace and a transport check.
 ENGINE_IMAGE_REPOSITORY: Final = "ghcr.io/xpyd-operator/vllm-engine"
 ENGINE_ENTRYPOINT: Final = "/usr/local/bin/xpyd-engine-entrypoint"
+#: The pods of a multi-node replica: the leader (vLLM's API server) or a worker (`--headless`).
+NodeRole = Literal["leader", "worker"]
+#: What LeaderWorkerSet's pod webhook puts in every container's env: the leader's DNS name (its
+#: headless Service) and the pod's index in its group (0 for the leader). The kubelet expands
+#: `$(NAME)` in args from the container's env.
+LWS_LEADER_ADDRESS: Final = "$(LWS_LEADER_ADDRESS)"
+LWS_WORKER_INDEX: Final = "$(LWS_WORKER_INDEX)"
+#: vLLM's defaults (ParallelConfig): the torch.distributed master of a multi-node engine, and the
+#: ZMQ port of data-parallel coordination; both on the leader, dialled by every worker.
+MASTER_PORT: Final = 29501
+DATA_PARALLEL_RPC_PORT: Final = 29550
 
 
 def _compact_source(module: object) -> str:
@@ -110,8 +121,8 @@ def command(spec: DisaggregatedServingSpec) -> list[str]:
     return serve
 
 
-def args(spec: DisaggregatedServingSpec, role: Role, proxy_host: str) -> list[str]:
-    """`vllm serve` arguments (after `vllm serve`)."""
+def args(spec: DisaggregatedServingSpec, role: Role, proxy_host: str, node: NodeRole | None = None) -> list[str]:
+    """`vllm serve` arguments (after `vllm serve`); `node` for a pod of a multi-node replica."""
     role_spec: RoleSpec = getattr(spec, role)
     version = vllm.parse_version(spec.engine.vllm_version)
     pvc = spec.model.source.pvc
@@ -135,8 +146,26 @@ def args(spec: DisaggregatedServingSpec, role: Role, proxy_host: str) -> list[st
     if spec.kv_transfer.connector == Connector.LMCACHE:
         # vLLM's LMCache P/D example runs both roles without vLLM's own prefix cache.
         result.append("--no-enable-prefix-caching")
+    if node is not None:
+        result += multi_node_args(role_spec, node)
     result.append(f"--kv-transfer-config={kv_transfer_config(spec, role, proxy_host).to_json()}")
     return result + list(spec.engine.extra_args) + list(role_spec.extra_args)
+
+
+def multi_node_args(role_spec: RoleSpec, node: NodeRole) -> list[str]:
+    """The launch of one pod of a multi-node replica (vLLM's multiprocessing multi-node launch, as
+    arg_utils.py's `create_engine_config` reads it): every pod names the group's size, its own rank
+    and the leader; the workers run no API server. With data parallelism vLLM infers from
+    --node-rank the ranks a node runs (--data-parallel-size-local, --data-parallel-start-rank) and
+    uses the master address for data-parallel coordination too."""
+    result = [f"--nnodes={role_spec.nodes_per_replica}",
+              f"--node-rank={'0' if node == 'leader' else LWS_WORKER_INDEX}",
+              f"--master-addr={LWS_LEADER_ADDRESS}", f"--master-port={MASTER_PORT}"]
+    if role_spec.data_parallel_size > 1:
+        result.append(f"--data-parallel-rpc-port={DATA_PARALLEL_RPC_PORT}")
+    if node == "worker":
+        result.append("--headless")
+    return result
 
 
 def env(spec: DisaggregatedServingSpec, role: Role, proxy_host: str = "") -> list[JSON]:
@@ -187,16 +216,23 @@ def env(spec: DisaggregatedServingSpec, role: Role, proxy_host: str = "") -> lis
     return result + _user_env(spec.engine.env) + _user_env(role_spec.env)
 
 
-def ports(spec: DisaggregatedServingSpec, role: Role) -> list[JSON]:
-    """Container ports: HTTP plus the connector's listening ports (documentation and policies)."""
+def ports(spec: DisaggregatedServingSpec, role: Role, node: NodeRole | None = None) -> list[JSON]:
+    """Container ports: HTTP plus the connector's listening ports (documentation and policies). A
+    multi-node leader adds the ports its workers dial; a worker serves no HTTP."""
     kv = spec.kv_transfer
-    result: list[JSON] = [{"name": "http", "containerPort": spec.engine.port, "protocol": "TCP"}]
+    role_spec: RoleSpec = getattr(spec, role)
+    result: list[JSON] = []
+    if node != "worker":
+        result.append({"name": "http", "containerPort": spec.engine.port, "protocol": "TCP"})
+    if node == "leader":
+        result.append({"name": "vllm-master", "containerPort": MASTER_PORT, "protocol": "TCP"})
+        if role_spec.data_parallel_size > 1:
+            result.append({"name": "vllm-dp-rpc", "containerPort": DATA_PARALLEL_RPC_PORT, "protocol": "TCP"})
     if kv.connector.is_nixl:
         result.append({"name": "nixl", "containerPort": kv.nixl_settings.side_channel_port, "protocol": "TCP"})
     if kv.connector == Connector.P2P_NCCL:
         # Each rank binds a ZMQ ROUTER on kv_port + its world rank (p2p_nccl_connector.py passes
         # get_world_group().rank as port_offset), and the world spans TP x PP x DP in one pod.
-        role_spec: RoleSpec = getattr(spec, role)
         result += [{"name": f"p2p-zmq-{rank}", "containerPort": P2P_NCCL_KV_PORT + rank, "protocol": "TCP"}
                    for rank in range(role_spec.parallel_gpus)]
     if kv.connector == Connector.LMCACHE and role == "decode":

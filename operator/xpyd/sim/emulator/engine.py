@@ -10,7 +10,7 @@ import logging
 import math
 import random
 import uuid
-from collections.abc import Coroutine
+from collections.abc import Callable, Coroutine
 from dataclasses import dataclass
 from typing import Any
 from urllib.parse import quote
@@ -101,6 +101,8 @@ class Engine:
         self.engine_id = config.engine_id or str(uuid.UUID(int=self._rng.getrandbits(128), version=4))
         self.side_channel: tuple[str, int] = (config.side_channel_host or config.host, config.side_channel_port)
         self.draining = False
+        #: Why the engine cannot serve beyond loading (a multi-node leader waiting for its workers).
+        self.not_ready_reason: Callable[[], str | None] = lambda: None
         self.in_flight = 0                   # generation handlers running
         self._streams: dict[EngineRequest, Stream] = {}
         self._held: dict[str, EngineRequest] = {}
@@ -151,8 +153,8 @@ class Engine:
 
     @property
     def ready(self) -> bool:
-        """Past the loading period."""
-        return self.now() >= self._ready_at
+        """Past the loading period, and nothing else in the way."""
+        return self.now() >= self._ready_at and self.not_ready_reason() is None
 
     @property
     def loading_left_s(self) -> float:

@@ -32,6 +32,8 @@ ENGINE: web.AppKey[Engine] = web.AppKey("engine", Engine)
 
 
 def _not_ready(engine: Engine) -> web.Response | None:
+    if (reason := engine.not_ready_reason()) is not None:
+        return error_response(503, f"The engine is not serving: {reason}.", "ServiceUnavailableError")
     if not engine.ready:
         return error_response(503, f"The model is loading (ready in {engine.loading_left_s:.1f} s).",
                               "ServiceUnavailableError")

@@ -22,6 +22,7 @@ from xpyd.sim.emulator.config import (
     DEFAULT_SIDE_CHANNEL_PORT,
     EmulatorConfig,
 )
+from xpyd.sim.emulator.group import GroupFailed, GroupLeader, GroupSpec, run_worker
 from xpyd.sim.emulator.http import start_server
 
 log = logging.getLogger(__name__)
@@ -67,6 +68,13 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--time-scale", type=float, default=1.0, help="run K times faster than real time: every "
                         "modelled duration is divided by K")
     parser.add_argument("--seed", type=int, default=None, help="seed of the engine id and block ids")
+    group = parser.add_argument_group("multi-node engine (vLLM's multiprocessing launch)")
+    group.add_argument("--nnodes", "-n", type=int, default=1, help="nodes of the engine (default 1)")
+    group.add_argument("--node-rank", "-r", type=int, default=0, help="this node's rank; 0 runs the API server")
+    group.add_argument("--master-addr", default="127.0.0.1", help="the first node's address (loopback here)")
+    group.add_argument("--master-port", type=int, default=29501, help="where the first node waits for the others")
+    group.add_argument("--headless", action="store_true", help="a node without API server (node rank above 0)")
+    group.add_argument("--data-parallel-rpc-port", type=int, default=None, help="accepted, not used")
     return parser
 
 
@@ -99,6 +107,17 @@ def _split_dotted(argv: Sequence[str]) -> tuple[list[str], dict[str, Any]]:
         except ValueError:
             dotted[key] = value
     return rest, dotted
+
+
+def group_from_args(argv: Sequence[str]) -> GroupSpec | None:
+    """The multi-node launch the arguments ask for (None for a one-node engine). Raises ValueError."""
+    args, _ = build_parser().parse_known_args(_split_dotted(argv)[0])
+    if args.nnodes == 1 and not args.headless:
+        return None
+    spec = GroupSpec(nnodes=args.nnodes, node_rank=args.node_rank, master_addr=args.master_addr,
+                     master_port=args.master_port, headless=args.headless)
+    spec.check()
+    return spec
 
 
 def config_from_args(argv: Sequence[str]) -> tuple[EmulatorConfig, EnginePerf, list[str]]:
@@ -166,40 +185,71 @@ def _kv_bytes_per_token(model: str, served: tuple[str, ...], kv_cache_dtype: str
     return lookup_model("llama-3.1-8b").kv_bytes_per_token(dtype)
 
 
-async def serve(config: EmulatorConfig, perf: EnginePerf) -> None:
-    """Run one engine until SIGTERM or SIGINT, then drain it (see `EmulatorServer.drain`)."""
-    server = await start_server(config, perf)
-    engine = server.engine
-    host, port = engine.side_channel
-    log.info("engine-sim %s (%s) serving %s on %s; NIXL side channel %s; time scale %g; ready in %.1f s",
-             engine.engine_id, config.role, config.model_name, server.url,
-             f"{host}:{port}" if config.kv_role else "off", config.time_scale, engine.loading_left_s)
+async def serve(config: EmulatorConfig, perf: EnginePerf, group: GroupSpec | None = None) -> None:
+    """Run one engine until SIGTERM or SIGINT, then drain it (see `EmulatorServer.drain`). With a
+    `group`, the leader serves once every worker joined; GroupFailed when the group breaks."""
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for signum in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(signum, stop.set)
     try:
-        await stop.wait()
-        log.info("engine-sim draining (shutdown timeout %g s)", config.shutdown_timeout_s)
-        await server.drain()
+        if group is not None and group.headless:
+            log.info("engine-sim headless node %d of %d (leader %s:%d)", group.node_rank, group.nnodes,
+                     group.master_addr, group.master_port)
+            await run_worker(group, stop)
+            return
+        await _serve(config, perf, group, stop)
     finally:
         for signum in (signal.SIGTERM, signal.SIGINT):
             loop.remove_signal_handler(signum)
+
+
+async def _serve(config: EmulatorConfig, perf: EnginePerf, group: GroupSpec | None, stop: asyncio.Event) -> None:
+    leader = GroupLeader(group) if group is not None else None
+    if leader is not None:
+        await leader.start()
+    server = await start_server(config, perf)
+    engine = server.engine
+    if leader is not None:
+        engine.not_ready_reason = lambda: leader.waiting_for
+    host, port = engine.side_channel
+    log.info("engine-sim %s (%s) serving %s on %s; NIXL side channel %s; time scale %g; ready in %.1f s",
+             engine.engine_id, config.role, config.model_name, server.url,
+             f"{host}:{port}" if config.kv_role else "off", config.time_scale, engine.loading_left_s)
+    waits = [asyncio.ensure_future(stop.wait())]
+    if leader is not None:
+        waits.append(asyncio.ensure_future(leader.failed.wait()))
+    try:
+        await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
+        if leader is not None and leader.failed.is_set() and not stop.is_set():
+            raise GroupFailed(leader.failure)
+        log.info("engine-sim draining (shutdown timeout %g s)", config.shutdown_timeout_s)
+        await server.drain()
+    finally:
+        for wait in waits:
+            wait.cancel()
         await server.close()
+        if leader is not None:
+            await leader.close()
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     """`xpyd engine-sim ARGS`: exit 0 after a graceful stop, 2 on a bad configuration, 1 if it cannot bind."""
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    argv = sys.argv[1:] if argv is None else list(argv)
     try:
-        config, perf, ignored = config_from_args(sys.argv[1:] if argv is None else argv)
+        config, perf, ignored = config_from_args(argv)
+        group = group_from_args(argv)
     except (ValueError, OSError, KeyError, NonLoopbackAddress) as error:
         sys.stderr.write(f"xpyd engine-sim: {error}\n")
         return 2
     if ignored:
         log.warning("ignoring vLLM arguments the emulator does not model: %s", " ".join(ignored))
     try:
-        asyncio.run(serve(config, perf))
+        asyncio.run(serve(config, perf, group))
+    except GroupFailed as error:  # vLLM's engine dies with a rank of its group
+        sys.stderr.write(f"xpyd engine-sim: {error}\n")
+        return 1
     except ValueError as error:   # a configuration the engine cannot run
         sys.stderr.write(f"xpyd engine-sim: {error}\n")
         return 2
