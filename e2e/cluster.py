@@ -12,6 +12,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import yaml
+
 from xpyd.cluster.binaries import Binaries
 from xpyd.cluster.controlplane import ClusterState
 
@@ -87,3 +89,29 @@ def wait_ready(cluster: Cluster, namespace: str, name: str, timeout: float = 90)
         return obj if (ready.get("status"), ready.get("reason")) == ("True", "AllReplicasReady") else None
     return eventually(lambda: complete(serving_of(cluster, namespace, name)), timeout=timeout,
                       what=f"{name} Ready=True, AllReplicasReady")
+
+
+def pods_of(cluster: Cluster, namespace: str, name: str, role: str) -> list[Any]:
+    result = cluster.get("pods", "-n", namespace, "-l", f"xpyd.io/serving={name},xpyd.io/role={role}")
+    return [p for p in result["items"] if not p["metadata"].get("deletionTimestamp")]
+
+
+def provide_prerequisites(cluster: Cluster, namespace: str, serving_obj: Any) -> None:
+    """What a user creates beside a DisaggregatedServing: the model volume and the token Secret."""
+    model = serving_obj.spec.model
+    if model.source.pvc is not None:
+        claim = model.source.pvc.claim_name
+        volume = f"{namespace}-{claim}"
+        cluster.apply(yaml.safe_dump_all([
+            {"apiVersion": "v1", "kind": "PersistentVolume", "metadata": {"name": volume},
+             "spec": {"capacity": {"storage": "1Ti"}, "accessModes": ["ReadOnlyMany"], "storageClassName": "",
+                      "hostPath": {"path": f"/models/{volume}"}, "persistentVolumeReclaimPolicy": "Delete"}},
+            {"apiVersion": "v1", "kind": "PersistentVolumeClaim", "metadata": {"name": claim},
+             "spec": {"accessModes": ["ReadOnlyMany"], "storageClassName": "", "volumeName": volume,
+                      "resources": {"requests": {"storage": "1Ti"}}}},
+        ]), namespace)
+        eventually(lambda: (cluster.get("pvc", "-n", namespace, claim) or {}).get("status", {}).get("phase")
+                   == "Bound", what="model PVC bound")
+    if model.hf_token_secret_ref is not None:
+        ref = model.hf_token_secret_ref
+        cluster.kubectl("create", "secret", "generic", ref.name, "-n", namespace, f"--from-literal={ref.key}=hf_x")

@@ -17,7 +17,18 @@ from typing import Any
 import pytest
 import yaml
 
-from e2e.cluster import OPERATOR_NAMESPACE, RELEASE, ROOT, Cluster, condition, eventually, serving_of, wait_ready
+from e2e.cluster import (
+    OPERATOR_NAMESPACE,
+    RELEASE,
+    ROOT,
+    Cluster,
+    condition,
+    eventually,
+    pods_of,
+    provide_prerequisites,
+    serving_of,
+    wait_ready,
+)
 from tests.servings import INVALID, SCHEMA_INVALID, TRANSITIONS, serving
 from xpyd.api.load import load_servings
 from xpyd.cluster.controlplane import ControlPlane
@@ -34,7 +45,7 @@ OPERATOR_SA = f"system:serviceaccount:{OPERATOR_NAMESPACE}:{RELEASE}"
 OPERATOR_RBAC = {
     "disaggregatedservings.xpyd.io": {"get", "list", "watch"},
     "disaggregatedservings.xpyd.io/status": {"get", "patch"},
-    "deployments.apps": {"get", "list", "watch", "create", "patch"},
+    "deployments.apps": {"get", "list", "watch", "create", "patch", "delete"},  # a role turning multi-node
     "services": {"get", "list", "watch", "create", "patch"},
     "serviceaccounts": {"get", "list", "watch", "create", "patch"},
     "poddisruptionbudgets.policy": {"get", "list", "watch", "create", "patch"},
@@ -44,6 +55,8 @@ OPERATOR_RBAC = {
     "events": {"create"},
     "configmaps": {"get"},
     "secrets": {"get"},   # by name only: the autoscaler's Prometheus token and CA
+    # rbac.leaderWorkerSet=auto: the local cluster serves LeaderWorkerSets
+    "leaderworkersets.leaderworkerset.x-k8s.io": {"get", "list", "watch", "create", "patch", "delete"},
 }
 
 
@@ -52,11 +65,6 @@ def manifest(obj: dict[str, Any]) -> str:
     obj = copy.deepcopy(obj)
     obj["metadata"].pop("namespace", None)
     return yaml.safe_dump(obj)
-
-
-def pods_of(cluster: Cluster, namespace: str, name: str, role: str) -> list[Any]:
-    result = cluster.get("pods", "-n", namespace, "-l", f"xpyd.io/serving={name},xpyd.io/role={role}")
-    return [p for p in result["items"] if not p["metadata"].get("deletionTimestamp")]
 
 
 # ------------------------------------------------------------------------------------------------
@@ -83,7 +91,7 @@ def test_operator_rbac_is_exactly_what_it_needs(operator: Cluster) -> None:
         if resource in OPERATOR_RBAC:
             granted[resource] = set(verbs)
     assert granted == OPERATOR_RBAC
-    for forbidden in ("delete deployments", "list secrets", "watch secrets", "create pods", "delete pods",
+    for forbidden in ("delete services", "list secrets", "watch secrets", "create pods", "delete pods",
                       "create clusterroles", "list configmaps"):
         verb, resource = forbidden.split()
         assert operator.kubectl("auth", "can-i", verb, resource, f"--as={OPERATOR_SA}",
@@ -92,27 +100,6 @@ def test_operator_rbac_is_exactly_what_it_needs(operator: Cluster) -> None:
 
 # ------------------------------------------------------------------------------------------------
 # Samples
-
-
-def provide_prerequisites(cluster: Cluster, namespace: str, serving_obj: Any) -> None:
-    """What a user creates beside a DisaggregatedServing: the model volume and the token Secret."""
-    model = serving_obj.spec.model
-    if model.source.pvc is not None:
-        claim = model.source.pvc.claim_name
-        volume = f"{namespace}-{claim}"
-        cluster.apply(yaml.safe_dump_all([
-            {"apiVersion": "v1", "kind": "PersistentVolume", "metadata": {"name": volume},
-             "spec": {"capacity": {"storage": "1Ti"}, "accessModes": ["ReadOnlyMany"], "storageClassName": "",
-                      "hostPath": {"path": f"/models/{volume}"}, "persistentVolumeReclaimPolicy": "Delete"}},
-            {"apiVersion": "v1", "kind": "PersistentVolumeClaim", "metadata": {"name": claim},
-             "spec": {"accessModes": ["ReadOnlyMany"], "storageClassName": "", "volumeName": volume,
-                      "resources": {"requests": {"storage": "1Ti"}}}},
-        ]), namespace)
-        eventually(lambda: (cluster.get("pvc", "-n", namespace, claim) or {}).get("status", {}).get("phase")
-                   == "Bound", what="model PVC bound")
-    if model.hf_token_secret_ref is not None:
-        ref = model.hf_token_secret_ref
-        cluster.kubectl("create", "secret", "generic", ref.name, "-n", namespace, f"--from-literal={ref.key}=hf_x")
 
 
 @pytest.mark.parametrize("sample", SAMPLES, ids=[s.stem for s in SAMPLES])
@@ -131,7 +118,7 @@ def test_sample_becomes_ready_on_matching_gpu_nodes(operator: Cluster, namespace
     for role in ("prefill", "decode"):
         role_spec = getattr(spec, role)
         pods = pods_of(operator, namespace, name, role)
-        assert len(pods) == role_spec.replicas
+        assert len(pods) == role_spec.replicas * role_spec.nodes_per_replica
         for pod in pods:
             node = nodes[pod["spec"]["nodeName"]]
             assert node["metadata"]["labels"].get("nvidia.com/gpu.product") == role_spec.gpu.product

@@ -22,14 +22,15 @@ IMAGE = f"ghcr.io/xpyd-operator/xpyd-operator:{__version__}"
 Rule = tuple[str, str]  # (apiGroup, resource)
 
 #: The reviewed RBAC of the operator, in every namespace it serves: what `reconcile` and kopf do,
-#: no more. No delete (children are garbage-collected through ownerReferences), no wildcards.
+#: no more. No wildcards. Children are garbage-collected through ownerReferences; delete only of the
+#: workload kinds, whose kind changes with a role's shape (a Deployment, or a LeaderWorkerSet).
 #: Secrets: get only (the autoscaler's Prometheus token and CA), never list or watch. Pods are read
 #: for the status, and because the operator creates Roles granting pods get/list/watch to its
 #: proxies, which RBAC allows only to holders of those permissions.
 OPERATOR_RULES: dict[Rule, set[str]] = {
     ("xpyd.io", "disaggregatedservings"): {"get", "list", "watch"},
     ("xpyd.io", "disaggregatedservings/status"): {"get", "patch"},
-    ("apps", "deployments"): {"get", "list", "watch", "create", "patch"},
+    ("apps", "deployments"): {"get", "list", "watch", "create", "patch", "delete"},
     ("", "services"): {"get", "list", "watch", "create", "patch"},
     ("", "serviceaccounts"): {"get", "list", "watch", "create", "patch"},
     ("", "pods"): {"get", "list", "watch"},
@@ -40,9 +41,15 @@ OPERATOR_RULES: dict[Rule, set[str]] = {
     ("rbac.authorization.k8s.io", "roles"): {"get", "list", "watch", "create", "patch"},
     ("rbac.authorization.k8s.io", "rolebindings"): {"get", "list", "watch", "create", "patch"},
 }
+#: With `rbac.leaderWorkerSet` (or `auto` on a cluster serving the API).
+LEADER_WORKER_SET_RULES: dict[Rule, set[str]] = {
+    ("leaderworkerset.x-k8s.io", "leaderworkersets"): {"get", "list", "watch", "create", "patch", "delete"},
+}
+#: The only resources the operator may delete.
+DELETABLE: frozenset[Rule] = frozenset({("apps", "deployments"), ("leaderworkerset.x-k8s.io", "leaderworkersets")})
 
-#: Verbs the operator must never hold.
-FORBIDDEN_VERBS = {"*", "delete", "deletecollection", "escalate", "bind", "impersonate"}
+#: Verbs the operator must never hold (delete: only on DELETABLE).
+FORBIDDEN_VERBS = {"*", "deletecollection", "escalate", "bind", "impersonate"}
 
 OPERATOR_ARGS = ["-A", "--liveness=http://0.0.0.0:8080/healthz", "--metrics=http://0.0.0.0:8081/metrics",
                  f"--operator-image={IMAGE}", "--resync-seconds=600", "--workers=8", "--leader-elect",
@@ -69,15 +76,18 @@ def rule_table(rules: list[dict[str, Any]]) -> dict[Rule, set[str]]:
     return table
 
 
-def assert_least_privilege(rules: list[dict[str, Any]]) -> None:
-    """No wildcard anywhere, no forbidden verb, secrets get only, and exactly the reviewed table."""
+def assert_least_privilege(rules: list[dict[str, Any]], leader_worker_set: bool = False) -> None:
+    """No wildcard anywhere, no forbidden verb, delete only of workloads, secrets get only, and
+    exactly the reviewed table (with the LeaderWorkerSet rules when `leader_worker_set`)."""
     for rule in rules:
         for field in ("apiGroups", "resources", "verbs"):
             assert "*" not in rule.get(field, []), f"wildcard in {field}: {rule}"
         assert not FORBIDDEN_VERBS & set(rule["verbs"]), f"forbidden verb: {rule}"
         if "secrets" in rule["resources"]:
             assert rule["verbs"] == ["get"], f"the operator only gets secrets by name: {rule}"
-    assert rule_table(rules) == OPERATOR_RULES
+    table = rule_table(rules)
+    assert {key for key, verbs in table.items() if "delete" in verbs} <= DELETABLE
+    assert table == (OPERATOR_RULES | LEADER_WORKER_SET_RULES if leader_worker_set else OPERATOR_RULES)
 
 
 def load_docs(path: Path) -> list[dict[str, Any]]:

@@ -46,6 +46,15 @@ VALID = {
     "env valueFrom": serving({"engine": {"env": [{"name": "A", "valueFrom": {"secretKeyRef": {"name": "s",
                                                                                           "key": "k"}}}]}}),
     "name 55": serving(name="a" * 55),
+    "multi-node tp": serving({"decode": {"nodesPerReplica": 2, "tensorParallelSize": 16,
+                                         "topologyKey": "nvidia.com/gpu.clique"}}),
+    "multi-node dp": serving({"prefill": {"nodesPerReplica": 2, "dataParallelSize": 16, "gpu": {"count": 8}},
+                              "decode": {"nodesPerReplica": 4, "dataParallelSize": 8, "tensorParallelSize": 4}}),
+    "multi-node 0.12": serving({"engine": {"vllmVersion": "0.12"}, "prefill": {"nodesPerReplica": 2,
+                                                                               "tensorParallelSize": 2}}),
+    "nixl prefill pp 0.32": serving({"engine": {"vllmVersion": "0.32"}, "prefill": {"pipelineParallelSize": 2}}),
+    "multi-node budget": serving({"prefill": {"nodesPerReplica": 2, "tensorParallelSize": 2},
+                                  "autoscaling": {"gpuBudget": 3}}),
 }
 
 # (case, object, message the models and the CRD's CEL rule both give)
@@ -117,6 +126,29 @@ INVALID = [
     ("env value and valueFrom", serving({"decode": {"env": [{"name": "A", "value": "1", "valueFrom": {}}]}}),
      "set either value or valueFrom, not both"),
     ("name too long", serving(name="a" * 56), "metadata.name must be a DNS label of at most 55 characters"),
+    ("multi-node tp not dividing", serving({"prefill": {"nodesPerReplica": 3, "tensorParallelSize": 4}}),
+     "nodesPerReplica must divide dataParallelSize"),
+    ("multi-node dp not dividing", serving({"decode": {"nodesPerReplica": 2, "dataParallelSize": 3,
+                                                       "tensorParallelSize": 2}}),
+     "nodesPerReplica must divide dataParallelSize"),
+    ("multi-node gpu count per replica", serving({"prefill": {"nodesPerReplica": 2, "tensorParallelSize": 16,
+                                                              "gpu": {"count": 16}}}),
+     "gpu.count must equal tensorParallelSize x pipelineParallelSize x dataParallelSize / nodesPerReplica"),
+    ("topology key on one node", serving({"decode": {"topologyKey": "nvidia.com/gpu.clique"}}),
+     "topologyKey places the pods of a multi-node replica: it needs nodesPerReplica above 1"),
+    ("multi-node on 0.11", serving({"engine": {"vllmVersion": "0.11"}, "prefill": {"nodesPerReplica": 2,
+                                                                                   "tensorParallelSize": 2}}),
+     "nodesPerReplica above 1 needs a NIXL connector and engine.vllmVersion >= 0.12"),
+    ("multi-node with mooncake", serving({"kvTransfer": {"connector": "MooncakeConnector"},
+                                          "decode": {"nodesPerReplica": 2, "tensorParallelSize": 2}}),
+     "nodesPerReplica above 1 needs a NIXL connector and engine.vllmVersion >= 0.12"),
+    ("nixl decode pp", serving({"decode": {"pipelineParallelSize": 2}}),
+     "NIXL connectors take no pipeline parallelism on decode"),
+    ("nixl prefill pp on 0.24", serving({"engine": {"vllmVersion": "0.24"}, "prefill": {"pipelineParallelSize": 2}}),
+     "NIXL connectors take no pipeline parallelism on decode"),
+    ("multi-node budget below a group", serving({"prefill": {"nodesPerReplica": 2, "tensorParallelSize": 4},
+                                                 "autoscaling": {"gpuBudget": 4}}),
+     "autoscaling.gpuBudget is below the GPUs the minimum replicas of both roles need"),
     ("name uppercase", serving(name="Llama"), "metadata.name must be a DNS label of at most 55 characters"),
 ]
 
@@ -125,6 +157,9 @@ INVALID = [
 # message naming the field; the API server's schema does the same (e2e).
 SCHEMA_INVALID = [
     ("unknown connector", serving({"kvTransfer": {"connector": "Bogus"}}), "spec.kvTransfer.connector"),
+    ("topology key not a label", serving({"decode": {"nodesPerReplica": 2, "tensorParallelSize": 2,
+                                                     "topologyKey": "rack key"}}), "spec.decode.topologyKey"),
+    ("nodes per replica zero", serving({"decode": {"nodesPerReplica": 0}}), "spec.decode.nodesPerReplica"),
     ("nixl backend upper-case", serving({"kvTransfer": {"nixl": {"backends": ["MOONCAKE"]}}}),
      "spec.kvTransfer.nixl.backends[0]"),
     ("gpu bdf without function", serving({"kvTransfer": {"rdma": {"gpuNicMapping": [

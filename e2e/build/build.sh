@@ -176,7 +176,13 @@ write_env() {
 all_cached() {
   have_all "$ETCD_DIR" etcd && have_all "$K8S_DIR" "${K8S_BINARIES[@]}" &&
     have_all "$KWOK_DIR" kwok && have_all "$HELM_DIR" helm &&
-    have_all "$LWS_DIR" lws-controller && [[ -d $LWS_DIR/crds ]]
+    have_all "$LWS_DIR" lws-controller && lws_crds_present
+}
+
+LWS_CRDS=(leaderworkerset.x-k8s.io_leaderworkersets.yaml disaggregatedset.x-k8s.io_disaggregatedsets.yaml)
+lws_crds_present() {
+  local f
+  for f in "${LWS_CRDS[@]}"; do [[ -f $LWS_DIR/crds/$f ]] || return 1; done
 }
 
 mkdir -p "$BIN_ROOT"
@@ -305,8 +311,12 @@ build_lws() {
   local ldflags="-s -w -X $pkg/pkg/version.GitVersion=$LWS_VERSION"
   (cd "$WORK" && run_logged lws go build -mod=mod -trimpath -ldflags "$ldflags" -o "$out/lws-controller" "$pkg/cmd")
   mkdir -p "$out/crds"
-  # Both: the controller always runs its DisaggregatedSet reconciler too.
-  cp "$(go env GOMODCACHE)/$pkg@$LWS_VERSION"/config/crd/bases/*.yaml "$out/crds/"
+  # Both: the controller always runs its DisaggregatedSet reconciler too (and exits when that
+  # kind's informer cannot sync).
+  local f
+  for f in "${LWS_CRDS[@]}"; do
+    cp "$(go env GOMODCACHE)/$pkg@$LWS_VERSION/config/crd/bases/$f" "$out/crds/"
+  done
   chmod u+w "$out/crds"/*
 }
 
@@ -317,6 +327,7 @@ build_component kwok "$KWOK_VERSION" "$KWOK_DIR" build_kwok \
   "kwok --version" "${KWOK_VERSION#v}" kwok
 build_component helm "$HELM_VERSION" "$HELM_DIR" build_helm \
   "helm version" "Version:\"$HELM_VERSION\"" helm
+if ! lws_crds_present; then rm -rf "$LWS_DIR"; fi   # a build older than its CRD list: redo it
 build_component lws "$LWS_VERSION" "$LWS_DIR" build_lws \
   "lws-controller --version" "Version: $LWS_VERSION" lws-controller
 build_component kubernetes "$KUBERNETES_VERSION" "$K8S_DIR" build_kubernetes \

@@ -183,11 +183,11 @@ def _closed(path: str) -> bool:
 # ---- RBAC and the operator Deployment ----------------------------------------------------------
 
 
-def chart_rules() -> list[dict[str, Any]]:
-    """The rules of the chart (one definition, used by its ClusterRole and its Roles)."""
+def chart_rules(name: str = "xpyd-operator.rules") -> list[dict[str, Any]]:
+    """Rules the chart defines (one definition, used by its ClusterRole and its Roles)."""
     helpers = (CHART / "templates" / "_helpers.tpl").read_text()
-    match = re.search(r'\{\{- define "xpyd-operator\.rules" -\}\}\n(.*?)\{\{- end \}\}', helpers, re.S)
-    assert match, "_helpers.tpl defines xpyd-operator.rules"
+    match = re.search(r'\{\{- define "' + re.escape(name) + r'" -\}\}\n(.*?)\{\{- end \}\}', helpers, re.S)
+    assert match, f"_helpers.tpl defines {name}"
     assert "{{" not in match.group(1), "the rules are plain YAML, the same in every install"
     rules: list[dict[str, Any]] = yaml.safe_load(match.group(1))
     return rules
@@ -195,6 +195,7 @@ def chart_rules() -> list[dict[str, Any]]:
 
 def test_chart_rules_are_the_reviewed_rbac() -> None:
     assert_least_privilege(chart_rules())
+    assert_least_privilege(chart_rules() + chart_rules("xpyd-operator.leaderWorkerSetRules"), leader_worker_set=True)
 
 
 def test_install_cluster_role_is_the_reviewed_rbac() -> None:

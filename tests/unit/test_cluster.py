@@ -67,10 +67,10 @@ def pod(image: str, command: list[str], args: list[str], env: list[dict[str, Any
 def test_pod_ips_are_loopback_unique_and_skip_taken_ports(runtime: PodRuntime) -> None:
     first = runtime.allocate_ip("cpu-0", [])
     second = runtime.allocate_ip("gpu-h200-0", [])
-    assert first == "127.77.4.2" and second == "127.77.0.2"
+    assert first == "127.77.8.2" and second == "127.77.0.2"  # cpu-0 is the ninth node
     with socket.socket() as taken:
-        taken.bind(("127.77.4.3", 8080))
-        assert runtime.allocate_ip("cpu-0", [8080]) == "127.77.4.4"
+        taken.bind(("127.77.8.3", 8080))
+        assert runtime.allocate_ip("cpu-0", [8080]) == "127.77.8.4"
 
 
 def test_operator_image_runs_as_this_xpyd_with_its_own_token(runtime: PodRuntime, tmp_path: Path) -> None:

@@ -10,7 +10,15 @@ import pytest
 from xpyd.api import models
 from xpyd.api.load import parse_serving
 from xpyd.api.naming import SERVING_LABEL
-from xpyd.controller.handlers import CHILD_KINDS, cache_kinds, is_urgent, owner_of, pod_signal
+from xpyd.controller.handlers import (
+    CHILD_KINDS,
+    CHILD_SELECTOR,
+    LWS_KIND,
+    cache_kinds,
+    is_urgent,
+    owner_of,
+    pod_signal,
+)
 from xpyd.kube import Kube
 from xpyd.kube.cache import (
     Cache,
@@ -164,6 +172,12 @@ def test_the_operator_caches_every_kind_it_renders() -> None:
     assert rendered == set(CHILD_KINDS)
     assert {(k.api_version, k.kind) for k in cache_kinds()} == {*CHILD_KINDS, (models.API_VERSION, models.KIND),
                                                                 ("v1", "Pod")}
+    # A multi-node role swaps its Deployment for a LeaderWorkerSet, which is cached once usable.
+    multi_node = {**SERVING, "spec": {**SERVING["spec"], "kvTransfer": {"connector": "NixlConnector"},
+                                      "decode": {"nodesPerReplica": 2, "tensorParallelSize": 2}}}
+    rendered = {(o["apiVersion"], o["kind"]) for o in render("llama", "ns", parse_serving(multi_node).spec)}
+    assert rendered == {*CHILD_KINDS, (LWS_KIND.api_version, LWS_KIND.kind)}
+    assert LWS_KIND.selector == CHILD_SELECTOR
 
 
 CR = Kind(models.API_VERSION, models.KIND)

@@ -84,7 +84,7 @@ object names for its Prometheus (bearer token, CA); never listed or watched.
   verbs: ["get", "patch"]
 - apiGroups: ["apps"]
   resources: ["deployments"]
-  verbs: ["get", "list", "watch", "create", "patch"]
+  verbs: ["get", "list", "watch", "create", "patch", "delete"]
 - apiGroups: [""]
   resources: ["services"]
   verbs: ["get", "list", "watch", "create", "patch"]
@@ -109,4 +109,27 @@ object names for its Prometheus (bearer token, CA); never listed or watched.
 - apiGroups: ["rbac.authorization.k8s.io"]
   resources: ["roles", "rolebindings"]
   verbs: ["get", "list", "watch", "create", "patch"]
+{{- end }}
+
+{{/*
+The rules on LeaderWorkerSets (multi-node replicas), granted with the others when
+xpyd-operator.leaderWorkerSet says so.
+*/}}
+{{- define "xpyd-operator.leaderWorkerSetRules" -}}
+- apiGroups: ["leaderworkerset.x-k8s.io"]
+  resources: ["leaderworkersets"]
+  verbs: ["get", "list", "watch", "create", "patch", "delete"]
+{{- end }}
+
+{{/*
+"true" when the operator gets RBAC on LeaderWorkerSets (multi-node replicas): rbac.leaderWorkerSet
+"auto" grants it when the cluster serves leaderworkerset.x-k8s.io/v1 at install time.
+*/}}
+{{- define "xpyd-operator.leaderWorkerSet" -}}
+{{- $mode := toString .Values.rbac.leaderWorkerSet -}}
+{{- if or (eq $mode "true") (and (eq $mode "auto") (.Capabilities.APIVersions.Has "leaderworkerset.x-k8s.io/v1")) -}}
+true
+{{- else if not (has $mode (list "auto" "true" "false")) -}}
+{{- fail (printf "rbac.leaderWorkerSet must be auto, true or false, not %q" $mode) -}}
+{{- end -}}
 {{- end }}

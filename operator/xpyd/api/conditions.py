@@ -6,7 +6,7 @@
   `InvalidSpec`.
 - `Progressing`, owned by the reconcile: `RollingOut`, `Converged`, `InvalidSpec`.
 - `Degraded`, owned by the reconcile: `AsExpected`, `InsufficientGPUs`, `Unschedulable`,
-  `EngineCrashLoop`.
+  `EngineCrashLoop`, `LeaderWorkerSetMissing`, `LeaderWorkerSetForbidden`.
 - `ScalingActive`, owned by the autoscaler loop (`controller.autoscale`; the reconcile sets only
   `AutoscalingOff` and `AutoscalerNotRunning`): `ValidMetrics`, `RecommendOnly`,
   `ProfileUnavailable`, `AutoscalingOff`, `AutoscalerNotRunning`, and `decide()`'s
@@ -52,6 +52,10 @@ AS_EXPECTED: Final = "AsExpected"
 INSUFFICIENT_GPUS: Final = "InsufficientGPUs"
 UNSCHEDULABLE: Final = "Unschedulable"
 ENGINE_CRASH_LOOP: Final = "EngineCrashLoop"
+#: A role spans nodes (nodesPerReplica > 1) but the cluster does not serve leaderworkerset.x-k8s.io/v1.
+LEADER_WORKER_SET_MISSING: Final = "LeaderWorkerSetMissing"
+#: ... or the operator's RBAC does not let it use LeaderWorkerSets.
+LEADER_WORKER_SET_FORBIDDEN: Final = "LeaderWorkerSetForbidden"
 
 # ScalingActive (besides decide()'s MetricsUnavailable)
 VALID_METRICS: Final = "ValidMetrics"

@@ -17,6 +17,10 @@ ROLE_LABEL: Final = "xpyd.io/role"
 KV_COMPAT_LABEL: Final = "xpyd.io/kv-compat"
 #: LeaderWorkerSet's label of a pod's index in its group: 0 on the leader, which alone serves.
 LWS_WORKER_INDEX_LABEL: Final = "leaderworkerset.sigs.k8s.io/worker-index"
+#: LeaderWorkerSet's label of every pod of one group (one multi-node replica), and its annotation of
+#: the group's size.
+LWS_GROUP_KEY_LABEL: Final = "leaderworkerset.sigs.k8s.io/group-key"
+LWS_SIZE_ANNOTATION: Final = "leaderworkerset.sigs.k8s.io/size"
 
 
 def child_name(serving: str, component: Component) -> str:

@@ -32,7 +32,7 @@ from prometheus_api_client.exceptions import PrometheusApiClientException
 from prometheus_api_client.prometheus_connect import PrometheusConnect
 from urllib3.util.retry import Retry
 
-from xpyd.api.naming import ROLE_LABEL, SERVING_LABEL
+from xpyd.api.naming import LWS_GROUP_KEY_LABEL, LWS_SIZE_ANNOTATION, LWS_WORKER_INDEX_LABEL, ROLE_LABEL, SERVING_LABEL
 from xpyd.autoscaler.observation import Observation, Quantiles, RoleObservation
 from xpyd.common.jsontypes import JSON
 from xpyd.common.netguard import NonLoopbackAddress, guard_url
@@ -198,30 +198,70 @@ def _age_s(timestamp: str | None, now: float) -> float:
 
 def count_pods(pods: Sequence[JSON], role: str, now: float = 0.0) -> PodCounts:
     """Ready (serving), starting (placed, loading), Pending (not placed: no GPU) and draining
-    (terminating) pods of one role. A pod that is both unschedulable and deleted counts nowhere."""
+    (terminating) replicas of one role. A replica is a pod, or the group of pods of a multi-node
+    replica (LeaderWorkerSet): the group serves when its leader is ready, is draining when its leader
+    terminates, and is Pending while any of its pods is (or has not been created yet): a group short
+    of a node is no capacity. A pod that is both unschedulable and deleted counts nowhere."""
     ready = starting = pending = draining = 0
     ready_for = 0.0
-    for pod in pods:
-        meta = pod.get("metadata", {})
-        if meta.get("labels", {}).get(ROLE_LABEL) != role:
-            continue
-        status = pod.get("status", {})
-        if status.get("phase") in ("Succeeded", "Failed"):
-            continue
-        conditions = {c.get("type"): c for c in status.get("conditions", [])}
-        is_ready = conditions.get("Ready", {}).get("status") == "True"
-        scheduled = conditions.get("PodScheduled", {}).get("status") == "True" or bool(pod.get("spec", {})
-                                                                                       .get("nodeName"))
+    for members in _replicas(pods, role):
+        leader = members[0]
+        meta = leader.get("metadata", {})
+        states = [_pod_state(pod) for pod in members]
+        if any(state is None for state in states):
+            continue  # a finished pod: not a replica
+        leader_ready, _ = states[0]  # type: ignore[misc]
+        size = _group_size(leader)
         if meta.get("deletionTimestamp"):
-            draining += int(is_ready)
-        elif is_ready:
-            ready += 1
-            ready_for = max(ready_for, _age_s(conditions["Ready"].get("lastTransitionTime"), now))
-        elif scheduled:
-            starting += 1
-        else:
+            draining += int(leader_ready)
+        elif any(not scheduled for _, scheduled in states) or len(members) < size:  # type: ignore[misc]
             pending += 1
+        elif leader_ready:
+            ready += 1
+            ready_for = max(ready_for, _age_s(_condition(leader, "Ready").get("lastTransitionTime"), now))
+        else:
+            starting += 1
     return PodCounts(ready, starting, pending, draining, ready_for)
+
+
+def _replicas(pods: Sequence[JSON], role: str) -> list[list[JSON]]:
+    """The role's pods by replica, the leader (or the only pod) first."""
+    groups: dict[str | int, list[JSON]] = {}
+    for index, pod in enumerate(pods):
+        labels = pod.get("metadata", {}).get("labels", {})
+        if labels.get(ROLE_LABEL) == role:
+            groups.setdefault(labels.get(LWS_GROUP_KEY_LABEL) or index, []).append(pod)
+    result = []
+    for members in groups.values():
+        members.sort(key=lambda p: int(p.get("metadata", {}).get("labels", {}).get(LWS_WORKER_INDEX_LABEL, 0) or 0))
+        leader_index = members[0].get("metadata", {}).get("labels", {}).get(LWS_WORKER_INDEX_LABEL)
+        if leader_index not in (None, "0"):
+            continue  # workers whose leader is gone: the group is being recreated
+        result.append(members)
+    return result
+
+
+def _group_size(pod: JSON) -> int:
+    try:
+        return max(1, int(pod.get("metadata", {}).get("annotations", {}).get(LWS_SIZE_ANNOTATION, 1)))
+    except ValueError:
+        return 1
+
+
+def _condition(pod: JSON, kind: str) -> JSON:
+    for condition in pod.get("status", {}).get("conditions", []):
+        if condition.get("type") == kind:
+            return dict(condition)
+    return {}
+
+
+def _pod_state(pod: JSON) -> tuple[bool, bool] | None:
+    """(ready, scheduled) of a pod, None when it has finished."""
+    status = pod.get("status", {})
+    if status.get("phase") in ("Succeeded", "Failed"):
+        return None
+    scheduled = _condition(pod, "PodScheduled").get("status") == "True" or bool(pod.get("spec", {}).get("nodeName"))
+    return _condition(pod, "Ready").get("status") == "True", scheduled
 
 
 def observation(results: Mapping[str, Samples], pods: Sequence[JSON], now: float, scope: Scope) -> Observation:

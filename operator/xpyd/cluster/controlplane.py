@@ -2,8 +2,8 @@
 
 etcd, kube-apiserver, kube-controller-manager, kube-scheduler, kwok and the LeaderWorkerSet
 controller run as local processes from binaries built by `e2e/build/build.sh`; fake GPU nodes are
-registered through kwok; the pod process runtime (`xpyd cluster runtime`) runs the pods. Everything binds 127.0.0.1, RBAC is on,
-and the admin kubeconfig is written to `<state>/kubeconfig`.
+registered through kwok; the pod process runtime (`xpyd cluster runtime`) runs the pods.
+Everything binds 127.0.0.1, RBAC is on, and the admin kubeconfig is written to `<state>/kubeconfig`.
 """
 
 from __future__ import annotations

@@ -78,7 +78,8 @@ def webhook_configurations(host: str, port: int, ca_cert: bytes) -> list[JSON]:
     ca_bundle = base64.b64encode(ca_cert).decode()
     return [
         {"apiVersion": "admissionregistration.k8s.io/v1", "kind": kind, "metadata": {"name": WEBHOOK_NAME},
-         "webhooks": [_webhook(*entry, base_url, ca_bundle) for entry in entries]}
+         "webhooks": [_webhook(name, path, rules, pods_only, base_url, ca_bundle)
+                      for name, path, rules, pods_only in entries]}
         for kind, entries in (("MutatingWebhookConfiguration", _MUTATING),
                               ("ValidatingWebhookConfiguration", _VALIDATING))
     ]

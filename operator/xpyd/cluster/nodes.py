@@ -7,6 +7,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 GPU_TAINT = {"key": "nvidia.com/gpu", "value": "present", "effect": "NoSchedule"}
+#: The NVLink domain (clique) GPU feature discovery labels multi-node NVLink nodes with: here, the
+#: rack of each pair of GPU nodes, which multi-node replicas use as their topology key.
+CLIQUE_LABEL = "nvidia.com/gpu.clique"
 
 
 @dataclass(frozen=True)
@@ -20,15 +23,19 @@ class NodeSpec:
     labels: dict[str, str] = field(default_factory=dict)
 
 
-def _gpu_node(name: str, product: str, rdma: dict[str, int]) -> NodeSpec:
-    return NodeSpec(name=name, gpu_product=product, gpus=8, rdma=rdma)
+def _gpu_node(name: str, product: str, rdma: dict[str, int], clique: str) -> NodeSpec:
+    return NodeSpec(name=name, gpu_product=product, gpus=8, rdma=rdma, labels={CLIQUE_LABEL: clique})
 
 
+_H200_RDMA = {"rdma/ib": 8, "rdma/roce_gdr": 8}
+_H100 = "NVIDIA-H100-80GB-HBM3"
 DEFAULT_NODES: tuple[NodeSpec, ...] = (
-    _gpu_node("gpu-h200-0", "NVIDIA-H200", {"rdma/ib": 8, "rdma/roce_gdr": 8}),
-    _gpu_node("gpu-h200-1", "NVIDIA-H200", {"rdma/ib": 8, "rdma/roce_gdr": 8}),
-    _gpu_node("gpu-l40s-0", "NVIDIA-L40S", {"rdma/roce_gdr": 4}),
-    _gpu_node("gpu-l40s-1", "NVIDIA-L40S", {"rdma/roce_gdr": 4}),
+    _gpu_node("gpu-h200-0", "NVIDIA-H200", _H200_RDMA, "h200-rack-0"),
+    _gpu_node("gpu-h200-1", "NVIDIA-H200", _H200_RDMA, "h200-rack-0"),
+    _gpu_node("gpu-l40s-0", "NVIDIA-L40S", {"rdma/roce_gdr": 4}, "l40s-rack-0"),
+    _gpu_node("gpu-l40s-1", "NVIDIA-L40S", {"rdma/roce_gdr": 4}, "l40s-rack-0"),
+    # Two racks of two: room for multi-node replicas placed one per rack.
+    *(_gpu_node(f"gpu-h100-{i}", _H100, {"rdma/ib": 8}, f"h100-rack-{i // 2}") for i in range(4)),
     NodeSpec(name="cpu-0", cpu="32", memory="128Gi"),
 )
 

@@ -79,7 +79,8 @@ def config_for(serving: DisaggregatedServing, perf: PerfModel) -> AutoscalerConf
     spec = serving.spec
     args = [*spec.engine.extra_args, *spec.decode.extra_args]
     return AutoscalerConfig.from_spec(
-        spec.autoscaling, perf, prefill_gpus=spec.prefill.gpus, decode_gpus=spec.decode.gpus,
+        spec.autoscaling, perf, prefill_gpus=spec.prefill.gpus_per_replica,
+        decode_gpus=spec.decode.gpus_per_replica,
         max_num_batched_tokens=_engine_arg(args, "--max-num-batched-tokens", DEFAULT_MAX_NUM_BATCHED_TOKENS),
         max_num_seqs=_engine_arg(args, "--max-num-seqs", DEFAULT_MAX_NUM_SEQS),
         window_s=float(spec.autoscaling.prometheus.window_seconds))

@@ -43,7 +43,8 @@ from xpyd.api.naming import FIELD_MANAGER, SERVING_LABEL
 from xpyd.common.jsontypes import JSON
 from xpyd.controller.autoscale import Autoscaler
 from xpyd.controller.leader import LeaderElector
-from xpyd.controller.reconcile import InvalidSpec, Verified, reconcile
+from xpyd.controller.lws import LeaderWorkerSetSupport
+from xpyd.controller.reconcile import LWS_API_VERSION, InvalidSpec, Verified, reconcile
 from xpyd.controller.workqueue import WorkQueue
 from xpyd.kube import Kube, KubeError
 from xpyd.kube.cache import Cache, Kind, pod_view
@@ -61,6 +62,8 @@ CHILD_KINDS: Final[tuple[tuple[str, str], ...]] = (
 )
 #: The children the operator watches: its own, of some pool.
 CHILD_SELECTOR: Final = f"app.kubernetes.io/managed-by={FIELD_MANAGER},{SERVING_LABEL}"
+#: Rendered for multi-node roles only, and watched once the cluster serves it (see controller.lws).
+LWS_KIND: Final = Kind(LWS_API_VERSION, "LeaderWorkerSet", CHILD_SELECTOR)
 #: How long start-up waits for the caches' first lists before serving from the API server instead.
 SYNC_TIMEOUT_SECONDS: Final = 60.0
 RETRY_CAP_SECONDS: Final = 300.0
@@ -152,9 +155,17 @@ class OperatorState:
     _deciding: set[Key] = field(default_factory=set)
     _decisions: ThreadPoolExecutor | None = None
     tasks: list[asyncio.Task[None]] = field(default_factory=list)
+    lws: LeaderWorkerSetSupport = field(init=False)
 
     def __post_init__(self) -> None:
         self.queue = WorkQueue(base=self.retry_seconds, cap=RETRY_CAP_SECONDS)
+        self.lws = LeaderWorkerSetSupport(self.kube, self.namespaces[0] if self.namespaces else None,
+                                          on_available=self._watch_leaderworkersets)
+
+    def _watch_leaderworkersets(self) -> None:
+        """Add LeaderWorkerSets to the cache (the first time they are found usable)."""
+        if self.cache is not None:
+            self.cache.add(LWS_KIND)
 
     # --- per-object locks ---------------------------------------------------------------------
 
@@ -184,9 +195,11 @@ class OperatorState:
             with self._locks_guard:
                 verified = self._verified.setdefault((namespace, name), Verified())
             outcome = reconcile(self.kube, body, self.operator_image, verified=verified,
-                                status_interval=self.status_interval)
+                                status_interval=self.status_interval, lws=self.lws)
         if outcome.status_deferred:
             self.queue.add_after((namespace, name), outcome.status_deferred)
+        if outcome.blocked is not None:
+            self.queue.add_after((namespace, name), self.lws.recheck_seconds)
         if outcome.writes:
             log.info("reconciled %s/%s: created %s, updated %s, status %s", namespace, name,
                      outcome.created or "-", outcome.updated or "-", "written" if outcome.status_written else "-")
@@ -223,6 +236,10 @@ class OperatorState:
         if self.use_cache:
             self.cache = Cache(self.kube, cache_kinds(), self.namespaces, on_change=self.changed)
             self.cache.start()
+            try:
+                self.lws()  # watched from the start where the cluster has it
+            except KubeError as error:
+                log.warning("could not tell whether LeaderWorkerSets are served: %s", error)
             late = self.cache.wait_synced(SYNC_TIMEOUT_SECONDS)
             if late:
                 log.warning("not listed yet (read from the API server until they are): %s", late)

@@ -11,18 +11,18 @@ import math
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Final
+from typing import Any, Final, Protocol
 
 import kopf
 
 from xpyd.api.conditions import INVALID_SPEC, ConditionType
 from xpyd.api.load import SpecError, parse_serving
 from xpyd.api.models import AutoscalingMode, DisaggregatedServing
-from xpyd.api.naming import ROLES, SERVING_LABEL, Component, child_name
+from xpyd.api.naming import FIELD_MANAGER, ROLES, SERVING_LABEL, Component, child_name
 from xpyd.common.jsontypes import JSON
 from xpyd.common.timefmt import rfc3339
 from xpyd.controller.diff import is_subset
-from xpyd.controller.status import Observed, compute_status, invalid_status, status_changed
+from xpyd.controller.status import ConditionValue, Observed, compute_status, invalid_status, status_changed
 from xpyd.kube import Kube
 from xpyd.render import RenderOptions, endpoint, render
 from xpyd.render.engine import transport
@@ -40,13 +40,17 @@ class Outcome:
 
     created: list[str] = field(default_factory=list)
     updated: list[str] = field(default_factory=list)
+    #: Children of a shape the spec no longer asks for (a role's Deployment once it spans nodes).
+    deleted: list[str] = field(default_factory=list)
     status_written: bool = False
     #: Seconds until the status, which changed, may be written (0: not deferred).
     status_deferred: float = 0.0
+    #: Why children could not be applied (LeaderWorkerSet not served): Degraded, retried later.
+    blocked: ConditionValue | None = None
 
     @property
     def writes(self) -> int:
-        return len(self.created) + len(self.updated) + int(self.status_written)
+        return len(self.created) + len(self.updated) + len(self.deleted) + int(self.status_written)
 
 
 def desired_replicas(serving: DisaggregatedServing) -> dict[Component, int]:
@@ -68,7 +72,31 @@ def desired_replicas(serving: DisaggregatedServing) -> dict[Component, int]:
 
 
 #: Kinds whose metadata.generation moves with every change of their spec (scale included).
-_GENERATION_KINDS: Final = frozenset({"Deployment", "PodDisruptionBudget"})
+_GENERATION_KINDS: Final = frozenset({"Deployment", "LeaderWorkerSet", "PodDisruptionBudget"})
+LWS_API_VERSION: Final = "leaderworkerset.x-k8s.io/v1"
+#: The kinds that run a pool's pods: a Deployment, or a LeaderWorkerSet for multi-node replicas.
+WORKLOAD_KINDS: Final = frozenset({"Deployment", "LeaderWorkerSet"})
+
+
+class LeaderWorkerSetCheck(Protocol):
+    """Whether the cluster lets the operator use LeaderWorkerSets (see controller.lws)."""
+
+    def __call__(self) -> ConditionValue | None:
+        """None when it does (looking again if it did not), else the Degraded condition of a pool
+        that needs them."""
+
+    @property
+    def available(self) -> bool:
+        """What the last look found (no request)."""
+
+
+class AssumeLeaderWorkerSets:
+    """The check of a cluster known to serve LeaderWorkerSets (tests, tools)."""
+
+    available = True
+
+    def __call__(self) -> ConditionValue | None:
+        return None
 
 ChildRef = tuple[str, str, str]  # apiVersion, kind, name
 
@@ -105,12 +133,15 @@ class Verified:
 
 def reconcile(kube: Kube, body: JSON, operator_image: str, now: Callable[[], str] = rfc3339,
               verified: Verified | None = None, status_interval: float = 0.0,
-              clock: Callable[[], float] = time.monotonic) -> Outcome:
+              clock: Callable[[], float] = time.monotonic,
+              lws: LeaderWorkerSetCheck | None = None) -> Outcome:
     """Bring the children of `body` to their desired state and update its status. With `verified`
     (the pool's memory of its last reconcile, updated here), unchanged children are not rendered
     and compared again, and a status that only follows its children's progress is written at most
     once per `status_interval` (`Outcome.status_deferred` says when to come back); a reconcile that
-    wrote a child or saw a new generation writes its status at once."""
+    wrote a child or saw a new generation writes its status at once. `lws` says whether
+    LeaderWorkerSets can be used; when not, a pool with multi-node roles gets everything else and
+    `Degraded` (`Outcome.blocked`)."""
     meta = body["metadata"]
     name, namespace, generation = meta["name"], meta["namespace"], meta.get("generation")
     old_status: JSON = body.get("status") or {}
@@ -131,7 +162,8 @@ def reconcile(kube: Kube, body: JSON, operator_image: str, now: Callable[[], str
     key = (meta.get("uid"), generation, operator_image, tuple(sorted(replicas.items())))
     live_deployments = _unchanged_deployments(kube, namespace, key, verified)
     if live_deployments is None:
-        live_deployments = _converge(kube, body, serving, replicas, operator_image, key, verified, outcome)
+        live_deployments = _converge(kube, body, serving, replicas, operator_image, key, verified, outcome,
+                                     lws or AssumeLeaderWorkerSets())
 
     components: tuple[Component, ...] = ("prefill", "decode", "proxy")
     deployments = {c: live_deployments.get(child_name(name, c)) for c in components}
@@ -139,7 +171,7 @@ def reconcile(kube: Kube, body: JSON, operator_image: str, now: Callable[[], str
     short = any((deployments[c] or {}).get("status", {}).get("readyReplicas", 0) < replicas[c]
                 for c in deployments)
     pods = kube.list_objects("v1", "Pod", namespace, f"{SERVING_LABEL}={name}") if short else []
-    observed = Observed(deployments=deployments, desired=replicas, pods=pods)
+    observed = Observed(deployments=deployments, desired=replicas, pods=pods, problem=outcome.blocked)
     status = compute_status(serving.spec, observed, old_status, generation,
                             endpoint(name, namespace, serving.spec), transport(serving.spec), now())
     if status_changed(old_status, status):
@@ -156,13 +188,16 @@ def reconcile(kube: Kube, body: JSON, operator_image: str, now: Callable[[], str
         kube.event(body, "Normal", "Created", "created " + ", ".join(outcome.created))
     if outcome.updated:
         kube.event(body, "Normal", "Updated", "applied the desired state to " + ", ".join(outcome.updated))
+    if outcome.deleted:
+        kube.event(body, "Normal", "Deleted", "deleted " + ", ".join(outcome.deleted) + " (replaced: the "
+                   "spec asks for another kind)")
     return outcome
 
 
 def _unchanged_deployments(kube: Kube, namespace: str, key: tuple[Any, ...],
                            verified: Verified) -> dict[str, JSON] | None:
-    """The live Deployments, when every child is as the last reconcile of the same inputs left it;
-    else None (render and compare)."""
+    """The live workloads (Deployments, LeaderWorkerSets), when every child is as the last reconcile
+    of the same inputs left it; else None (render and compare)."""
     if verified.key != key or not verified.children:
         return None
     deployments: dict[str, JSON] = {}
@@ -170,21 +205,28 @@ def _unchanged_deployments(kube: Kube, namespace: str, key: tuple[Any, ...],
         live = kube.get(api_version, kind, namespace, child)
         if live is None or fingerprint(live, rendered) != known:
             return None
-        if kind == "Deployment":
+        if kind in WORKLOAD_KINDS:
             deployments[child] = live
     return deployments
 
 
 def _converge(kube: Kube, body: JSON, serving: DisaggregatedServing, replicas: dict[Component, int],
-              operator_image: str, key: tuple[Any, ...], verified: Verified, outcome: Outcome) -> dict[str, JSON]:
-    """Render, apply what differs (recording it in `outcome`), remember what was verified; the live
-    Deployments."""
+              operator_image: str, key: tuple[Any, ...], verified: Verified, outcome: Outcome,
+              lws: LeaderWorkerSetCheck) -> dict[str, JSON]:
+    """Render, delete children of a shape no longer asked for, apply what differs (recording it in
+    `outcome`), remember what was verified; the live workloads."""
     name, namespace = body["metadata"]["name"], body["metadata"]["namespace"]
     objects = render(name, namespace, serving.spec,
                      RenderOptions(operator_image=operator_image,
                                    replicas={role: replicas[role] for role in ROLES}))
     kopf.adopt(objects, owner=kopf.Body(body))  # type: ignore[arg-type]
     verified.key, verified.children = (), {}  # until every child is known equal
+    multi_node = [role for role in ROLES if getattr(serving.spec, role).multi_node]
+    lws_problem = lws() if multi_node else None
+    if lws_problem is not None:  # the rest still converges; the pool says why it cannot serve
+        objects = [o for o in objects if o["kind"] != "LeaderWorkerSet"]
+        outcome.blocked = lws_problem
+    _prune(kube, body, serving, lws_problem is None if multi_node else lws.available, outcome)
     children: dict[ChildRef, tuple[tuple[Any, ...], JSON]] = {}
     live_deployments: dict[str, JSON] = {}
     stale: list[JSON] = []
@@ -196,20 +238,44 @@ def _converge(kube: Kube, body: JSON, serving: DisaggregatedServing, replicas: d
             stale.append(obj)
             continue
         children[(obj["apiVersion"], kind, child)] = (fingerprint(live, obj), _rendered_metadata(obj))
-        if kind == "Deployment":
+        if kind in WORKLOAD_KINDS:
             live_deployments[child] = live
     # The applies go out together, in two waves: what the pods need (their ServiceAccount, Role,
-    # Services), then the Deployments that create them with the RoleBinding (the API server checks
+    # Services), then the workloads that create them with the RoleBinding (the API server checks
     # a binding's Role exists and grants nothing beyond the binder's own rights: it must come after).
-    second = ("Deployment", "RoleBinding")
+    second = ("RoleBinding", *WORKLOAD_KINDS)
     for wave in ([o for o in stale if o["kind"] not in second], [o for o in stale if o["kind"] in second]):
         for obj, live in zip(wave, kube.apply_all(wave), strict=True):
             children[(obj["apiVersion"], obj["kind"], obj["metadata"]["name"])] = (fingerprint(live, obj),
                                                                                    _rendered_metadata(obj))
-            if obj["kind"] == "Deployment":
+            if obj["kind"] in WORKLOAD_KINDS:
                 live_deployments[obj["metadata"]["name"]] = live
-    verified.key, verified.children = key, children
+    if outcome.blocked is None:
+        verified.key, verified.children = key, children
     return live_deployments
+
+
+def _prune(kube: Kube, body: JSON, serving: DisaggregatedServing, lws_usable: bool, outcome: Outcome) -> None:
+    """Delete the workload a role had in its other shape: a multi-node role has no Deployment, a
+    single-node role no LeaderWorkerSet (the same name; everything else of the role is reused).
+    Only the operator's own children of this pool are touched, by uid."""
+    name, namespace = body["metadata"]["name"], body["metadata"]["namespace"]
+    uid = body["metadata"].get("uid")
+    for role in ROLES:
+        child = child_name(name, role)
+        if getattr(serving.spec, role).multi_node:
+            api_version, kind = "apps/v1", "Deployment"
+        elif lws_usable:
+            api_version, kind = LWS_API_VERSION, "LeaderWorkerSet"
+        else:
+            continue  # no LeaderWorkerSet can exist where the API is not served (or not ours to read)
+        live = kube.get(api_version, kind, namespace, child)
+        meta = (live or {}).get("metadata") or {}
+        ours = (meta.get("labels") or {}).get("app.kubernetes.io/managed-by") == FIELD_MANAGER and any(
+            ref.get("uid") == uid for ref in meta.get("ownerReferences") or [])
+        if live is not None and ours:
+            kube.delete(api_version, kind, namespace, child, uid=meta.get("uid"))
+            outcome.deleted.append(f"{kind}/{child}")
 
 
 def _rendered_metadata(obj: JSON) -> JSON:

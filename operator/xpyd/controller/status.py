@@ -97,9 +97,11 @@ def pending_problem(pods: Sequence[JSON], gpu_resources: set[str]) -> ConditionV
 class Observed:
     """What exists in the cluster for one DisaggregatedServing."""
 
-    deployments: Mapping[Component, JSON | None]
+    deployments: Mapping[Component, JSON | None]  # the workloads: Deployments or LeaderWorkerSets
     desired: Mapping[Component, int]
     pods: Sequence[JSON] = ()
+    #: A problem the reconcile met that explains more than the pods do (LeaderWorkerSet missing).
+    problem: ConditionValue | None = None
 
 
 def compute_status(spec: DisaggregatedServingSpec, observed: Observed, old_status: JSON,
@@ -137,7 +139,7 @@ def compute_status(spec: DisaggregatedServingSpec, observed: Observed, old_statu
     gpu_resources = {spec.prefill.gpu.resource_name, spec.decode.gpu.resource_name}
     if spec.kv_transfer.rdma:
         gpu_resources.add(spec.kv_transfer.rdma.resource_name)
-    degraded = pending_problem(observed.pods, gpu_resources) or ConditionValue(
+    degraded = observed.problem or pending_problem(observed.pods, gpu_resources) or ConditionValue(
         ConditionType.DEGRADED, False, reasons.AS_EXPECTED, "")
 
     if spec.autoscaling.mode == AutoscalingMode.OFF:

@@ -344,14 +344,26 @@ class Cache:
     on_change: Callable[[Kind, JSON | None, JSON | None], None] | None = None
     watch_seconds: float = WATCH_SECONDS
     reflectors: dict[tuple[str, str], list[Reflector]] = field(init=False, default_factory=dict)
+    _started: bool = field(init=False, default=False)
 
     def __post_init__(self) -> None:
-        self.kinds = list(self.kinds)
+        kinds, self.kinds = list(self.kinds), []
+        for spec in kinds:
+            self.add(spec)
+
+    def add(self, spec: Kind) -> None:
+        """Hold one more kind from now on (started at once when the cache has started)."""
+        key = (spec.api_version, spec.kind)
+        if key in self.reflectors:
+            return
         scopes: list[str | None] = list(self.namespaces) or [None]
-        for spec in self.kinds:
-            self.reflectors[(spec.api_version, spec.kind)] = [
-                Reflector(self.kube, spec.api_version, spec.kind, scope, spec.selector, spec.transform,
-                          self._forward(spec), self.watch_seconds, spec.index_label) for scope in scopes]
+        group = [Reflector(self.kube, spec.api_version, spec.kind, scope, spec.selector, spec.transform,
+                           self._forward(spec), self.watch_seconds, spec.index_label) for scope in scopes]
+        self.kinds = [*self.kinds, spec]
+        self.reflectors[key] = group
+        if self._started:
+            for reflector in group:
+                reflector.start()
 
     def _forward(self, spec: Kind) -> OnChange | None:
         if self.on_change is None:
@@ -360,9 +372,10 @@ class Cache:
         return lambda old, new: on_change(spec, old, new)
 
     def all(self) -> list[Reflector]:
-        return [r for group in self.reflectors.values() for r in group]
+        return [r for group in list(self.reflectors.values()) for r in group]
 
     def start(self) -> None:
+        self._started = True
         for reflector in self.all():
             reflector.start()
 

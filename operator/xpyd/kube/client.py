@@ -223,6 +223,12 @@ class Kube:
         items: list[JSON] = (result or {}).get("items", [])
         return items
 
+    def discover(self, api_version: str) -> set[str]:
+        """The resources (plurals) the API server serves in a group version; empty when it serves none."""
+        prefix = "/api/v1" if api_version == "v1" else f"/apis/{api_version}"
+        found = self._call("GET", prefix)
+        return {str(r.get("name")) for r in (found or {}).get("resources", [])}
+
     def create(self, obj: JSON) -> JSON:
         meta = obj["metadata"]
         result = self._call("POST", resource_path(obj["apiVersion"], obj["kind"], meta.get("namespace")), body=obj)

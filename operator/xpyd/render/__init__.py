@@ -79,9 +79,8 @@ def endpoint(name: str, namespace: str, spec: DisaggregatedServingSpec) -> str:
 
 def _engine_objects(name: str, namespace: str, spec: DisaggregatedServingSpec, role: Role,
                     options: RenderOptions) -> list[JSON]:
-    """A single-node pool: Deployment, headless Service, budget. A multi-node pool: LeaderWorkerSet
-    (which makes its own headless Service, with the not-ready addresses workers need to find
-    their leader) and budget."""
+    """An engine pool: its workload (a Deployment, or a LeaderWorkerSet for multi-node replicas),
+    its headless Service and its disruption budget."""
     role_spec = getattr(spec, role)
     common = {
         "name": naming.child_name(name, role),
@@ -89,7 +88,7 @@ def _engine_objects(name: str, namespace: str, spec: DisaggregatedServingSpec, r
         "labels": naming.labels(name, role),
         "selector": naming.selector_labels(name, role),
     }
-    workload = {
+    values = {
         **common,
         "role": role_spec,
         "replicas": options.replicas.get(role, role_spec.replicas),
@@ -97,17 +96,17 @@ def _engine_objects(name: str, namespace: str, spec: DisaggregatedServingSpec, r
         "transport": engine.transport(spec),
     }
     if role_spec.multi_node:
-        lws = _render("engine-leaderworkerset.yaml.j2", **workload,
-                      leader_template=_engine_pod(name, namespace, spec, role, "leader"),
-                      worker_template=_engine_pod(name, namespace, spec, role, "worker"))
-        return lws + _render("pdb.yaml.j2", **common)
-    ports = engine.ports(spec, role)
-    deployment = _render("engine-deployment.yaml.j2", **workload,
-                         pod_template=_engine_pod(name, namespace, spec, role, None))
+        workload = _render("engine-leaderworkerset.yaml.j2", **values,
+                           leader_template=_engine_pod(name, namespace, spec, role, "leader"),
+                           worker_template=_engine_pod(name, namespace, spec, role, "worker"))
+    else:
+        workload = _render("engine-deployment.yaml.j2", **values,
+                           pod_template=_engine_pod(name, namespace, spec, role, None))
+    ports = engine.ports(spec, role, "leader" if role_spec.multi_node else None)
     service_ports = [{"name": p["name"], "port": p["containerPort"], "targetPort": p["name"], "protocol": "TCP"}
                      for p in ports]
-    return (deployment
-            + _render("engine-service.yaml.j2", **common, ports=service_ports)
+    return (workload
+            + _render("engine-service.yaml.j2", **common, ports=service_ports, multi_node=role_spec.multi_node)
             + _render("pdb.yaml.j2", **common))
 
 

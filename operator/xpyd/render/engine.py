@@ -35,6 +35,8 @@ NodeRole = Literal["leader", "worker"]
 #: `$(NAME)` in args from the container's env.
 LWS_LEADER_ADDRESS: Final = "$(LWS_LEADER_ADDRESS)"
 LWS_WORKER_INDEX: Final = "$(LWS_WORKER_INDEX)"
+#: The pod's own IP (the engine container's first env var, from the downward API).
+POD_IP: Final = "$(POD_IP)"
 #: vLLM's defaults (ParallelConfig): the torch.distributed master of a multi-node engine, and the
 #: ZMQ port of data-parallel coordination; both on the leader, dialled by every worker.
 MASTER_PORT: Final = 29501
@@ -158,9 +160,12 @@ def multi_node_args(role_spec: RoleSpec, node: NodeRole) -> list[str]:
     and the leader; the workers run no API server. With data parallelism vLLM infers from
     --node-rank the ranks a node runs (--data-parallel-size-local, --data-parallel-start-rank) and
     uses the master address for data-parallel coordination too."""
+    # The leader binds ZMQ sockets on its master address (0.12-0.16) and libzmq binds no DNS name: it
+    # names its own pod IP; the workers only connect, to the leader's name under the group's Service.
+    master = POD_IP if node == "leader" else LWS_LEADER_ADDRESS
     result = [f"--nnodes={role_spec.nodes_per_replica}",
               f"--node-rank={'0' if node == 'leader' else LWS_WORKER_INDEX}",
-              f"--master-addr={LWS_LEADER_ADDRESS}", f"--master-port={MASTER_PORT}"]
+              f"--master-addr={master}", f"--master-port={MASTER_PORT}"]
     if role_spec.data_parallel_size > 1:
         result.append(f"--data-parallel-rpc-port={DATA_PARALLEL_RPC_PORT}")
     if node == "worker":
@@ -174,6 +179,12 @@ def env(spec: DisaggregatedServingSpec, role: Role, proxy_host: str = "") -> lis
     kv = spec.kv_transfer
     # What the engine image's entrypoint compares with the devices the pod really has.
     result = [_field_env("POD_IP", "status.podIP"), _env("XPYD_EXPECT_TRANSPORT", transport(spec))]
+    role_spec: RoleSpec = getattr(spec, role)
+    if role_spec.multi_node:
+        # get_ip(): where every node binds the sockets its peers dial (the workers' response queues,
+        # from 0.18 the leader's broadcast queue). Its fallback asks the routing table for a route to
+        # 8.8.8.8, which need not be the pod network.
+        result.append(_field_env("VLLM_HOST_IP", "status.podIP"))
     if kv.connector.is_nixl:
         # NIXL's side channel defaults to localhost; decode dials it, so it must be the pod IP.
         result += [
@@ -212,7 +223,6 @@ def env(spec: DisaggregatedServingSpec, role: Role, proxy_host: str = "") -> lis
     if spec.model.hf_token_secret_ref is not None:
         ref = spec.model.hf_token_secret_ref
         result.append({"name": "HF_TOKEN", "valueFrom": {"secretKeyRef": {"name": ref.name, "key": ref.key}}})
-    role_spec: RoleSpec = getattr(spec, role)
     return result + _user_env(spec.engine.env) + _user_env(role_spec.env)
 
 
