@@ -65,17 +65,27 @@ SOURCES: dict[str, str] = {
 }
 
 
+def pod_templates(obj: dict[str, Any]) -> list[tuple[str, dict[str, Any]]]:
+    """(where, pod template) of a workload: a Deployment's, a LeaderWorkerSet's leader and worker."""
+    name = obj["metadata"]["name"]
+    if obj["kind"] == "Deployment":
+        return [(name, obj["spec"]["template"])]
+    if obj["kind"] == "LeaderWorkerSet":
+        group = obj["spec"]["leaderWorkerTemplate"]
+        return [(f"{name} {part}", group[part]) for part in ("leaderTemplate", "workerTemplate")]
+    return []
+
+
 @cache
 def engine_containers(source: str, release: str) -> list[tuple[str, dict[str, Any]]]:
-    """(`<serving>/<Deployment>`, container) of every vLLM engine the case renders for the release."""
+    """(`<serving>/<workload>`, container) of every vLLM engine the case renders for the release."""
     out = []
     for s in load_servings(SOURCES[source], source, vllm_version=minor(release)):
         for obj in render(s.metadata.name, s.metadata.namespace, s.spec):
-            if obj["kind"] != "Deployment":
-                continue
-            for container in obj["spec"]["template"]["spec"]["containers"]:
-                if container.get("command", [])[-2:] == ["vllm", "serve"]:
-                    out.append((f"{s.metadata.name}/{obj['metadata']['name']}", container))
+            for where, template in pod_templates(obj):
+                for container in template["spec"]["containers"]:
+                    if container.get("command", [])[-2:] == ["vllm", "serve"]:
+                        out.append((f"{s.metadata.name}/{where}", container))
     return out
 
 

@@ -768,3 +768,74 @@ def test_cli_registers_engine_sim() -> None:
     help_text = subprocess.run([sys.executable, "-m", "xpyd.cli", "engine-sim", "--help"], capture_output=True,
                                text=True, timeout=30, check=True).stdout
     assert "--time-scale" in help_text and "--kv-transfer-config" in help_text
+
+
+# --- a multi-node engine (vLLM's --nnodes launch) ----------------------------------------------------------
+
+async def health_status(session: aiohttp.ClientSession, url: str) -> tuple[int, str]:
+    async with session.get(f"{url}/health") as response:
+        return response.status, await response.text()
+
+
+async def wait_exit(process: subprocess.Popen[str], timeout_s: float = 10.0) -> int:
+    deadline = time.monotonic() + timeout_s
+    while process.poll() is None and time.monotonic() < deadline:
+        await asyncio.sleep(0.05)
+    assert process.poll() is not None, "did not exit"
+    return process.returncode
+
+
+def group_args(master_port: int, rank: int) -> list[str]:
+    args = ["--nnodes=2", f"--node-rank={rank}", f"--master-addr={HOST}", f"--master-port={master_port}"]
+    return [*args, "--headless"] if rank else args
+
+
+async def test_a_multi_node_leader_serves_once_its_worker_joined_and_dies_with_it() -> None:
+    master = free_port()
+    with tempfile.TemporaryFile(mode="w+") as leader_log, tempfile.TemporaryFile(mode="w+") as worker_log:
+        leader = EngineProcess(group_args(master, 0), leader_log)
+        worker: EngineProcess | None = None
+        try:
+            async with client_session() as session:
+                deadline = time.monotonic() + 20
+                while True:  # serving HTTP, but not ready: the engine waits for its other node
+                    with contextlib.suppress(aiohttp.ClientError):
+                        status, body = await health_status(session, leader.url)
+                        break
+                    assert time.monotonic() < deadline, leader.output()
+                    await asyncio.sleep(0.05)
+                assert status == 503 and "waiting for 1 of 1 worker node(s) to join" in body
+                worker = EngineProcess(group_args(master, 1), worker_log)
+                await leader.wait_ready(session)
+                # The worker goes (kill -9): the leader's engine cannot go on, and says so in its exit code.
+                worker.process.kill()
+                assert await wait_exit(leader.process) == 1
+                assert "worker node 1 left the group" in leader.output()
+        finally:
+            leader.stop()
+            if worker is not None:
+                worker.stop()
+
+
+async def test_a_worker_exits_with_an_error_when_its_leader_goes_and_rejects_bad_launches() -> None:
+    master = free_port()
+    with tempfile.TemporaryFile(mode="w+") as leader_log, tempfile.TemporaryFile(mode="w+") as worker_log:
+        worker = EngineProcess(group_args(master, 1), worker_log)  # before its leader: it keeps dialling
+        leader = EngineProcess(group_args(master, 0), leader_log)
+        try:
+            async with client_session() as session:
+                await leader.wait_ready(session)
+            assert worker.process.poll() is None
+            leader.process.kill()
+            assert await wait_exit(worker.process) == 1
+            assert "left the group" in worker.output()
+        finally:
+            leader.stop()
+            worker.stop()
+    for bad, message in ((["--nnodes=2", "--node-rank=1"], "needs --headless"),
+                         (["--nnodes=2", "--node-rank=2", "--headless"], "--node-rank must be between 0 and 1"),
+                         (["--nnodes=2", "--headless"], "--headless on node rank 0"),
+                         (["--nnodes=2", "--node-rank=1", "--headless", "--master-addr=10.0.0.1"], "refusing")):
+        result = subprocess.run([sys.executable, "-m", "xpyd.sim.emulator", *bad], capture_output=True, text=True,
+                                timeout=30)
+        assert result.returncode == 2 and message in result.stderr, (bad, result.stderr)

@@ -41,14 +41,30 @@ SELECT = 'namespace="team-a",xpyd_io_serving="llama"'
 
 
 def pod(role: str, *, ready: bool = False, scheduled: bool = True, deleting: bool = False,
-        phase: str = "Running", ready_since: str = "2026-12-01T00:00:00Z") -> dict[str, Any]:
+        phase: str = "Running", ready_since: str = "2026-12-01T00:00:00Z",
+        group: tuple[str, int, int] | None = None) -> dict[str, Any]:
+    """A pod of `role`; `group` (key, worker index, size) makes it a pod of a LeaderWorkerSet group."""
     conditions = [{"type": "PodScheduled", "status": "True" if scheduled else "False",
                    **({} if scheduled else {"reason": "Unschedulable"})},
                   {"type": "Ready", "status": "True" if ready else "False", "lastTransitionTime": ready_since}]
     meta: dict[str, Any] = {"name": f"{role}-x", "labels": {"xpyd.io/role": role, "xpyd.io/serving": "llama"}}
+    if group is not None:
+        key, index, size = group
+        meta["labels"].update({"leaderworkerset.sigs.k8s.io/group-key": key,
+                               "leaderworkerset.sigs.k8s.io/worker-index": str(index)})
+        meta["annotations"] = {"leaderworkerset.sigs.k8s.io/size": str(size)}
     if deleting:
         meta["deletionTimestamp"] = "2026-12-01T00:00:00Z"
     return {"metadata": meta, "spec": {}, "status": {"phase": phase, "conditions": conditions}}
+
+
+def group(key: str, *, leader_ready: bool = False, scheduled: tuple[bool, bool] = (True, True),
+          deleting: bool = False, workers: int = 1) -> list[dict[str, Any]]:
+    """A two-node group (leader and `workers` of its one worker; 0: not created yet)."""
+    pods = [pod("prefill", ready=leader_ready, scheduled=scheduled[0], deleting=deleting, group=(key, 0, 2))]
+    if workers:
+        pods.append(pod("prefill", ready=True, scheduled=scheduled[1], deleting=deleting, group=(key, 1, 2)))
+    return pods
 
 
 # --- queries ------------------------------------------------------------------------------------------
@@ -118,6 +134,15 @@ def test_parse_vector_error_says_why() -> None:
     ([pod("prefill"), pod("prefill", scheduled=False)], PodCounts(starting=1, pending=1)),
     ([pod("prefill", ready=True, deleting=True), pod("prefill", deleting=True)], PodCounts(draining=1)),
     ([pod("decode", ready=True), pod("prefill", phase="Failed")], PodCounts()),
+    # Multi-node replicas: a group is one replica, counted by its leader, Pending while any pod is.
+    ([*group("a", leader_ready=True), *group("b", leader_ready=True)], PodCounts(ready=2)),
+    ([*group("a", leader_ready=True), *group("b")], PodCounts(ready=1, starting=1)),
+    (group("a", scheduled=(True, False)), PodCounts(pending=1)),        # a worker without a node
+    (group("a", leader_ready=True, scheduled=(True, False)), PodCounts(pending=1)),
+    (group("a", workers=0), PodCounts(pending=1)),                      # its worker not created yet
+    (group("a", leader_ready=True, deleting=True), PodCounts(draining=1)),
+    (group("a", leader_ready=True)[1:], PodCounts()),                  # workers of a leader being replaced
+    ([*group("a", leader_ready=True), pod("prefill", ready=True)], PodCounts(ready=2)),
 ])
 def test_count_pods(pods: list[dict[str, Any]], expected: PodCounts) -> None:
     counted = count_pods(pods, "prefill")

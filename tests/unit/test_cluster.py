@@ -12,10 +12,10 @@ import pytest
 from cryptography import x509
 
 from xpyd.cli import build_parser
-from xpyd.cluster import pki
+from xpyd.cluster import lws, pki
 from xpyd.cluster.controlplane import ClusterState
 from xpyd.cluster.nodes import DEFAULT_NODES, node_object
-from xpyd.cluster.runtime import POD_SUBCOMMANDS, PodRuntime
+from xpyd.cluster.runtime import POD_SUBCOMMANDS, PodProcess, PodRuntime, Unresolved, expand, pod_dns_name
 from xpyd.common.netguard import NonLoopbackAddress, require_loopback, require_loopback_url
 
 pytestmark = pytest.mark.unit
@@ -106,6 +106,69 @@ def test_pod_subcommands_are_xpyd_subcommands() -> None:
     subcommands = next(action.choices for action in build_parser()._actions
                        if isinstance(getattr(action, "choices", None), dict))
     assert set(subcommands) >= POD_SUBCOMMANDS
+
+
+@pytest.mark.parametrize(("text", "env", "expected"), [
+    ("--node-rank=$(RANK)", {"RANK": "1"}, "--node-rank=1"),
+    ("$(A)-$(B)", {"A": "x", "B": "y"}, "x-y"),
+    ("$(MISSING)", {}, "$(MISSING)"),          # an unknown name stays as written
+    ("$$(A)", {"A": "x"}, "$(A)"),             # $$ escapes
+    ("cost: $5", {}, "cost: $5"),
+])
+def test_references_expand_as_the_kubelet_expands_them(text: str, env: dict[str, str], expected: str) -> None:
+    assert expand(text, env) == expected
+
+
+def lws_pod(name: str, leader: str, *, uid: str) -> dict[str, Any]:
+    """A LeaderWorkerSet pod as its webhook leaves it: the leader's name in LWS_LEADER_ADDRESS."""
+    obj = pod("vllm/vllm-openai:v0.33.0", ["vllm", "serve"],
+              ["m", "--node-rank=$(LWS_WORKER_INDEX)", "--master-addr=$(LWS_LEADER_ADDRESS)"],
+              env=[{"name": "LWS_LEADER_ADDRESS", "value": f"{leader}.grp.ns"},
+                   {"name": "LWS_WORKER_INDEX", "value": "1" if name != leader else "0"}],
+              subdomain="grp", hostname=name)
+    obj["metadata"].update({"name": name, "uid": uid})
+    obj["spec"]["nodeName"] = "gpu-h100-0"
+    return obj
+
+
+def test_a_worker_waits_for_its_leader_and_then_dials_its_ip(runtime: PodRuntime,
+                                                              monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(PodProcess, "start", lambda self: None)  # planning only: no process
+    worker, leader = lws_pod("grp-0-1", "grp-0", uid="w"), lws_pod("grp-0", "grp-0", uid="l")
+    assert pod_dns_name(leader) == "grp-0.grp.ns"
+    assert runtime._admit(worker) is None  # the leader has no IP yet: no process, its address kept
+    waiting_ip = runtime._reserved["w"]
+    runner = runtime._admit(leader)
+    assert runner is not None and runner.plan is not None
+    assert f"--master-addr={runner.ip}" in runner.plan.argv  # the leader names itself
+    again = runtime._admit(worker)
+    assert again is not None and again.plan is not None and again.ip == waiting_ip
+    assert f"--master-addr={runner.ip}" in again.plan.argv and "--node-rank=1" in again.plan.argv
+    # The leader's pod goes: its name no longer resolves (a recreated leader gets a new IP).
+    runtime._forget(runtime.pods.pop("l"))
+    assert "grp-0.grp.ns" not in runtime.dns
+
+
+def test_names_outside_known_subdomains_are_left_alone(runtime: PodRuntime, tmp_path: Path) -> None:
+    plan = runtime.plan(pod("vllm/vllm-openai:v0.33.0", ["vllm", "serve"], ["$(M)"],
+                            env=[{"name": "M", "value": "deepseek-ai/DeepSeek-V3.1"}]), "127.77.4.9", tmp_path)
+    assert plan is not None and plan.argv[-1] == "deepseek-ai/DeepSeek-V3.1"
+    runtime.subdomains.add("grp.ns")
+    with pytest.raises(Unresolved):
+        runtime._resolve("grp-0.grp.ns.svc.cluster.local")
+
+
+def test_lws_webhooks_call_the_controller_by_url_and_only_for_group_pods() -> None:
+    mutating, validating = lws.webhook_configurations("127.0.0.1", 9443, b"PEM")
+    assert (mutating["kind"], validating["kind"]) == ("MutatingWebhookConfiguration", "ValidatingWebhookConfiguration")
+    for hook in [*mutating["webhooks"], *validating["webhooks"]]:
+        assert hook["clientConfig"]["url"].startswith("https://127.0.0.1:9443/")  # never a Service address
+        assert hook["failurePolicy"] == "Fail" and hook["clientConfig"]["caBundle"] == "UEVN"
+        if hook["rules"][0]["resources"] == ["pods"]:
+            assert hook["objectSelector"]["matchExpressions"][0]["key"] == lws.POD_LABEL
+    config = lws.controller_config("127.0.0.1", 9443, 8081, Path("/c"))
+    assert config["webhook"] == {"host": "127.0.0.1", "port": 9443, "certDir": "/c"}
+    assert config["internalCertManagement"] == {"enable": False} and config["metrics"] == {"bindAddress": "0"}
 
 
 def test_no_token_without_automount(runtime: PodRuntime, tmp_path: Path) -> None:

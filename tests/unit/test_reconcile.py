@@ -201,3 +201,79 @@ def test_fingerprint_follows_generation_and_rendered_metadata_only() -> None:
     service = {"kind": "Service", "metadata": {"uid": "u", "resourceVersion": "7"}}
     assert fingerprint(service, rendered) != fingerprint({**service, "metadata": {"uid": "u", "resourceVersion": "8"}},
                                                          rendered)
+
+
+# ---- multi-node roles (LeaderWorkerSet) ----------------------------------------------------------------
+
+class Deleting(MemoryKube):
+    """MemoryKube that also deletes (by uid, as the API server's precondition does)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.deleted: list[str] = []
+
+    def delete(self, api_version: str, kind: str, namespace: str, name: str, grace_seconds: int | None = None,
+               uid: str | None = None) -> None:
+        obj = self.objects.get((kind, name))
+        if obj is not None and (uid is None or obj["metadata"]["uid"] == uid):
+            del self.objects[(kind, name)]
+            self.deleted.append(f"{kind}/{name}")
+
+
+class Check:
+    def __init__(self, problem: Any = None, available: bool = True) -> None:
+        self.problem, self.available, self.calls = problem, available, 0
+
+    def __call__(self) -> Any:
+        self.calls += 1
+        return self.problem
+
+
+MULTI_NODE = {**SERVING, "metadata": {**SERVING["metadata"], "generation": 2},
+              "spec": {**SERVING["spec"], "kvTransfer": {"connector": "NixlConnector"},
+                       "decode": {"replicas": 2, "nodesPerReplica": 2, "tensorParallelSize": 2}}}
+
+
+def test_a_role_turning_multi_node_swaps_its_deployment_for_a_leaderworkerset() -> None:
+    kube, verified = Deleting(), Verified()
+    run(kube, verified)
+    assert ("Deployment", "llama-decode") in kube.objects
+    for obj in kube.objects.values():  # adopted, as the API server stores it
+        obj["metadata"].setdefault("ownerReferences", [{"uid": "u-1"}])
+    outcome = reconcile(kube, copy.deepcopy(MULTI_NODE), "example/xpyd:test",  # type: ignore[arg-type]
+                        now=lambda: "2026-12-01T00:00:00Z", verified=verified, lws=Check())
+    assert outcome.deleted == ["Deployment/llama-decode"] and kube.deleted == ["Deployment/llama-decode"]
+    assert ("LeaderWorkerSet", "llama-decode") in kube.objects and "LeaderWorkerSet/llama-decode" in kube.waves[-1]
+    assert "Deleted" in kube.events
+    # And back: the LeaderWorkerSet goes, a Deployment comes.
+    kube.objects[("LeaderWorkerSet", "llama-decode")]["metadata"]["ownerReferences"] = [{"uid": "u-1"}]
+    back = {**SERVING, "metadata": {**SERVING["metadata"], "generation": 3}}
+    outcome = reconcile(kube, copy.deepcopy(back), "example/xpyd:test",  # type: ignore[arg-type]
+                        now=lambda: "2026-12-01T00:00:00Z", verified=verified, lws=Check())
+    assert outcome.deleted == ["LeaderWorkerSet/llama-decode"] and ("Deployment", "llama-decode") in kube.objects
+
+
+def test_a_workload_not_ours_is_never_deleted() -> None:
+    kube = Deleting()
+    kube.store({"apiVersion": "apps/v1", "kind": "Deployment", "metadata": {"name": "llama-decode", "labels": {}},
+                "spec": {}})
+    reconcile(kube, copy.deepcopy(MULTI_NODE), "example/xpyd:test",  # type: ignore[arg-type]
+              now=lambda: "2026-12-01T00:00:00Z", verified=Verified(), lws=Check())
+    assert kube.deleted == []
+
+
+def test_without_leaderworkersets_the_rest_converges_and_the_pool_says_why() -> None:
+    from xpyd.api.conditions import ConditionType
+    from xpyd.controller.status import ConditionValue
+
+    missing = ConditionValue(ConditionType.DEGRADED, True, "LeaderWorkerSetMissing", "install LeaderWorkerSet")
+    kube, verified, check = Deleting(), Verified(), Check(missing, available=False)
+    outcome = reconcile(kube, copy.deepcopy(MULTI_NODE), "example/xpyd:test",  # type: ignore[arg-type]
+                        now=lambda: "2026-12-01T00:00:00Z", verified=verified, lws=check)
+    assert outcome.blocked == missing and check.calls == 1
+    assert ("LeaderWorkerSet", "llama-decode") not in kube.objects
+    assert ("Deployment", "llama-prefill") in kube.objects and ("Deployment", "llama-proxy") in kube.objects
+    degraded = next(c for c in kube.status_writes[-1]["conditions"] if c["type"] == "Degraded")
+    assert (degraded["status"], degraded["reason"]) == ("True", "LeaderWorkerSetMissing")
+    assert "LeaderWorkerSetMissing" in kube.events
+    assert verified.key == ()  # not remembered: the next reconcile looks again

@@ -574,3 +574,74 @@ def test_render_command_checks_an_lmcache_configmap_in_the_same_file(
     assert main(["render", "-f", str(path)]) == 1
     captured = capsys.readouterr()
     assert "lmcache-pd: decode.yaml: pd_role must be receiver" in captured.err and captured.out == ""
+
+
+# ---- multi-node replicas (LeaderWorkerSet) -------------------------------------------------------------
+
+MULTI_NODE = {"kvTransfer": {"connector": "NixlConnector"},
+              "decode": {"nodesPerReplica": 2, "tensorParallelSize": 8, "dataParallelSize": 2,
+                         "topologyKey": "nvidia.com/gpu.clique", "replicas": 3}}
+
+
+def group_templates(spec: dict[str, Any], role: str = "decode") -> tuple[dict[str, Any], dict[str, Any], Any]:
+    lws = objects_of(spec)[("LeaderWorkerSet", f"llama-{role}")]
+    group = lws["spec"]["leaderWorkerTemplate"]
+    return group["leaderTemplate"], group["workerTemplate"], lws
+
+
+def test_a_multi_node_role_is_a_leaderworkerset_of_groups() -> None:
+    objects = objects_of(MULTI_NODE)
+    assert ("Deployment", "llama-decode") not in objects and ("Deployment", "llama-prefill") in objects
+    leader, worker, lws = group_templates(MULTI_NODE)
+    assert lws["spec"]["replicas"] == 3 and lws["spec"]["leaderWorkerTemplate"]["size"] == 2
+    # vLLM serves only once every node joined: the workers must start with the leader, not after it is Ready.
+    assert lws["spec"]["startupPolicy"] == "LeaderCreated"
+    assert lws["spec"]["leaderWorkerTemplate"]["restartPolicy"] == "RecreateGroupOnPodRestart"
+    assert lws["metadata"]["annotations"]["leaderworkerset.sigs.k8s.io/exclusive-topology"] == "nvidia.com/gpu.clique"
+    assert lws["spec"]["rolloutStrategy"]["rollingUpdateConfiguration"] == {"maxSurge": 1, "maxUnavailable": 0}
+    for template in (leader, worker):  # TP8 x DP2 over 2 nodes: 8 GPUs a pod
+        resources = template["spec"]["containers"][0]["resources"]
+        assert resources["limits"]["nvidia.com/gpu"] == 8 and resources["requests"]["nvidia.com/gpu"] == 8
+        assert template["metadata"]["labels"]["xpyd.io/role"] == "decode"
+    # The Service of the role is the group's subdomain, and publishes pods before they are ready.
+    service = objects[("Service", "llama-decode")]
+    assert service["spec"]["publishNotReadyAddresses"] is True and service["spec"]["clusterIP"] == "None"
+    assert "publishNotReadyAddresses" not in objects[("Service", "llama-prefill")]["spec"]
+
+
+def test_leader_and_workers_launch_as_vllm_multi_node() -> None:
+    leader, worker, _ = group_templates(MULTI_NODE)
+    lead, work = (t["spec"]["containers"][0] for t in (leader, worker))
+    launch = ["--nnodes=2", "--master-port=29501", "--data-parallel-size=2", "--data-parallel-rpc-port=29550"]
+    assert set(launch) <= set(lead["args"]) and set(launch) <= set(work["args"])
+    # The leader binds on its own IP (libzmq binds no DNS name); the workers dial the leader's name.
+    assert {"--node-rank=0", "--master-addr=$(POD_IP)"} <= set(lead["args"]) and "--headless" not in lead["args"]
+    assert {"--node-rank=$(LWS_WORKER_INDEX)", "--master-addr=$(LWS_LEADER_ADDRESS)", "--headless"} <= set(work["args"])
+    assert [a for a in lead["args"] if a.startswith("--kv-transfer-config")] == [
+        a for a in work["args"] if a.startswith("--kv-transfer-config")]
+    # Every pod names its own IP for vLLM's sockets and its own NIXL side channel.
+    for container in (lead, work):
+        env = {e["name"]: e.get("value", e.get("valueFrom")) for e in container["env"]}
+        assert env["VLLM_HOST_IP"] == env["VLLM_NIXL_SIDE_CHANNEL_HOST"] == {"fieldRef": {"fieldPath": "status.podIP"}}
+    # Only the leader serves HTTP: probes, the drain and the http port are its alone.
+    assert {"readinessProbe", "startupProbe", "livenessProbe", "lifecycle"} <= set(lead)
+    assert not {"readinessProbe", "startupProbe", "livenessProbe", "lifecycle"} & set(work)
+    assert {p["name"] for p in lead["ports"]} == {"http", "vllm-master", "vllm-dp-rpc", "nixl"}
+    assert {p["name"] for p in work["ports"]} == {"nixl"}
+
+
+def test_a_tensor_parallel_group_has_no_data_parallel_flags() -> None:
+    spec = {"decode": {"nodesPerReplica": 2, "tensorParallelSize": 16}}
+    leader, _, _ = group_templates(spec)
+    args = leader["spec"]["containers"][0]["args"]
+    assert "--tensor-parallel-size=16" in args and "--nnodes=2" in args
+    assert not [a for a in args if a.startswith("--data-parallel")]
+    assert leader["spec"]["containers"][0]["resources"]["limits"]["nvidia.com/gpu"] == 8
+
+
+def test_the_proxy_routes_only_to_group_leaders() -> None:
+    proxy = objects_of(MULTI_NODE)[("Deployment", "llama-proxy")]
+    args = proxy["spec"]["template"]["spec"]["containers"][0]["args"]
+    assert "--decode-selector=xpyd.io/serving=llama,xpyd.io/role=decode,leaderworkerset.sigs.k8s.io/worker-index=0" \
+        in args
+    assert "--prefill-selector=xpyd.io/serving=llama,xpyd.io/role=prefill" in args

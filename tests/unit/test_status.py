@@ -245,8 +245,10 @@ def test_compute_status_fields_and_a_converged_pool_computes_the_status_it_has()
     status = compute_status(spec, seen, {}, 4, "http://llama:8000", "RDMA", NOW)
     assert {key: value for key, value in status.items() if key != "conditions"} == {
         "observedGeneration": 4,
-        "prefill": {"replicas": 1, "readyReplicas": 1, "desiredReplicas": 1, "updatedReplicas": 1, "ready": "1/1"},
-        "decode": {"replicas": 3, "readyReplicas": 2, "desiredReplicas": 3, "updatedReplicas": 2, "ready": "2/3"},
+        "prefill": {"replicas": 1, "readyReplicas": 1, "desiredReplicas": 1, "updatedReplicas": 1, "ready": "1/1",
+                    "nodesPerReplica": 1, "gpus": 1},
+        "decode": {"replicas": 3, "readyReplicas": 2, "desiredReplicas": 3, "updatedReplicas": 2, "ready": "2/3",
+                   "nodesPerReplica": 1, "gpus": 3},
         "proxy": {"replicas": 2, "readyReplicas": 1},
         "endpoint": "http://llama:8000",
         "kvTransport": "RDMA",
@@ -265,6 +267,27 @@ def test_compute_status_fields_and_a_converged_pool_computes_the_status_it_has()
     assert (by_type["Progressing"]["status"], by_type["Progressing"]["lastTransitionTime"]) == (
         "False", "2026-01-03T00:00:00Z")
     assert status_changed(status, recovered)
+
+
+def test_multi_node_replicas_count_groups_and_their_gpus() -> None:
+    spec = parse_serving(serving({"kvTransfer": {"connector": "NixlConnector"},
+                                  "decode": {"nodesPerReplica": 2, "dataParallelSize": 16}})).spec
+    status = compute_status(spec, observed(decode=deployment(3, ready=3), desired=(1, 3, 2)), {}, 1,
+                            "http://llama:8000", "TCP", NOW)
+    assert status["decode"] | {} == {"replicas": 3, "readyReplicas": 3, "desiredReplicas": 3, "updatedReplicas": 3,
+                                     "ready": "3/3", "nodesPerReplica": 2, "gpus": 48}  # 3 groups of 2 x 8
+    assert status["prefill"]["gpus"] == 1
+
+
+def test_a_problem_of_the_reconcile_wins_over_what_pods_say() -> None:
+    spec = parse_serving(serving()).spec
+    missing = ConditionValue(ConditionType.DEGRADED, True, "LeaderWorkerSetMissing", "install LeaderWorkerSet")
+    seen = Observed(deployments={"prefill": None, "decode": None, "proxy": None},
+                    desired={"prefill": 1, "decode": 1, "proxy": 2},
+                    pods=(pending("llama-decode-b", NO_GPU),), problem=missing)
+    degraded = compute_status(spec, seen, {}, 1, "http://llama:8000", "TCP", NOW)["conditions"][2]
+    assert (degraded["status"], degraded["reason"], degraded["message"]) == (
+        "True", "LeaderWorkerSetMissing", "install LeaderWorkerSet")
 
 
 def test_degraded_message_names_the_count_and_the_first_pod() -> None:

@@ -1113,11 +1113,15 @@ class Condition(StatusModel):
 class RoleStatus(StatusModel):
     """Observed state of one pool."""
 
-    replicas: int = Field(default=0, description="Pods of the pool's Deployment.")
-    ready_replicas: int = Field(default=0, description="Pods that pass their readiness probe.")
+    replicas: int = Field(default=0, description="Replicas of the pool's workload: pods of its Deployment, or "
+                          "groups of its LeaderWorkerSet (multi-node replicas).")
+    ready_replicas: int = Field(default=0, description="Replicas that serve: pods passing their readiness probe "
+                                "(a group: its leader's, which serves once every node joined).")
     desired_replicas: int = Field(default=0, description="Replicas the operator asks for.")
-    updated_replicas: int = Field(default=0, description="Pods on the current template.")
+    updated_replicas: int = Field(default=0, description="Replicas on the current template.")
     ready: str = Field(default="0/0", description="ready/desired, for kubectl get.")
+    nodes_per_replica: int = Field(default=1, description="Pods (nodes) of one replica.")
+    gpus: int = Field(default=0, description="GPUs the desired replicas request (all pods of each).")
 
 
 class DecisionStatus(StatusModel):

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 from xpyd.api import conditions as reasons
 from xpyd.api.conditions import ConditionType
-from xpyd.api.models import AutoscalingMode, DisaggregatedServingSpec
+from xpyd.api.models import AutoscalingMode, DisaggregatedServingSpec, RoleSpec
 from xpyd.api.naming import Component
 from xpyd.common.jsontypes import JSON
 
@@ -45,15 +45,20 @@ def merge_conditions(old: Sequence[JSON], new: Sequence[ConditionValue], generat
     return result
 
 
-def role_status(deployment: JSON | None, desired: int) -> JSON:
+def role_status(deployment: JSON | None, desired: int, role: RoleSpec | None = None) -> JSON:
+    """A pool's replicas from its workload's status (a Deployment's pods, a LeaderWorkerSet's groups:
+    the same fields), with the shape of a replica."""
     st = (deployment or {}).get("status", {})
     ready = st.get("readyReplicas", 0)
+    role = role or RoleSpec()
     return {
         "replicas": st.get("replicas", 0),
         "readyReplicas": ready,
         "desiredReplicas": desired,
         "updatedReplicas": st.get("updatedReplicas", 0),
         "ready": f"{ready}/{desired}",
+        "nodesPerReplica": role.nodes_per_replica,
+        "gpus": desired * role.gpus_per_replica,
     }
 
 
@@ -107,7 +112,8 @@ class Observed:
 def compute_status(spec: DisaggregatedServingSpec, observed: Observed, old_status: JSON,
                    generation: int | None, endpoint: str, transport: str, now: str) -> JSON:
     """The status fields the reconciler owns (the autoscaler block is written elsewhere)."""
-    roles = {c: role_status(observed.deployments.get(c), observed.desired[c]) for c in ("prefill", "decode")}
+    roles = {c: role_status(observed.deployments.get(c), observed.desired[c], getattr(spec, c))
+             for c in ("prefill", "decode")}
     proxy = observed.deployments.get("proxy")
     proxy_status = {"replicas": (proxy or {}).get("status", {}).get("replicas", 0),
                     "readyReplicas": (proxy or {}).get("status", {}).get("readyReplicas", 0)}
