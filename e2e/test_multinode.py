@@ -106,6 +106,11 @@ def test_multi_node_pool_places_recovers_scales_and_deletes(operator: Cluster, n
     assert service["spec"]["publishNotReadyAddresses"] is True  # workers find a leader that is not ready
     table = operator.kubectl("get", "xpyd", "-n", namespace).stdout.splitlines()
     assert table[1].split()[1:4] == ["1/1", "2/2", "True"]  # replicas are groups
+    wide = operator.kubectl("get", "xpyd", "-n", namespace, "-o", "wide").stdout.splitlines()
+    columns = dict(zip(wide[0].split(), wide[1].split(), strict=False))
+    assert (columns["PREFILL-GPUS"], columns["DECODE-GPUS"]) == ("16", "32")  # every pod of every group
+    # What LWS's webhooks default in the LeaderWorkerSets does not look like drift: applied once.
+    assert not operator.get("events", "-n", namespace, "--field-selector", "reason=Updated")["items"]
 
     # A decode worker is killed (kill -9, no drain): its group goes down and is recreated whole, and the
     # proxy routes to the other decode group meanwhile.

@@ -9,7 +9,8 @@
 #
 # Binaries are cached outside the repository, keyed by component and version:
 #   ${XPYD_CACHE:-$HOME/.cache/xpyd}/bin/<component>-<version>/<binary>
-# and a cold build (~16 min on 2 cores, 11 of them Kubernetes) happens once per machine.
+# and a cold build (~19 min on 2 cores: 11 of them Kubernetes, 3 the LeaderWorkerSet controller)
+# happens once per machine.
 # GOMODCACHE and GOCACHE live under the same directory so rebuilds after a version bump
 # stay warm. When everything is present the script does not even start `go`.
 #
