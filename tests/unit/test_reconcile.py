@@ -268,6 +268,10 @@ def test_without_leaderworkersets_the_rest_converges_and_the_pool_says_why() -> 
 
     missing = ConditionValue(ConditionType.DEGRADED, True, "LeaderWorkerSetMissing", "install LeaderWorkerSet")
     kube, verified, check = Deleting(), Verified(), Check(missing, available=False)
+    run(kube, Verified())  # the pool as it was, single-node
+    for obj in kube.objects.values():
+        obj["metadata"].setdefault("ownerReferences", [{"uid": "u-1"}])
+    kube.objects.pop(("LeaderWorkerSet", "llama-decode"), None)
     outcome = reconcile(kube, copy.deepcopy(MULTI_NODE), "example/xpyd:test",  # type: ignore[arg-type]
                         now=lambda: "2026-12-01T00:00:00Z", verified=verified, lws=check)
     assert outcome.blocked == missing and check.calls == 1
@@ -277,3 +281,4 @@ def test_without_leaderworkersets_the_rest_converges_and_the_pool_says_why() -> 
     assert (degraded["status"], degraded["reason"]) == ("True", "LeaderWorkerSetMissing")
     assert "LeaderWorkerSetMissing" in kube.events
     assert verified.key == ()  # not remembered: the next reconcile looks again
+    assert kube.deleted == [] and ("Deployment", "llama-decode") in kube.objects  # nothing torn down for it

@@ -16,8 +16,8 @@ address is checked by `netguard` first.
 As the kubelet does, `$(NAME)` in a container's args and env values is replaced by the value of
 NAME in its env. There is no cluster DNS: an env value that is a pod's name under a headless
 Service (`<hostname>.<subdomain>.<namespace>[.svc[.cluster.local]]`, as LeaderWorkerSet gives
-workers their leader) is replaced by that pod's IP, and a pod whose env names a pod not yet
-running waits until it is.
+workers their leader) is replaced by that pod's IP, and a pod whose env names a pod with no IP yet
+waits until it has one.
 """
 
 from __future__ import annotations

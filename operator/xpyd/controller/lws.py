@@ -85,6 +85,6 @@ class LeaderWorkerSetSupport:
             return ConditionValue(
                 ConditionType.DEGRADED, True, reasons.LEADER_WORKER_SET_FORBIDDEN,
                 "a role has nodesPerReplica above 1, but the operator may not list leaderworkersets "
-                f"({LWS_API_VERSION}): install the chart with rbac.leaderWorkerSet=true (or grant get, list, "
-                "watch, create, update, patch, delete on leaderworkersets.leaderworkerset.x-k8s.io)")
+                f"({LWS_API_VERSION}): upgrade the chart with rbac.leaderWorkerSet=true (or grant get, list, "
+                "watch, create, patch and delete on leaderworkersets.leaderworkerset.x-k8s.io)")
         return None

@@ -223,10 +223,13 @@ def _converge(kube: Kube, body: JSON, serving: DisaggregatedServing, replicas: d
     verified.key, verified.children = (), {}  # until every child is known equal
     multi_node = [role for role in ROLES if getattr(serving.spec, role).multi_node]
     lws_problem = lws() if multi_node else None
-    if lws_problem is not None:  # the rest still converges; the pool says why it cannot serve
+    if lws_problem is not None:
+        # The rest still converges and the pool says why it cannot serve; nothing is deleted for a
+        # LeaderWorkerSet that cannot be made (a role's Deployment stays until it can).
         objects = [o for o in objects if o["kind"] != "LeaderWorkerSet"]
         outcome.blocked = lws_problem
-    _prune(kube, body, serving, lws_problem is None if multi_node else lws.available, outcome)
+    else:
+        _prune(kube, body, serving, bool(multi_node) or lws.available, outcome)
     children: dict[ChildRef, tuple[tuple[Any, ...], JSON]] = {}
     live_deployments: dict[str, JSON] = {}
     stale: list[JSON] = []

@@ -234,7 +234,8 @@ async def _serve(config: EmulatorConfig, perf: EnginePerf, group: GroupSpec | No
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """`xpyd engine-sim ARGS`: exit 0 after a graceful stop, 2 on a bad configuration, 1 if it cannot bind."""
+    """`xpyd engine-sim ARGS`: exit 0 after a graceful stop, 2 on a bad configuration, 1 if it cannot bind
+    or its multi-node group broke."""
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     argv = sys.argv[1:] if argv is None else list(argv)
     try:
