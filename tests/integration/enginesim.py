@@ -17,7 +17,7 @@ from typing import IO, Any
 
 import aiohttp
 
-from xpyd.cluster.controlplane import free_port
+from xpyd.cluster.controlplane import free_ports
 from xpyd.common.netguard import require_loopback
 from xpyd.perf.model import DEFAULT_PROFILE, PerfModel
 from xpyd.perf.shapes import lookup_model
@@ -68,8 +68,7 @@ class EngineProcess:
     goes to a temporary file (a pipe nobody reads could block it)."""
 
     def __init__(self, args: Sequence[str], log: IO[str]) -> None:
-        self.port = free_port()
-        self.side_channel_port = free_port()
+        self.port, self.side_channel_port = free_ports(2)
         env = {**os.environ, "VLLM_NIXL_SIDE_CHANNEL_PORT": str(self.side_channel_port),
                "VLLM_NIXL_SIDE_CHANNEL_HOST": HOST, "POD_IP": HOST}
         self.log = log

@@ -18,10 +18,11 @@ from xpyd.common.netguard import require_loopback
 HOST = require_loopback("127.0.0.1")
 
 
-def start_engine(role: str, port: int, time_scale: str) -> subprocess.Popen[bytes]:
-    """An `engine-sim` process of `role` (its NIXL side channel on any free port, so tests may run
-    side by side)."""
-    env = {**os.environ, "VLLM_NIXL_SIDE_CHANNEL_PORT": "0"}
+def start_engine(role: str, port: int, side_port: int, time_scale: str) -> subprocess.Popen[bytes]:
+    """An `engine-sim` process of `role` serving HTTP on `port` and its NIXL side channel on
+    `side_port`. Take both from the same `free_ports` call as every other port of the test: a side
+    channel on "any free port" (0) could take a port chosen for a process not started yet."""
+    env = {**os.environ, "VLLM_NIXL_SIDE_CHANNEL_PORT": str(side_port)}
     return subprocess.Popen(
         [sys.executable, "-m", "xpyd.sim.emulator", "--role", role, "--host", HOST, "--port", str(port),
          "--time-scale", time_scale], env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)

@@ -7,8 +7,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import os
-import signal
 import subprocess
 import sys
 import time
@@ -20,6 +18,7 @@ from pathlib import Path
 
 import pytest
 
+from tests.integration.processes import kill, start_engine, start_proxy
 from xpyd.bench import BenchConfig, RequestRecord, SloMs, run_bench
 from xpyd.cli import main as xpyd_main
 from xpyd.cluster.controlplane import free_ports
@@ -63,30 +62,21 @@ def _wait_healthy(url: str, process: subprocess.Popen[bytes], ready: str = "", t
 @pytest.fixture(scope="module")
 def cluster() -> Iterator[Cluster]:
     """One prefill and one decode engine (time scale 5) behind the proxy, shared by the module's tests."""
-    prefill_port, decode_port, proxy_port = free_ports(3)
-    env = {**os.environ, "VLLM_NIXL_SIDE_CHANNEL_PORT": "0"}
+    prefill_port, decode_port, proxy_port, *side_ports = free_ports(5)
     processes: list[subprocess.Popen[bytes]] = []
     try:
         engines = {}
-        for role, port in (("prefill", prefill_port), ("decode", decode_port)):
+        for role, port, side_port in (("prefill", prefill_port, side_ports[0]), ("decode", decode_port, side_ports[1])):
             engines[role] = f"http://{HOST}:{port}"
-            processes.append(subprocess.Popen(
-                [sys.executable, "-m", "xpyd.sim.emulator", "--role", role, "--host", HOST, "--port", str(port),
-                 "--time-scale", str(TIME_SCALE)], env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))
+            processes.append(start_engine(role, port, side_port, str(TIME_SCALE)))
         proxy = f"http://{HOST}:{proxy_port}"
-        processes.append(subprocess.Popen(
-            [sys.executable, "-m", "xpyd.proxy", "--host", HOST, "--port", str(proxy_port),
-             "--prefill", engines["prefill"], "--decode", engines["decode"], "--health-interval", "0.2"],
-            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))
+        processes.append(start_proxy(proxy_port, [engines["prefill"]], [engines["decode"]]))
         for url, process in zip([*engines.values(), proxy], processes, strict=True):
             _wait_healthy(url, process)
         _wait_healthy(proxy, processes[-1], ready='"decode": {"eligible": 1')
         yield Cluster(proxy, processes)
     finally:
-        for process in processes:
-            if process.poll() is None:
-                process.send_signal(signal.SIGKILL)
-            process.wait(timeout=10)
+        kill(processes)
 
 
 def bench(*args: str, timeout_s: float = 60.0) -> subprocess.CompletedProcess[str]:

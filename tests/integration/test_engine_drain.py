@@ -28,8 +28,8 @@ LOAD_SECONDS = 2 * QUIET_SECONDS
 
 
 async def test_the_drain_waits_while_requests_come_and_ends_once_the_engine_is_idle() -> None:
-    (port,) = free_ports(1)
-    engine = start_engine("decode", port, "1")
+    port, side_port = free_ports(2)
+    engine = start_engine("decode", port, side_port, "1")
     drain: subprocess.Popen[bytes] | None = None
     try:
         url = f"http://{HOST}:{port}"

@@ -36,13 +36,14 @@ class Cluster:
 
 @pytest.fixture
 async def cluster() -> AsyncIterator[Cluster]:
-    ports = free_ports(5)
+    ports = free_ports(9)
+    side_ports = iter(ports[5:])
     processes: dict[str, subprocess.Popen[bytes]] = {}
     roles = {"prefill": ports[:2], "decode": ports[2:4]}
     try:
         for role, role_ports in roles.items():
             for port in role_ports:
-                processes[f"http://{HOST}:{port}"] = start_engine(role, port, TIME_SCALE)
+                processes[f"http://{HOST}:{port}"] = start_engine(role, port, next(side_ports), TIME_SCALE)
         urls = {role: [f"http://{HOST}:{port}" for port in role_ports] for role, role_ports in roles.items()}
         proxy = f"http://{HOST}:{ports[4]}"
         processes[proxy] = start_proxy(ports[4], urls["prefill"], urls["decode"])

@@ -39,10 +39,11 @@ class Engines:
 
 @pytest.fixture
 async def engines() -> AsyncIterator[Engines]:
-    ports = free_ports(2)
-    processes = [start_engine(role, port, TIME_SCALE) for role, port in zip(("prefill", "decode"), ports, strict=True)]
+    ports = free_ports(4)
+    processes = [start_engine(role, port, side_port, TIME_SCALE)
+                 for role, port, side_port in zip(("prefill", "decode"), ports[:2], ports[2:], strict=True)]
     try:
-        urls = [f"http://{HOST}:{port}" for port in ports]
+        urls = [f"http://{HOST}:{port}" for port in ports[:2]]
         for url, process in zip(urls, processes, strict=True):
             await wait_for(url + "/health", process)
         yield Engines(urls[0], urls[1], processes)
