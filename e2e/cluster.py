@@ -115,3 +115,12 @@ def provide_prerequisites(cluster: Cluster, namespace: str, serving_obj: Any) ->
     if model.hf_token_secret_ref is not None:
         ref = model.hf_token_secret_ref
         cluster.kubectl("create", "secret", "generic", ref.name, "-n", namespace, f"--from-literal={ref.key}=hf_x")
+
+
+def delete_namespace(cluster: Cluster, name: str) -> None:
+    """Delete a test's namespace and wait until it is gone, so the next test finds the GPUs free.
+    Its pods go at once, without their drains (e2e/test_chaos.py is where drains are tested): once
+    the namespace is terminating nothing recreates them."""
+    cluster.kubectl("delete", "namespace", name, "--wait=false", check=False)
+    cluster.kubectl("delete", "pods", "--all", "-n", name, "--grace-period=0", "--force", check=False)
+    cluster.kubectl("wait", "--for=delete", f"namespace/{name}", "--timeout=90s", check=False, timeout=120)

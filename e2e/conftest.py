@@ -8,7 +8,7 @@ from collections.abc import Iterator
 
 import pytest
 
-from e2e.cluster import OPERATOR_NAMESPACE, RELEASE, ROOT, Cluster, eventually
+from e2e.cluster import OPERATOR_NAMESPACE, RELEASE, ROOT, Cluster, delete_namespace, eventually
 from xpyd.cluster.binaries import locate_binaries
 from xpyd.cluster.controlplane import ControlPlane
 
@@ -43,5 +43,4 @@ def namespace(cluster: Cluster, request: pytest.FixtureRequest) -> Iterator[str]
     name = f"e2e-{slug[:40].strip('-')}-{digest}"
     cluster.kubectl("create", "namespace", name)
     yield name
-    # Wait, so the next test finds the GPUs free again.
-    cluster.kubectl("delete", "namespace", name, "--wait=true", "--timeout=90s", check=False, timeout=120)
+    delete_namespace(cluster, name)

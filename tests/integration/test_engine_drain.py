@@ -7,8 +7,11 @@ quiet period, well before its timeout. (The quiet period is shortened here to ke
 from __future__ import annotations
 
 import asyncio
+import http.server
 import subprocess
 import sys
+import threading
+import time
 
 import aiohttp
 import pytest
@@ -16,6 +19,7 @@ import pytest
 from tests.integration.processes import HOST, kill, start_engine, wait_for
 from xpyd.api.models import DisaggregatedServingSpec
 from xpyd.cluster.controlplane import free_ports
+from xpyd.render import drain
 from xpyd.render.engine import drain_command
 from xpyd.sim.emulator.config import DEFAULT_MODEL
 
@@ -57,3 +61,28 @@ async def test_the_drain_waits_while_requests_come_and_ends_once_the_engine_is_i
         assert drain.returncode == 0, "the drain did not end on an idle engine well before its timeout"
     finally:
         kill([engine, *([drain] if drain else [])])
+
+
+def test_a_worker_waits_while_its_leader_answers_and_stops_once_it_is_gone() -> None:
+    class Health(http.server.BaseHTTPRequestHandler):
+        def do_GET(self) -> None:
+            self.send_response(200)
+            self.end_headers()
+
+        def log_message(self, *args: object) -> None:
+            pass
+
+    leader = http.server.ThreadingHTTPServer((HOST, 0), Health)
+    serving = threading.Thread(target=leader.serve_forever, daemon=True)
+    serving.start()
+    follower = threading.Thread(target=drain.follow_leader, args=(HOST, leader.server_address[1], 30.0), daemon=True)
+    started = time.monotonic()
+    follower.start()
+    try:
+        time.sleep(2.5)
+        assert follower.is_alive(), "the worker stopped while its leader still served"
+    finally:
+        leader.shutdown()
+        leader.server_close()
+    follower.join(timeout=5)
+    assert not follower.is_alive() and time.monotonic() - started < 10

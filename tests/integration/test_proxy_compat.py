@@ -140,3 +140,28 @@ async def test_with_the_decode_only_fallback_no_pair_means_decode_alone() -> Non
         assert r.decode[0].seen[0].body.get("kv_transfer_params") is None       # it computed the prompt itself
         assert r.proxy.metrics.fallbacks.value("no_compatible_pair") == 1
         assert (await _ready(r))[0] == 200
+
+
+async def test_mid_rollout_the_draining_old_pair_serves_until_the_new_revision_has_both_roles() -> None:
+    """Both roles roll: the new prefill is ready, the old one drains, the decodes are all old. Per
+    role the old prefill is only a fallback, yet it is the only prefill a decode can read: the old
+    pair serves. Once a new decode is ready, the new pair serves and the old prefill gets nothing."""
+    engines = ([StubEngine(name="p-old"), StubEngine(name="p-new")],
+               [StubEngine(name="d-old"), StubEngine(name="d-new")])
+    async with rig(engines=engines) as r:
+        p_old, p_new = r.prefill
+        d_old, d_new = r.decode
+        r.proxy.set_endpoints("prefill", [Endpoint(p_old.url, compat="old", terminating=True),
+                                          Endpoint(p_new.url, compat="new")])
+        r.proxy.set_endpoints("decode", [Endpoint(d_old.url, compat="old")])
+        assert (await _ready(r))[0] == 200
+        results = await _load(r, 20, concurrency=4)
+        assert [status for status, _ in results] == [200] * 20, results
+        assert (p_old.started, p_new.started, d_old.completed) == (20, 0, 20)
+
+        r.proxy.set_endpoints("decode", [Endpoint(d_old.url, compat="old"), Endpoint(d_new.url, compat="new")])
+        await r.ready(prefill=1, decode=2)  # the new decode probed healthy (the old prefill is terminating)
+        results = await _load(r, 20, concurrency=4)
+        assert [status for status, _ in results] == [200] * 20, results
+        assert (p_old.started, p_new.started, d_new.completed) == (20, 20, 20)
+        assert _prefills_read(d_new) == {p_new.engine_id}

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import socket
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -15,7 +16,16 @@ from xpyd.cli import build_parser
 from xpyd.cluster import lws, pki
 from xpyd.cluster.controlplane import ClusterState
 from xpyd.cluster.nodes import DEFAULT_NODES, node_object
-from xpyd.cluster.runtime import POD_SUBCOMMANDS, PodProcess, PodRuntime, Unresolved, expand, pod_dns_name
+from xpyd.cluster.runtime import (
+    POD_SUBCOMMANDS,
+    PodProcess,
+    PodRuntime,
+    ProcessPlan,
+    Unresolved,
+    expand,
+    hook_argv,
+    pod_dns_name,
+)
 from xpyd.common.netguard import NonLoopbackAddress, require_loopback, require_loopback_url
 
 pytestmark = pytest.mark.unit
@@ -224,3 +234,43 @@ def test_down_kills_pod_processes_a_dead_runtime_left_behind(tmp_path: Path) -> 
         for process in (ours, other):
             process.kill()
             process.wait()
+
+
+def test_python_pre_stop_hooks_run_as_this_python_and_reach_the_pod_ip() -> None:
+    def with_hook(command: list[str]) -> dict[str, Any]:
+        return {"name": "c", "lifecycle": {"preStop": {"exec": {"command": command}}}}
+
+    meta = {"metadata": {"name": "p", "namespace": "ns"}}
+    assert hook_argv(meta, with_hook(["python3", "-c", "urlopen('http://127.0.0.1:8000/metrics')", "8000"]),
+                     "127.77.4.9") == [sys.executable, "-c", "urlopen('http://127.77.4.9:8000/metrics')", "8000"]
+    wildcard = hook_argv(meta, with_hook(["python", "-c", "bind('0.0.0.0')"]), "127.77.4.9")
+    assert wildcard is not None and wildcard[1:] == ["-c", "bind('127.77.4.9')"]
+    assert hook_argv(meta, with_hook(["/bin/sh", "-c", "sleep 5"]), "127.77.4.9") is None  # would run on this machine
+    assert hook_argv(meta, {"name": "c"}, "127.77.4.9") is None
+
+
+def test_a_deleted_pod_runs_its_pre_stop_hook_to_the_end_before_sigterm(tmp_path: Path) -> None:
+    """The hook runs while the process still serves (the process sees no signal until it ends), and a
+    hook longer than the grace period is cut at it."""
+    marker = tmp_path / "marker"
+    serve = [sys.executable, "-c", "import signal, sys, time\n"
+             f"signal.signal(signal.SIGTERM, lambda *_: (open({str(marker)!r}, 'a').write('term '), sys.exit(0)))\n"
+             "time.sleep(60)"]
+    hook = [sys.executable, "-c", f"import time; time.sleep(0.5); open({str(marker)!r}, 'a').write('hook ')"]
+    runner = PodProcess(uid="u", namespace="ns", name="p", ip="127.0.0.1", directory=tmp_path,
+                        plan=ProcessPlan(argv=serve, env={"PATH": "/usr/bin:/bin"}, readiness=None, pre_stop=hook))
+    runner.start()
+    time.sleep(0.3)  # its SIGTERM handler is installed
+    runner.pre_stop(budget=10)
+    assert runner.process is not None and runner.process.poll() is None
+    runner.stop(grace=5)
+    assert marker.read_text() == "hook term "
+
+    marker.unlink()
+    runner.plan = ProcessPlan(argv=serve, env={"PATH": "/usr/bin:/bin"}, readiness=None,
+                              pre_stop=[sys.executable, "-c", "import time; time.sleep(60)"])
+    runner.start()
+    started = time.monotonic()
+    runner.pre_stop(budget=0.5)
+    assert time.monotonic() - started < 5
+    runner.stop(grace=5)

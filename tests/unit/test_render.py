@@ -624,8 +624,12 @@ def test_leader_and_workers_launch_as_vllm_multi_node() -> None:
         env = {e["name"]: e.get("value", e.get("valueFrom")) for e in container["env"]}
         assert env["VLLM_HOST_IP"] == env["VLLM_NIXL_SIDE_CHANNEL_HOST"] == {"fieldRef": {"fieldPath": "status.podIP"}}
     # Only the leader serves HTTP: probes, the drain and the http port are its alone.
-    assert {"readinessProbe", "startupProbe", "livenessProbe", "lifecycle"} <= set(lead)
-    assert not {"readinessProbe", "startupProbe", "livenessProbe", "lifecycle"} & set(work)
+    assert {"readinessProbe", "startupProbe", "livenessProbe"} <= set(lead)
+    assert not {"readinessProbe", "startupProbe", "livenessProbe"} & set(work)
+    # The leader drains; a worker stops only after its leader (or at the pod's grace period).
+    lead_hook, work_hook = (c["lifecycle"]["preStop"]["exec"]["command"] for c in (lead, work))
+    grace = str(worker["spec"]["terminationGracePeriodSeconds"])
+    assert lead_hook[3] == "8000" and work_hook[3:] == ["--follow-leader", "8000", grace]
     assert {p["name"] for p in lead["ports"]} == {"http", "vllm-master", "vllm-dp-rpc", "nixl"}
     assert {p["name"] for p in work["ports"]} == {"nixl"}
 

@@ -57,6 +57,8 @@ SERVING_SUBCOMMANDS = frozenset({"proxy", "engine-sim"})
 POD_SUBCOMMANDS = frozenset({"operator", *SERVING_SUBCOMMANDS})
 RESTART_BACKOFF_SECONDS = 2.0
 MAX_GRACE_SECONDS = 30.0  # the harness never waits longer for a process to stop
+#: The kubelet's extra time for SIGTERM when a preStop hook used the whole grace period.
+PRE_STOP_EXTENSION_SECONDS = 2.0
 
 
 @dataclass
@@ -66,6 +68,8 @@ class ProcessPlan:
     argv: list[str]
     env: dict[str, str]
     readiness: tuple[str, int] | None  # (path, port) of an httpGet readiness probe
+    #: The container's preStop exec hook as this machine runs it, if it has one the runtime can run.
+    pre_stop: list[str] | None = None
 
 
 def _container_port(container: JSON, port: Any) -> int:
@@ -96,6 +100,27 @@ def _port_free(ip: str, port: int) -> bool:
 def _localise(value: str, ip: str) -> str:
     """`0.0.0.0` inside a pod means the pod's own address."""
     return value.replace("0.0.0.0", ip)
+
+
+#: The interpreters of exec hooks the runtime runs (as this Python: the images' `python3`).
+HOOK_INTERPRETERS = frozenset({"python3", "python"})
+
+
+def hook_argv(pod: JSON, container: JSON, ip: str) -> list[str] | None:
+    """The container's preStop exec hook as the runtime runs it, or None when it has none the runtime
+    can run (only Python hooks: other commands would run on this machine, not in the image).
+
+    Inside the pod's network namespace 127.0.0.1 is the pod itself; here every pod shares this
+    machine's loopback, so the hook's `127.0.0.1` (and `0.0.0.0`) are the pod IP, where the pod's
+    processes listen. The kubelet does not expand `$(VAR)` in hooks, and neither does this."""
+    command = (((container.get("lifecycle") or {}).get("preStop") or {}).get("exec") or {}).get("command")
+    if not command:
+        return None
+    if command[0] not in HOOK_INTERPRETERS:
+        log.warning("%s/%s: preStop %r is not run (only Python hooks are)", pod["metadata"]["namespace"],
+                    pod["metadata"]["name"], command[0])
+        return None
+    return [sys.executable, *(_localise(arg, ip).replace("127.0.0.1", ip) for arg in command[1:])]
 
 
 _REFERENCE = re.compile(r"\$\$|\$\(([A-Za-z_][A-Za-z0-9_.-]*)\)")
@@ -163,6 +188,24 @@ class PodProcess:
         self.ready = False
         log.info("started %s/%s at %s: %s (pid %d)", self.namespace, self.name, self.ip,
                  " ".join(self.plan.argv[2:]), self.process.pid)
+
+    def pre_stop(self, budget: float) -> None:
+        """Run the preStop hook to its end or for `budget` seconds, whichever comes first (its output
+        goes to the pod's log, as the kubelet keeps it in the pod's events)."""
+        if self.plan is None or self.plan.pre_stop is None or self.process is None or self.process.poll() is not None:
+            return
+        started = time.monotonic()
+        with (self.directory / "log").open("ab") as output:
+            hook = subprocess.Popen(self.plan.pre_stop, stdout=output, stderr=subprocess.STDOUT,
+                                    stdin=subprocess.DEVNULL, env=self.plan.env, cwd=self.directory,
+                                    start_new_session=True)
+            try:
+                hook.wait(timeout=budget)
+            except subprocess.TimeoutExpired:
+                os.killpg(hook.pid, signal.SIGKILL)
+                hook.wait()
+        log.info("%s/%s: preStop ended after %.1f s (exit %s)", self.namespace, self.name,
+                 time.monotonic() - started, hook.returncode)
 
     def stop(self, grace: float) -> None:
         if self.process is None or self.process.poll() is not None:
@@ -243,7 +286,8 @@ class PodRuntime:
             return None
         env = self._env(pod, container, ip, directory)
         args = [_localise(expand(a, env), ip) for a in container.get("args") or []]
-        return ProcessPlan(argv=prefix + args, env=env, readiness=_readiness(container))
+        return ProcessPlan(argv=prefix + args, env=env, readiness=_readiness(container),
+                           pre_stop=hook_argv(pod, container, ip))
 
     def _env(self, pod: JSON, container: JSON, ip: str, directory: Path) -> dict[str, str]:
         meta = pod["metadata"]
@@ -351,6 +395,11 @@ class PodRuntime:
             seen.add(uid)
             if pod["metadata"].get("deletionTimestamp"):
                 self._delete(pod)
+                # The kubelet keeps probing a terminating pod: it stays Ready while it serves (its
+                # preStop drain), which is how clients know it still may take requests.
+                if (terminating := self.pods.get(uid)) is not None:
+                    terminating.ready = terminating.probe()
+                    self._report(pod, terminating)
                 continue
             runner = self.pods.get(uid)
             if runner is None:
@@ -403,18 +452,22 @@ class PodRuntime:
             runner.start()
 
     def _delete(self, pod: JSON) -> None:
-        """Stop the process within the grace period, then remove the pod (as the kubelet does)."""
+        """Stop the pod as the kubelet does, then remove it: its preStop hook first, then SIGTERM,
+        then SIGKILL once the grace period is over (at least PRE_STOP_EXTENSION_SECONDS after a hook
+        that used it all), all within MAX_GRACE_SECONDS."""
         uid = pod["metadata"]["uid"]
         if uid in self.deleting:
             return
         self.deleting.add(uid)
         runner = self.pods.get(uid)
-        grace = float(pod["metadata"].get("deletionGracePeriodSeconds") or 0)
+        grace = min(float(pod["metadata"].get("deletionGracePeriodSeconds") or 0), MAX_GRACE_SECONDS)
 
         def finish() -> None:
             try:
                 if runner is not None:
-                    runner.stop(grace)
+                    deadline = time.monotonic() + grace
+                    runner.pre_stop(grace)
+                    runner.stop(max(deadline - time.monotonic(), PRE_STOP_EXTENSION_SECONDS))
                 self.kube.delete("v1", "Pod", pod["metadata"]["namespace"], pod["metadata"]["name"],
                                  grace_seconds=0, uid=uid)
             except KubeError as error:

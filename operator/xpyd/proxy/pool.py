@@ -224,10 +224,16 @@ class Pool:
     def candidates(self, now: float, exclude: Iterable[str] = ()) -> list[Instance]:
         """The instances new legs may go to (skipping URLs in `exclude`): the serving ones that are not
         terminating, else the serving terminating ones still within their fallback time."""
+        live, fallback = self.tiers(now, exclude)
+        return live or fallback
+
+    def tiers(self, now: float, exclude: Iterable[str] = ()) -> tuple[list[Instance], list[Instance]]:
+        """The serving instances (skipping URLs in `exclude`) that are not terminating, and the
+        serving terminating ones still within their fallback time."""
         excluded = set(exclude)
         serving = [i for i in self.instances.values() if i.url not in excluded and i.serving()]
-        return [i for i in serving if i.terminating_since is None] or \
-            [i for i in serving if i.fallback_open(now, self.fallback_seconds)]
+        return ([i for i in serving if i.terminating_since is None],
+                [i for i in serving if i.terminating_since is not None and i.fallback_open(now, self.fallback_seconds)])
 
     def pick(self, now: float, exclude: Iterable[str] = ()) -> Instance | None:
         """The candidate the routing policy picks, or None."""

@@ -297,15 +297,13 @@ class Proxy:
         retrying: str | None = None  # the role whose failed leg the next attempt sends again
         kv_compat: str | None = None  # the compatibility hash of the prefill whose KV is reusable
         while True:
-            now = time.monotonic()
-            decodes = self.pools["decode"].candidates(now, tried_decode)
+            prefills, decodes = self.candidates(time.monotonic(), tried_prefill, tried_decode)
             if reusable is not None and not partners(decodes, kv_compat, _compat):
                 if not decodes:
                     raise RequestError(503, "No decode instance is available.")
                 reusable = None  # no decode left that can read that KV: a whole new attempt
             prefill = None
             if reusable is None:
-                prefills = self.pools["prefill"].candidates(now, tried_prefill)
                 if not prefills:
                     reason = "prefill_failed" if prefill_failures else "no_prefill_instance"
                     return await self._without_prefill(context, reason, tried_decode)
@@ -352,6 +350,22 @@ class Proxy:
             finally:
                 decode.release()
                 self.pools["decode"].forget_if_done(decode)
+
+    def candidates(self, now: float, tried_prefill: Iterable[str] = (),
+                   tried_decode: Iterable[str] = ()) -> tuple[list[Instance], list[Instance]]:
+        """The prefill and the decode instances an attempt may use: per role the pool's candidates
+        (the ones not terminating, else the terminating ones within their fallback time), unless
+        those hold no compatible pair and the terminating ones complete one. That is a rollout of
+        both roles: the new revision has one role ready, the old revision's other role is only
+        left draining, and the old pair serves until the new one can."""
+        (prefill_live, prefill_fallback), (decode_live, decode_fallback) = \
+            self.pools["prefill"].tiers(now, tried_prefill), self.pools["decode"].tiers(now, tried_decode)
+        prefills, decodes = prefill_live or prefill_fallback, decode_live or decode_fallback
+        if not pairable(prefills, decodes, _compat):
+            every_prefill, every_decode = prefill_live + prefill_fallback, decode_live + decode_fallback
+            if pairable(every_prefill, every_decode, _compat):
+                return every_prefill, every_decode
+        return prefills, decodes
 
     async def _without_prefill(self, context: Context, reason: str, tried_decode: set[str]) -> web.StreamResponse:
         """No prefill instance could serve: 503, or decode alone when configured to (never silently)."""
@@ -421,7 +435,7 @@ class Proxy:
         """Whether some prefill and decode instances that could take a request now share a KV
         compatibility hash."""
         now = time.monotonic()
-        return bool(pairable(self.pools["prefill"].candidates(now), self.pools["decode"].candidates(now), _compat))
+        return bool(pairable(*self.candidates(now), _compat))
 
     async def ready(self, request: web.Request) -> web.Response:
         """GET /ready (readiness): 200 while requests can be served; 503 once draining, so the pod

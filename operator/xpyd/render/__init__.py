@@ -133,7 +133,7 @@ def _engine_pod(name: str, namespace: str, spec: DisaggregatedServingSpec, role:
         tolerations=engine.tolerations(role_spec),
         node_selector=engine.node_selector(role_spec),
         image_pull_secrets=[s.to_wire() for s in spec.engine.image_pull_secrets],
-        drain_command=engine.drain_command(spec, role),
+        drain_command=engine.drain_command(spec, role) if node != "worker" else engine.worker_drain_command(spec, role),
         termination_grace_seconds=engine.termination_grace_seconds(spec, role),
         startup_failure_threshold=engine.startup_failure_threshold(role_spec),
     )

@@ -12,12 +12,19 @@ This script therefore waits until the engine has been idle for QUIET_SECONDS, no
 waiting and no request finished over that whole time (read from its own /metrics every second), or
 until TIMEOUT_SECONDS. While the proxy still sends it requests (no replacement is ready yet) the
 engine is not idle, and the script waits; once the proxy has stopped, it ends QUIET_SECONDS later.
-On prefill pods it then keeps the engine up for the KV lease so decode can still pull the blocks of
-the last requests.
+On prefill pods it then keeps the engine up until the KV lease of the last requests it finished has
+run out (HOLD_SECONDS after the start of the idle spell), so decode can still pull their blocks.
+
+A multi-node replica's workers (`--headless`, no HTTP) run it with `--follow-leader`: each waits
+until its group's leader (LWS_LEADER_ADDRESS, from the pod's env) stops answering on PORT, or
+TIMEOUT_SECONDS. Workers and leader are deleted together; a worker stopped first would take the
+engine down under the requests the leader is still serving.
 
 Usage: python3 -c "<this file>" PORT TIMEOUT_SECONDS QUIET_SECONDS HOLD_SECONDS
+       python3 -c "<this file>" --follow-leader PORT TIMEOUT_SECONDS
 """
 
+import os
 import sys
 import time
 import urllib.request
@@ -53,7 +60,7 @@ def idle_since(since: float, previous: tuple[float, float], current: tuple[float
 def drain(port: int, timeout: float, quiet: float, hold: float) -> None:
     deadline = time.monotonic() + timeout
     url = f"http://127.0.0.1:{port}/metrics"
-    since, previous = 0.0, NOT_POLLED
+    since, previous = time.monotonic(), NOT_POLLED
     while (now := time.monotonic()) < deadline:
         try:
             with urllib.request.urlopen(url, timeout=2) as response:
@@ -64,8 +71,23 @@ def drain(port: int, timeout: float, quiet: float, hold: float) -> None:
         if now - since >= quiet:
             break
         time.sleep(1)
-    time.sleep(hold)
+    time.sleep(max(0.0, since + hold - time.monotonic()))
+
+
+def follow_leader(leader: str, port: int, timeout: float) -> None:
+    deadline = time.monotonic() + timeout
+    url = f"http://{leader}:{port}/health"
+    while time.monotonic() < deadline:
+        try:
+            with urllib.request.urlopen(url, timeout=2):
+                pass
+        except OSError:  # refused, reset or timed out (an HTTP error status is an OSError too)
+            return
+        time.sleep(1)
 
 
 if __name__ == "__main__":
-    drain(int(sys.argv[1]), float(sys.argv[2]), float(sys.argv[3]), float(sys.argv[4]))
+    if sys.argv[1] == "--follow-leader":
+        follow_leader(os.environ["LWS_LEADER_ADDRESS"], int(sys.argv[2]), float(sys.argv[3]))
+    else:
+        drain(int(sys.argv[1]), float(sys.argv[2]), float(sys.argv[3]), float(sys.argv[4]))

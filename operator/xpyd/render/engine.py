@@ -318,6 +318,12 @@ def drain_command(spec: DisaggregatedServingSpec, role: Role) -> list[str]:
             str(ENGINE_DRAIN_QUIET_SECONDS), str(hold)]
 
 
+def worker_drain_command(spec: DisaggregatedServingSpec, role: Role) -> list[str]:
+    """A multi-node worker's preStop: it stops only once its leader has (or at its own grace)."""
+    return ["python3", "-c", _DRAIN_SOURCE, "--follow-leader", str(spec.engine.port),
+            str(termination_grace_seconds(spec, role))]
+
+
 def termination_grace_seconds(spec: DisaggregatedServingSpec, role: Role) -> int:
     role_spec: RoleSpec = getattr(spec, role)
     hold = kv_lease_seconds(spec, role) if role == "prefill" else 0
