@@ -133,9 +133,10 @@ async def _pipe(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> N
 
 @dataclass
 class Arrived:
-    """A finished request and the monotonic time it was sent."""
+    """A finished request, with the monotonic times it was sent and it finished."""
 
     at: float
+    finished: float
     record: RequestRecord
 
 
@@ -151,7 +152,7 @@ class SteadyLoad:
     max_seconds: float = 240.0
     isl: int = 512
     osl: int = 32
-    results: list[Arrived] = field(default_factory=list)
+    finished: list[tuple[float, RequestRecord]] = field(default_factory=list)
     forwarder: ServiceForwarder | None = None
     _stop: asyncio.Event | None = None
     _loop: asyncio.AbstractEventLoop | None = None
@@ -190,7 +191,16 @@ class SteadyLoad:
             await self.forwarder.close()
 
     def _record(self, record: RequestRecord) -> None:
-        self.results.append(Arrived(time.monotonic() - (record.e2e_s or 0.0), record))
+        self.finished.append((time.monotonic(), record))
+
+    @property
+    def results(self) -> list[Arrived]:
+        """Every finished request. A record's send time counts from the run's start, so the start's
+        monotonic time is taken from the successful ones (finished less their duration less their
+        send time: the same up to the callback's delay, the least of them is the closest)."""
+        origins = [finished - r.e2e_s - r.sent_s for finished, r in self.finished if r.e2e_s is not None]
+        origin = min(origins) if origins else 0.0
+        return [Arrived(origin + r.sent_s, finished, r) for finished, r in self.finished]
 
     def stop(self) -> list[Arrived]:
         """End the arrivals, wait for the requests in flight, return every record (once stopped,
