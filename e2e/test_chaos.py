@@ -40,6 +40,7 @@ from e2e.cluster import (
     wait_ready,
 )
 from e2e.service import Arrived, SteadyLoad
+from xpyd.api.conditions import KV_TRANSFER_POD_CONDITION
 from xpyd.api.load import load_servings
 from xpyd.cluster.controlplane import ControlPlane
 from xpyd.cluster.pidfiles import PID_FILE
@@ -106,6 +107,10 @@ def pool(operator: Cluster) -> Iterator[Cluster]:
         operator.apply(manifest, NAMESPACE)
         wait_ready(operator, NAMESPACE, NAME, timeout=120)
         eventually(lambda: len(proxies(operator)) == 2, what="both proxies ready")
+        # Each proxy keeps its KV-transfer health on its own pod (pods/status, merged beside the
+        # kubelet's conditions): healthy here.
+        eventually(lambda: all(kv_healthy(p) == "True" for p in proxies(operator)), timeout=30,
+                   what="the proxies' KV-transfer condition")
         yield operator
     finally:
         print("\n" + table())
@@ -119,6 +124,11 @@ def pool(operator: Cluster) -> Iterator[Cluster]:
 
 def ready(pod: Any) -> bool:
     return any(c["type"] == "Ready" and c["status"] == "True" for c in pod["status"].get("conditions", []))
+
+
+def kv_healthy(pod: Any) -> str | None:
+    return next((c["status"] for c in pod["status"].get("conditions", []) if c["type"] == KV_TRANSFER_POD_CONDITION),
+                None)
 
 
 def proxies(cluster: Cluster) -> list[Any]:
@@ -239,8 +249,10 @@ def test_roll_the_engine_image(pool: Cluster) -> None:
     """A new engine image changes the pods' KV compatibility hash: both roles roll at once, and the
     old revision's pair serves until the new one has both roles."""
     image = "vllm/vllm-openai:v0.33.1"
+    reasons: set[str | None] = set()
 
     def rolled() -> bool:
+        reasons.add(condition(serving_of(pool, NAMESPACE, NAME), "Progressing").get("reason"))
         pods = every_pod(pool, "prefill") + every_pod(pool, "decode")
         return all(p["spec"]["containers"][0]["image"] == image for p in pods) and \
             settled(pool, "prefill", 1) and settled(pool, "decode", 2)
@@ -248,6 +260,7 @@ def test_roll_the_engine_image(pool: Cluster) -> None:
     run(pool, "roll the engine image", lambda: pool.kubectl(
         "patch", "disaggregatedserving", NAME, "-n", NAMESPACE, "--type=merge",
         "-p", f'{{"spec": {{"engine": {{"image": "{image}"}}}}}}'), rolled, timeout=180)
+    assert "KVRevisionRollingOut" in reasons, reasons
 
 
 def test_roll_the_proxy(pool: Cluster) -> None:

@@ -52,6 +52,7 @@ OPERATOR_RBAC = {
     "roles.rbac.authorization.k8s.io": {"get", "list", "watch", "create", "patch"},
     "rolebindings.rbac.authorization.k8s.io": {"get", "list", "watch", "create", "patch"},
     "pods": {"get", "list", "watch"},
+    "pods/status": {"patch"},  # only to grant it to the proxies (their KV-transfer health condition)
     "events": {"create"},
     "configmaps": {"get"},
     "secrets": {"get"},   # by name only: the autoscaler's Prometheus token and CA

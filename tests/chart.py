@@ -25,8 +25,8 @@ Rule = tuple[str, str]  # (apiGroup, resource)
 #: no more. No wildcards. Children are garbage-collected through ownerReferences; delete only of the
 #: workload kinds, whose kind changes with a role's shape (a Deployment, or a LeaderWorkerSet).
 #: Secrets: get only (the autoscaler's Prometheus token and CA), never list or watch. Pods are read
-#: for the status, and because the operator creates Roles granting pods get/list/watch to its
-#: proxies, which RBAC allows only to holders of those permissions.
+#: for the status, and because the operator creates Roles granting pods get/list/watch and pods/status
+#: patch to its proxies, which RBAC allows only to holders of those permissions.
 OPERATOR_RULES: dict[Rule, set[str]] = {
     ("xpyd.io", "disaggregatedservings"): {"get", "list", "watch"},
     ("xpyd.io", "disaggregatedservings/status"): {"get", "patch"},
@@ -34,6 +34,7 @@ OPERATOR_RULES: dict[Rule, set[str]] = {
     ("", "services"): {"get", "list", "watch", "create", "patch"},
     ("", "serviceaccounts"): {"get", "list", "watch", "create", "patch"},
     ("", "pods"): {"get", "list", "watch"},
+    ("", "pods/status"): {"patch"},
     ("", "events"): {"create"},
     ("", "configmaps"): {"get"},
     ("", "secrets"): {"get"},

@@ -121,7 +121,11 @@ async def test_a_leader_that_stops_renewing_is_replaced_and_fenced(fake: FakeKub
         stopped = asyncio.get_running_loop().time()
         await eventually(lambda: b.memo.state.acting(), timeout=10, what="b leads")
         took = asyncio.get_running_loop().time() - stopped
-        assert LEASE_TIMING.lease_duration - LEASE_TIMING.retry_period <= took <= LEASE_TIMING.takeover_bound, took
+        # Never before a's lease ran out (what the fence relies on). The bound itself is held exactly
+        # by tests/unit/test_leader.py on a fake clock; here, on the wall clock of a loaded machine,
+        # a second of scheduling slack.
+        assert LEASE_TIMING.lease_duration - LEASE_TIMING.retry_period <= took <= LEASE_TIMING.takeover_bound + 1, \
+            took
         assert not a.memo.state.acting() and metric_leader(a) == 0.0
         # a's workers see the deletion too (its caches are live) and reconcile; the fence stops them.
         await delete_decode(fake)

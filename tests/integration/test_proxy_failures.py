@@ -290,3 +290,26 @@ async def test_a_retried_mooncake_attempt_gets_a_fresh_transfer_id() -> None:
         succeeded = {leg.body["kv_transfer_params"]["transfer_id"] for leg in healthy.seen}
         assert len(succeeded) == 4
         assert sum(leg.body["kv_transfer_params"]["transfer_id"] in succeeded for leg in decode.seen) == 4
+
+
+async def test_a_pair_whose_kv_hand_offs_keep_failing_is_avoided_while_both_engines_serve_others() -> None:
+    """d-a cannot load p-a's KV (500, as under kv_load_failure_policy fail) but reads p-b's. Each
+    failed hand-off is retried elsewhere; after three the pair is avoided: p-a's requests go to d-b,
+    d-a still takes p-b's, and /health, the metrics and the pod condition's source name the pair."""
+    engines = ([StubEngine(name="p-a"), StubEngine(name="p-b")], [StubEngine(name="d-a"), StubEngine(name="d-b")])
+    async with rig(engines=engines, health_interval=0.2) as r:  # LeastLoaded: ties broken at random
+        (p_a, p_b), (d_a, d_b) = r.prefill, r.decode
+        d_a.unreadable_from = frozenset({p_a.engine_id})
+        assert await load(r, 40, 4, COMPLETION) == {200: 40}
+        handoffs = r.proxy.metrics.kv_handoff_failures.value(p_a.url, d_a.url)
+        assert handoffs >= 3
+        health = await (await r.session.get(r.url + "/health")).json()
+        (pair,) = health["kvTransfer"]["failingPairs"]
+        assert (pair["prefill"], pair["decode"]) == (p_a.url, d_a.url) and pair["failures"] >= 3
+        await r.ready()  # d-a's breaker (it failed legs) closed again on its healthy probes
+        before = len(d_a.seen)
+        assert await load(r, 40, 4, COMPLETION) == {200: 40}
+        later = [seen.body["kv_transfer_params"]["remote_engine_id"] for seen in d_a.seen[before:]]
+        assert later and set(later) == {p_b.engine_id}, later   # d-a serves, only the pair is avoided
+        assert r.proxy.metrics.kv_handoff_failures.value(p_a.url, d_a.url) == handoffs
+        assert p_a.completed > 0 and d_b.completed > 0

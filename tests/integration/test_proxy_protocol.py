@@ -420,6 +420,8 @@ PROXY_FAMILIES: dict[str, tuple[str, set[str]]] = {
     "xpyd_proxy_upstream_healthy": ("gauge", {"role", "upstream"}),
     "xpyd_proxy_upstreams": ("gauge", {"role", "state"}),
     "xpyd_proxy_draining": ("gauge", set()),
+    "xpyd_proxy_kv_handoff_failures_total": ("counter", {"prefill", "decode"}),
+    "xpyd_proxy_kv_pairs_failing": ("gauge", set()),
 }
 
 

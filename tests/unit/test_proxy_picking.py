@@ -266,12 +266,12 @@ def test_pod_endpoints() -> None:
     pods = [_pod("a", "10.0.0.1"), _pod("b", None), _pod("c", "10.0.0.3", ready=False),
             _pod("d", "10.0.0.4", deleting=True), _pod("e", "fd00::5")]
     assert pod_endpoints(pods, 8000) == [
-        Endpoint("http://10.0.0.1:8000", ready=True, checked=True),
-        Endpoint("http://10.0.0.3:8000", ready=False, checked=True),
+        Endpoint("http://10.0.0.1:8000", ready=True, checked=True, name="a"),
+        Endpoint("http://10.0.0.3:8000", ready=False, checked=True, name="c"),
         # Still Ready while it drains, which reaches its timeout 30 s before the deletionTimestamp.
         Endpoint("http://10.0.0.4:8000", ready=True, checked=True, terminating=True,
-                 drain_timeout_at=DRAIN_TIMEOUT_AT),
-        Endpoint("http://[fd00::5]:8000", ready=True, checked=True)]
+                 drain_timeout_at=DRAIN_TIMEOUT_AT, name="d"),
+        Endpoint("http://[fd00::5]:8000", ready=True, checked=True, name="e")]
     assert not pod_ready({"metadata": {}, "status": {}})
 
 
@@ -283,7 +283,7 @@ def test_a_set_based_selector_is_left_to_the_server(selector: str) -> None:
     kube = _ScriptedKube(_Streamed({"metadata": {"resourceVersion": "1"}, "items": [_pod("a", "10.0.0.1")]}))
     watcher = PodWatcher(kube, "ns", selector, 8000, published.append)  # type: ignore[arg-type]
     watcher.reflector.relist()
-    assert published == [[Endpoint("http://10.0.0.1:8000", checked=True)]]  # not filtered again here
+    assert published == [[Endpoint("http://10.0.0.1:8000", checked=True, name="a")]]  # not filtered again here
     assert kube.queries == [[("labelSelector", selector)]]
 
 
@@ -354,9 +354,10 @@ def test_pod_watcher_applies_list_and_watch_events() -> None:
     watcher = PodWatcher(kube, "ns", "xpyd.io/role=decode", 8000, published.append)  # type: ignore[arg-type]
     assert watcher.reflector.relist() == "10"
     assert watcher.reflector._watch("10") == "14"
-    a, b = Endpoint("http://10.0.0.1:8000", checked=True), Endpoint("http://10.0.0.2:8000", checked=True)
+    a = Endpoint("http://10.0.0.1:8000", checked=True, name="a")
+    b = Endpoint("http://10.0.0.2:8000", checked=True, name="b")
     deleting = Endpoint("http://10.0.0.1:8000", checked=True, terminating=True,
-                        drain_timeout_at=DRAIN_TIMEOUT_AT)
+                        drain_timeout_at=DRAIN_TIMEOUT_AT, name="a")
     assert published == [[a], [a, b], [deleting, b], [deleting]]
     assert watcher.reflector._watch("14") == ""                  # 410 Gone: list again
     assert ("labelSelector", "xpyd.io/role=decode") in kube.queries[1]

@@ -411,7 +411,10 @@ def test_children_and_labels() -> None:
         assert name.endswith(labels["xpyd.io/role"]) and labels["app.kubernetes.io/component"] == labels["xpyd.io/role"]
     assert objs[("Service", "llama-prefill")]["spec"]["clusterIP"] == "None"
     role = objs[("Role", "llama-proxy")]
-    assert role["rules"] == [{"apiGroups": [""], "resources": ["pods"], "verbs": ["get", "list", "watch"]}]
+    assert role["rules"] == [{"apiGroups": [""], "resources": ["pods"], "verbs": ["get", "list", "watch"]},
+                             {"apiGroups": [""], "resources": ["pods/status"], "verbs": ["patch"]}]
+    proxy_env = objs[("Deployment", "llama-proxy")]["spec"]["template"]["spec"]["containers"][0]["env"]
+    assert {"name": "POD_NAME", "valueFrom": {"fieldRef": {"fieldPath": "metadata.name"}}} in proxy_env
     # One pod of a pool down at a time; a pod that is not Ready (a proxy without a usable engine, an
     # engine still loading) never blocks a node drain.
     for pool in ("prefill", "decode", "proxy"):

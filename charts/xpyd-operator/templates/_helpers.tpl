@@ -71,8 +71,9 @@ What the operator does, as RBAC rules (the same in a ClusterRole and in per-name
 No delete: children are garbage-collected through their ownerReferences. The DisaggregatedServings
 and everything the operator creates are listed and watched: its reads come from watch-fed caches.
 Only the status of a DisaggregatedServing is written. Pods are read for the status and the
-autoscaler, and because the operator grants its proxies pods get/list/watch in a Role, which RBAC
-allows only to a holder of the same permissions. Secrets: get only, of the ones an autoscaled
+autoscaler, and because the operator grants its proxies pods get/list/watch and pods/status patch
+(their KV-transfer health condition on their own pods) in a Role, which RBAC allows only to a
+holder of the same permissions. The operator itself never patches a pod's status. Secrets: get only, of the ones an autoscaled
 object names for its Prometheus (bearer token, CA); never listed or watched.
 */}}
 {{- define "xpyd-operator.rules" -}}
@@ -94,6 +95,9 @@ object names for its Prometheus (bearer token, CA); never listed or watched.
 - apiGroups: [""]
   resources: ["pods"]
   verbs: ["get", "list", "watch"]
+- apiGroups: [""]
+  resources: ["pods/status"]
+  verbs: ["patch"]
 - apiGroups: [""]
   resources: ["events"]
   verbs: ["create"]

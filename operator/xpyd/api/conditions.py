@@ -4,9 +4,10 @@
 - `Ready`, owned by the reconcile (`controller.status.compute_status`): `AllReplicasReady`,
   `PartiallyReady`, `PrefillUnavailable`, `DecodeUnavailable`, `ProxyUnavailable`, `ScaledToZero`,
   `InvalidSpec`.
-- `Progressing`, owned by the reconcile: `RollingOut`, `Converged`, `InvalidSpec`.
+- `Progressing`, owned by the reconcile: `RollingOut`, `KVRevisionRollingOut`, `Converged`,
+  `InvalidSpec`.
 - `Degraded`, owned by the reconcile: `AsExpected`, `InsufficientGPUs`, `Unschedulable`,
-  `EngineCrashLoop`, `LeaderWorkerSetMissing`, `LeaderWorkerSetForbidden`.
+  `EngineCrashLoop`, `LeaderWorkerSetMissing`, `LeaderWorkerSetForbidden`, `KVTransferFailing`.
 - `ScalingActive`, owned by the autoscaler loop (`controller.autoscale`; the reconcile sets only
   `AutoscalingOff` and `AutoscalerNotRunning`): `ValidMetrics`, `RecommendOnly`,
   `ProfileUnavailable`, `AutoscalingOff`, `AutoscalerNotRunning`, and `decide()`'s
@@ -45,6 +46,9 @@ def role_unavailable(role: str) -> str:
 
 # Progressing
 ROLLING_OUT: Final = "RollingOut"
+#: Both engine roles roll a new template at once (the image, the vLLM version, the model...: a new
+#: KV compatibility hash), so new prefill pairs only with new decode.
+KV_REVISION_ROLLING_OUT: Final = "KVRevisionRollingOut"
 CONVERGED: Final = "Converged"
 
 # Degraded
@@ -56,6 +60,13 @@ ENGINE_CRASH_LOOP: Final = "EngineCrashLoop"
 LEADER_WORKER_SET_MISSING: Final = "LeaderWorkerSetMissing"
 #: ... or the operator's RBAC does not let it use LeaderWorkerSets.
 LEADER_WORKER_SET_FORBIDDEN: Final = "LeaderWorkerSetForbidden"
+#: A proxy reports prefill/decode pairs whose KV hand-offs keep failing (its pod's condition below).
+KV_TRANSFER_FAILING: Final = "KVTransferFailing"
+
+#: The condition each proxy keeps on its own Pod (pods/status): False with reason KVTransferFailing
+#: and the failing pairs in its message while some pair's hand-offs keep failing, else True.
+KV_TRANSFER_POD_CONDITION: Final = "xpyd.io/KVTransferHealthy"
+KV_TRANSFER_HEALTHY: Final = "HandoffsSucceeding"
 
 # ScalingActive (besides decide()'s MetricsUnavailable)
 VALID_METRICS: Final = "ValidMetrics"

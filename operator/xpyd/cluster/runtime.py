@@ -5,7 +5,8 @@ pod's image, runs the pod as a real local process bound to that IP: the operator
 `xpyd <subcommand>` with the pod's args and env (with a kubeconfig holding the pod's own
 service-account token, so RBAC applies as in a cluster), the vLLM engine image runs
 `xpyd engine-sim` once that exists. It reports readiness from the process's own readiness
-probe, restarts processes that exit, stops them when the pod is deleted, and writes the
+probe (terminating pods included), restarts processes that exit, stops them when the pod is
+deleted as the kubelet does (the preStop hook, then SIGTERM, then SIGKILL), and writes the
 Prometheus file_sd targets of ready pods. Pods of other images become Running and Ready at once,
 as kwok would make them.
 
@@ -379,7 +380,10 @@ class PodRuntime:
         for condition in status["conditions"]:
             condition["lastTransitionTime"] = now
         try:
-            self.kube.patch("v1", "Pod", runner.namespace, runner.name, {"status": status}, subresource="status")
+            # Strategic: the conditions others keep on the pod (a proxy's KV-transfer health) stay, as
+            # the kubelet keeps the conditions it does not own.
+            self.kube.patch("v1", "Pod", runner.namespace, runner.name, {"status": status}, subresource="status",
+                            strategic=True)
             runner.last_status = {"fields": comparable[0], "conditions": comparable[1]}
         except KubeError as error:
             log.warning("status of %s/%s not written: %s", runner.namespace, runner.name, error)

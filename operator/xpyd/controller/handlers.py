@@ -39,6 +39,7 @@ from typing import Any, Final
 import kopf
 
 from xpyd.api import models
+from xpyd.api.conditions import KV_TRANSFER_POD_CONDITION
 from xpyd.api.naming import FIELD_MANAGER, SERVING_LABEL
 from xpyd.common.jsontypes import JSON
 from xpyd.controller.autoscale import Autoscaler
@@ -91,15 +92,15 @@ def owner_of(kind: Kind, obj: JSON) -> Key | None:
 
 
 def pod_signal(pod: JSON | None) -> tuple[Any, ...]:
-    """What the status reads of a pod (scheduling, crash loops, deletion): a pod event that leaves
-    it unchanged needs no reconcile."""
+    """What the status reads of a pod (scheduling, crash loops, deletion, a proxy's KV-transfer
+    health): a pod event that leaves it unchanged needs no reconcile."""
     if pod is None:
         return ()
     status = pod.get("status") or {}
-    scheduled = [(c.get("status"), c.get("reason"), c.get("message")) for c in status.get("conditions") or []
-                 if c.get("type") == "PodScheduled"]
+    read = [(c.get("type"), c.get("status"), c.get("reason"), c.get("message")) for c in status.get("conditions") or []
+            if c.get("type") in ("PodScheduled", KV_TRANSFER_POD_CONDITION)]
     waiting = [(s.get("state") or {}).get("waiting", {}).get("reason") for s in status.get("containerStatuses") or []]
-    return bool((pod.get("metadata") or {}).get("deletionTimestamp")), tuple(scheduled), tuple(waiting)
+    return bool((pod.get("metadata") or {}).get("deletionTimestamp")), tuple(read), tuple(waiting)
 
 
 def is_urgent(kind: Kind, old: JSON | None, new: JSON | None) -> bool:

@@ -18,7 +18,7 @@ import kopf
 from xpyd.api.conditions import INVALID_SPEC, ConditionType
 from xpyd.api.load import SpecError, parse_serving
 from xpyd.api.models import AutoscalingMode, DisaggregatedServing
-from xpyd.api.naming import FIELD_MANAGER, ROLES, SERVING_LABEL, Component, child_name
+from xpyd.api.naming import FIELD_MANAGER, ROLE_LABEL, ROLES, SERVING_LABEL, Component, child_name
 from xpyd.common.jsontypes import JSON
 from xpyd.common.timefmt import rfc3339
 from xpyd.controller.diff import is_subset
@@ -167,10 +167,12 @@ def reconcile(kube: Kube, body: JSON, operator_image: str, now: Callable[[], str
 
     components: tuple[Component, ...] = ("prefill", "decode", "proxy")
     deployments = {c: live_deployments.get(child_name(name, c)) for c in components}
-    # Pods explain a pool short of ready replicas (Pending for lack of GPUs, crash loops).
+    # Pods explain a pool short of ready replicas (Pending for lack of GPUs, crash loops); the proxy
+    # pods always report their KV-transfer health.
     short = any((deployments[c] or {}).get("status", {}).get("readyReplicas", 0) < replicas[c]
                 for c in deployments)
-    pods = kube.list_objects("v1", "Pod", namespace, f"{SERVING_LABEL}={name}") if short else []
+    pods = kube.list_objects("v1", "Pod", namespace, f"{SERVING_LABEL}={name}" if short
+                             else f"{SERVING_LABEL}={name},{ROLE_LABEL}=proxy")
     observed = Observed(deployments=deployments, desired=replicas, pods=pods, problem=outcome.blocked)
     status = compute_status(serving.spec, observed, old_status, generation,
                             endpoint(name, namespace, serving.spec), transport(serving.spec), now())

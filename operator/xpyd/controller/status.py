@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from xpyd.api import conditions as reasons
 from xpyd.api.conditions import ConditionType
 from xpyd.api.models import AutoscalingMode, DisaggregatedServingSpec, RoleSpec
-from xpyd.api.naming import Component
+from xpyd.api.naming import ROLE_LABEL, Component
 from xpyd.common.jsontypes import JSON
 
 
@@ -72,6 +72,12 @@ def _rolled_out(deployment: JSON | None, desired: int) -> bool:
                 and st.get("replicas", 0) == desired)
 
 
+def _outdated(workload: JSON | None) -> int:
+    """Pods (or groups) of a workload that still run an earlier template."""
+    st = (workload or {}).get("status", {})
+    return max(0, int(st.get("replicas", 0)) - int(st.get("updatedReplicas", 0)))
+
+
 def pending_problem(pods: Sequence[JSON], gpu_resources: set[str]) -> ConditionValue | None:
     """Degraded when pods cannot be scheduled (for lack of GPUs, or otherwise) or crash-loop."""
     unschedulable = []
@@ -96,6 +102,22 @@ def pending_problem(pods: Sequence[JSON], gpu_resources: set[str]) -> ConditionV
                 return ConditionValue(ConditionType.DEGRADED, True, reasons.ENGINE_CRASH_LOOP,
                                       f"{pod['metadata']['name']}: {waiting.get('message', 'CrashLoopBackOff')}")
     return None
+
+
+def kv_transfer_problem(pods: Sequence[JSON]) -> ConditionValue | None:
+    """Degraded while a proxy pod reports prefill/decode pairs whose KV hand-offs keep failing (its
+    `xpyd.io/KVTransferHealthy` condition False): the reports of every such proxy, by pod."""
+    reports = []
+    for pod in pods:
+        meta = pod.get("metadata", {})
+        if meta.get("deletionTimestamp") or (meta.get("labels") or {}).get(ROLE_LABEL) != "proxy":
+            continue
+        for condition in pod.get("status", {}).get("conditions", []):
+            if condition.get("type") == reasons.KV_TRANSFER_POD_CONDITION and condition.get("status") == "False":
+                reports.append(f"proxy {meta.get('name')}: {condition.get('message', '')}")
+    if not reports:
+        return None
+    return ConditionValue(ConditionType.DEGRADED, True, reasons.KV_TRANSFER_FAILING, "; ".join(sorted(reports)))
 
 
 @dataclass(frozen=True)
@@ -137,16 +159,25 @@ def compute_status(spec: DisaggregatedServingSpec, observed: Observed, old_statu
 
     rolling = [c for c in ("prefill", "decode", "proxy")
                if not _rolled_out(observed.deployments.get(c), observed.desired[c])]
-    progressing = (ConditionValue(ConditionType.PROGRESSING, True, reasons.ROLLING_OUT,
-                                  "waiting for " + ", ".join(rolling) + " to reach the desired state")
-                   if rolling else ConditionValue(ConditionType.PROGRESSING, False, reasons.CONVERGED,
-                                                  "every pool runs the desired template and replicas"))
+    outdated = {c: _outdated(observed.deployments.get(c)) for c in ("prefill", "decode")}
+    if all(outdated.values()):  # a change both roles share: their pods' KV compatibility hash changes
+        progressing = ConditionValue(
+            ConditionType.PROGRESSING, True, reasons.KV_REVISION_ROLLING_OUT,
+            "prefill and decode roll to a new KV revision: the proxies pair old with old and new with new "
+            "until both have rolled (" + ", ".join(f"{c}: {n} of the old template left"
+                                                  for c, n in outdated.items()) + ")")
+    elif rolling:
+        progressing = ConditionValue(ConditionType.PROGRESSING, True, reasons.ROLLING_OUT,
+                                     "waiting for " + ", ".join(rolling) + " to reach the desired state")
+    else:
+        progressing = ConditionValue(ConditionType.PROGRESSING, False, reasons.CONVERGED,
+                                     "every pool runs the desired template and replicas")
 
     gpu_resources = {spec.prefill.gpu.resource_name, spec.decode.gpu.resource_name}
     if spec.kv_transfer.rdma:
         gpu_resources.add(spec.kv_transfer.rdma.resource_name)
-    degraded = observed.problem or pending_problem(observed.pods, gpu_resources) or ConditionValue(
-        ConditionType.DEGRADED, False, reasons.AS_EXPECTED, "")
+    degraded = observed.problem or pending_problem(observed.pods, gpu_resources) or \
+        kv_transfer_problem(observed.pods) or ConditionValue(ConditionType.DEGRADED, False, reasons.AS_EXPECTED, "")
 
     if spec.autoscaling.mode == AutoscalingMode.OFF:
         scaling = ConditionValue(ConditionType.SCALING_ACTIVE, False, reasons.AUTOSCALING_OFF,

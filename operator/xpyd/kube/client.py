@@ -242,10 +242,13 @@ class Kube:
         return self._call("PUT", path, body=obj) or {}
 
     def patch(self, api_version: str, kind: str, namespace: str | None, name: str, patch: JSON,
-              subresource: str | None = None) -> JSON:
-        """A JSON merge patch of an object or of its subresource."""
+              subresource: str | None = None, strategic: bool = False) -> JSON:
+        """A JSON merge patch of an object or of its subresource; `strategic`: a strategic merge patch
+        (built-in kinds only), which merges lists such as a Pod's conditions by their key instead of
+        replacing them."""
+        content_type = "application/strategic-merge-patch+json" if strategic else "application/merge-patch+json"
         result = self._call("PATCH", resource_path(api_version, kind, namespace, name, subresource), body=patch,
-                            content_type="application/merge-patch+json")
+                            content_type=content_type)
         return self._observe(result)
 
     def delete(self, api_version: str, kind: str, namespace: str | None, name: str,

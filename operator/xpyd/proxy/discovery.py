@@ -54,6 +54,7 @@ def pod_endpoints(pods: Iterable[JSON], engine_port: int) -> list[Endpoint]:
             endpoints.append(Endpoint(
                 url=f"http://{host_port(ip, engine_port)}", ready=pod_ready(pod), checked=True,
                 terminating=bool(deletion), compat=(metadata.get("labels") or {}).get(KV_COMPAT_LABEL),
+                name=metadata.get("name"),
                 drain_timeout_at=None if deadline is None else deadline - ENGINE_SHUTDOWN_MARGIN_SECONDS))
     return endpoints
 

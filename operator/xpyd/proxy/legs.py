@@ -42,11 +42,14 @@ class PrefillFailed(Exception):
 
 class DecodeFailed(Exception):
     """The decode leg failed before anything reached the client. `prefill` is the prefill answer
-    when decode may be retried with it: NIXL pull, and the failed decode never got the request."""
+    when decode may be retried with it: NIXL pull, and the failed decode never got the request.
+    `handoff`: the decode engine took the request and failed it (an HTTP 5xx, or no first byte in
+    time), which after a successful prefill is a failed KV hand-off (`xpyd.proxy.kvhealth`)."""
 
-    def __init__(self, message: str, prefill: JSON | None = None) -> None:
+    def __init__(self, message: str, prefill: JSON | None = None, handoff: bool = False) -> None:
         super().__init__(message)
         self.prefill = prefill
+        self.handoff = handoff
 
 
 class UpstreamAnswer(Exception):
@@ -351,7 +354,7 @@ class Legs:
                 raise UpstreamAnswer(response.status, data, response.content_type)
             if response.status != 200:
                 data = await response.content.read(MAX_ERROR_BODY)
-                raise DecodeFailed(f"HTTP {response.status}: {data[:200]!r}")
+                raise DecodeFailed(f"HTTP {response.status}: {data[:200]!r}", handoff=response.status >= 500)
             head = await response.content.readany() if stream else await response.read()
             if stream and not head:
                 raise DecodeFailed("the stream ended before its first byte")
@@ -362,7 +365,7 @@ class Legs:
             result = ""
             return opened
         except TimeoutError:
-            raise DecodeFailed("no first byte in time") from None
+            raise DecodeFailed("no first byte in time", handoff=True) from None
         except aiohttp.ClientConnectorError as error:  # never delivered: the KV is still on prefill
             raise DecodeFailed(f"{type(error).__name__}: {error}", reusable) from None
         except (aiohttp.ClientError, OSError) as error:

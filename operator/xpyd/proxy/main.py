@@ -8,7 +8,9 @@ The operator starts it with (see `xpyd.render.proxy_args`)::
         --engine-port=8000 --routing-policy=LeastLoaded --served-model-name=NAME
 
 and, outside Kubernetes, `xpyd proxy --prefill URL --decode URL [--decode URL ...]`.
-The optional API key comes from the environment variable XPYD_PROXY_API_KEY.
+The optional API key comes from the environment variable XPYD_PROXY_API_KEY. With discovery and
+POD_NAME set (the downward API), the proxy keeps its KV-transfer health as a condition on its own
+Pod (`xpyd.proxy.podreport`).
 
 Stopping. On SIGTERM (what Kubernetes sends a terminating pod) the proxy at once fails its
 readiness (`GET /ready` answers 503; `GET /health`, the liveness probe, stays 200), then keeps
@@ -251,6 +253,7 @@ async def serve(args: argparse.Namespace) -> None:
     loop = asyncio.get_running_loop()
     watchers: list[PodWatcher] = []
     registration = None
+    reporting: asyncio.Future[None] | None = None
     if args.prefill_selector:
         from xpyd.kube import Kube
 
@@ -263,6 +266,11 @@ async def serve(args: argparse.Namespace) -> None:
             watcher = PodWatcher(kube, namespace, selector, args.engine_port, publish)
             watcher.start()
             watchers.append(watcher)
+        if pod_name := os.environ.get("POD_NAME"):
+            from xpyd.proxy.podreport import PodConditionReporter
+
+            reporter = PodConditionReporter(kube, namespace, pod_name, proxy.failing_pairs)
+            reporting = asyncio.ensure_future(reporter.run())
     else:
         proxy.set_endpoints("prefill", static_endpoints(args.prefill))
         proxy.set_endpoints("decode", static_endpoints(args.decode))
@@ -290,6 +298,8 @@ async def serve(args: argparse.Namespace) -> None:
     log.info("closing the listener; %d request(s) in flight get up to %g s", proxy.in_flight, args.finish_timeout)
     for watcher in watchers:
         watcher.stop()
+    if reporting is not None:
+        reporting.cancel()
     if registration is not None:
         registration.stop()
     await runner.cleanup()

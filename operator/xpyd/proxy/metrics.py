@@ -125,3 +125,6 @@ class ProxyMetrics:
         "xpyd_proxy_breaker_trips_total", "Circuit breakers opened, by role.", ("role",)))
     rejected: Counter = field(default_factory=lambda: Counter(
         "xpyd_proxy_rejected_total", "Requests refused before any upstream call, by HTTP status.", ("status",)))
+    kv_handoff_failures: Counter = field(default_factory=lambda: Counter(
+        "xpyd_proxy_kv_handoff_failures_total", "Decode legs the decode engine failed (HTTP 5xx, or no first "
+        "byte in time) after their prefill succeeded, by prefill and decode upstream.", ("prefill", "decode")))

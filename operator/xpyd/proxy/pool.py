@@ -53,6 +53,8 @@ class Endpoint:
     zmq_address: str | None = None
     #: The pod's KV compatibility hash (`naming.KV_COMPAT_LABEL`); None: a fixed URL or an unlabelled pod.
     compat: str | None = None
+    #: The pod's name; None: a fixed URL.
+    name: str | None = None
 
 
 @dataclass(eq=False)
@@ -68,6 +70,8 @@ class Instance:
     checked: bool = False
     #: The KV compatibility hash (see `Endpoint.compat`): pairs only with an equal one.
     compat: str | None = None
+    #: The pod's name (see `Endpoint.name`).
+    name: str | None = None
     healthy: bool | None = None
     #: time.monotonic() when discovery first reported the instance terminating; None while it is not.
     terminating_since: float | None = None
@@ -201,6 +205,7 @@ class Pool:
             instance.ready = endpoint.ready
             instance.checked = endpoint.checked
             instance.compat = endpoint.compat
+            instance.name = endpoint.name
             if not endpoint.terminating:
                 instance.terminating_since = None
             elif instance.terminating_since is None:

@@ -51,6 +51,7 @@ from xpyd.common.jsontypes import JSON
 from xpyd.proxy import protocol
 from xpyd.proxy.config import ProxyConfig, client_timeouts
 from xpyd.proxy.health import HealthProber
+from xpyd.proxy.kvhealth import PairHealth
 from xpyd.proxy.legs import Context, DecodeFailed, Legs, PrefillFailed, UpstreamAnswer
 from xpyd.proxy.metrics import Gauge, GaugeSample, ProxyMetrics
 from xpyd.proxy.picking import pairable, partners
@@ -102,6 +103,7 @@ class Proxy:
             role: Pool(role, config.routing_policy, self.rng, breaker_threshold=config.breaker_threshold,
                        breaker_cooldown=config.breaker_cooldown) for role in ROLES}
         self.metrics = ProxyMetrics()
+        self.kv_health = PairHealth()
         self._timeouts = client_timeouts(config)
         self._sources: dict[Role, dict[str, list[Endpoint]]] = {role: {} for role in ROLES}
         self.in_flight = 0
@@ -127,10 +129,13 @@ class Proxy:
                   self._pool_states),
             Gauge("xpyd_proxy_draining", "1 once the proxy was told to stop (readiness fails), else 0.", (),
                   self._draining_sample),
+            Gauge("xpyd_proxy_kv_pairs_failing", "Prefill/decode pairs whose KV hand-offs keep failing.", (),
+                  lambda: [((), float(len(self.kv_health.failing(time.monotonic()))))]),
         ]
         m = self.metrics
         self.registry = exposition.registry([m.requests, m.rejected, m.ttft, m.stream_ttft, m.duration, m.legs,
-                                             m.retries, m.fallbacks, m.breaker_trips, *self._gauges])
+                                             m.retries, m.fallbacks, m.breaker_trips, m.kv_handoff_failures,
+                                             *self._gauges])
 
     # -- life ----------------------------------------------------------------------------------
 
@@ -198,9 +203,12 @@ class Proxy:
                     terminating=known.terminating or endpoint.terminating,
                     drain_timeout_at=endpoint.drain_timeout_at or known.drain_timeout_at,
                     zmq_address=endpoint.zmq_address or known.zmq_address,
-                    compat=known.compat if endpoint.compat is None else endpoint.compat)
+                    compat=known.compat if endpoint.compat is None else endpoint.compat,
+                    name=endpoint.name or known.name)
         for instance in self.pools[role].update(merged.values(), time.monotonic(), time.time()):
             self._spawn(self.health_prober.probe(instance))
+        instances = {url for pool in self.pools.values() for url in pool.instances}
+        self.kv_health.forget({url for pair in self.kv_health.pairs for url in pair} - instances)
 
     def _spawn(self, coroutine: Awaitable[None]) -> None:
         task = asyncio.ensure_future(coroutine)
@@ -296,6 +304,7 @@ class Proxy:
         reusable: JSON | None = None
         retrying: str | None = None  # the role whose failed leg the next attempt sends again
         kv_compat: str | None = None  # the compatibility hash of the prefill whose KV is reusable
+        kv_source: Instance | None = None  # the prefill whose KV the next decode leg reads
         while True:
             prefills, decodes = self.candidates(time.monotonic(), tried_prefill, tried_decode)
             if reusable is not None and not partners(decodes, kv_compat, _compat):
@@ -309,15 +318,17 @@ class Proxy:
                     return await self._without_prefill(context, reason, tried_decode)
                 if not decodes:
                     raise RequestError(503, "No decode instance is available.")
-                prefill = self.pools["prefill"].choose(pairable(prefills, decodes, _compat))
+                prefill = self.pools["prefill"].choose(self._healthy_pairs(pairable(prefills, decodes, _compat),
+                                                                           decodes, time.monotonic()))
                 if prefill is None and decode_failures:  # pairs there were; the request's failed
                     raise RequestError(503, f"Decode failed on {decode_failures} instance(s); no other decode "
                                             "instance pairs with a prefill instance.")
                 if prefill is None:
                     reason = "prefill_failed" if prefill_failures else "no_compatible_pair"
                     return await self._without_prefill(context, reason, tried_decode)
-                kv_compat = prefill.compat
-            decode = self.pools["decode"].choose(partners(decodes, kv_compat, _compat))
+                kv_compat, kv_source = prefill.compat, prefill
+            decode = self.pools["decode"].choose(self._healthy_partners(
+                kv_source, partners(decodes, kv_compat, _compat), time.monotonic()))
             assert decode is not None  # a prefill is only chosen with partners, a reuse only kept with some
             if retrying is not None:  # counted once there is an instance to retry on
                 self.metrics.retries.inc(retrying)
@@ -325,10 +336,14 @@ class Proxy:
             decode.acquire()
             try:
                 if reusable is not None:
-                    return await self.legs.decode_with(context, decode, reusable)
-                assert prefill is not None
-                context.new_attempt()
-                return await self.legs.attempt(context, prefill, decode)
+                    answer = await self.legs.decode_with(context, decode, reusable)
+                else:
+                    assert prefill is not None
+                    context.new_attempt()
+                    answer = await self.legs.attempt(context, prefill, decode)
+                if kv_source is not None:
+                    self.kv_health.succeeded(kv_source.url, decode.url)
+                return answer
             except PrefillFailed as failure:
                 assert prefill is not None
                 self.health_prober.failed(prefill, str(failure))
@@ -338,6 +353,8 @@ class Proxy:
                     return await self._without_prefill(context, "prefill_failed", tried_decode)
                 retrying = "prefill"
             except DecodeFailed as failure:
+                if failure.handoff and kv_source is not None:
+                    self._handoff_failed(kv_source, decode, str(failure))
                 self.health_prober.failed(decode, str(failure))
                 if prefill is not None:
                     prefill.forget_identity()
@@ -366,6 +383,37 @@ class Proxy:
             if pairable(every_prefill, every_decode, _compat):
                 return every_prefill, every_decode
         return prefills, decodes
+
+    def _healthy_pairs(self, prefills: list[Instance], decodes: list[Instance], now: float) -> list[Instance]:
+        """Of the pairable `prefills`, those with a decode partner whose pair is not failing (all of
+        them when none has: avoiding is a preference, see `xpyd.proxy.kvhealth`)."""
+        healthy = [p for p in prefills if self._healthy_partners(p, partners(decodes, p.compat, _compat), now,
+                                                                 strict=True)]
+        return healthy or prefills
+
+    def _healthy_partners(self, prefill: Instance | None, decodes: list[Instance], now: float,
+                          strict: bool = False) -> list[Instance]:
+        """The `decodes` whose pair with `prefill` is not failing; when all are, all of them (none
+        with `strict`)."""
+        if prefill is None:
+            return decodes
+        healthy = [d for d in decodes if not self.kv_health.avoided(prefill.url, d.url, now)]
+        return healthy if healthy or strict else decodes
+
+    def _handoff_failed(self, prefill: Instance, decode: Instance, reason: str) -> None:
+        self.metrics.kv_handoff_failures.inc(prefill.url, decode.url)
+        if self.kv_health.failed(prefill.url, decode.url, time.monotonic()):
+            log.warning("KV hand-off from %s to %s keeps failing (%s): the pair is avoided for %.0f s",
+                        prefill.name or prefill.url, decode.name or decode.url, reason,
+                        self.kv_health.pairs[(prefill.url, decode.url)].cooldown)
+
+    def failing_pairs(self) -> list[JSON]:
+        """The pairs whose hand-offs keep failing, by pod name where known (for /health and the pod's
+        condition)."""
+        names = {i.url: i.name or i.url for pool in self.pools.values() for i in pool.instances.values()}
+        return [{"prefill": names.get(pair.prefill, pair.prefill), "decode": names.get(pair.decode, pair.decode),
+                 "failures": pair.failures, "total": pair.total, "avoidedForSeconds": pair.avoided_for}
+                for pair in self.kv_health.failing(time.monotonic())]
 
     async def _without_prefill(self, context: Context, reason: str, tried_decode: set[str]) -> web.StreamResponse:
         """No prefill instance could serve: 503, or decode alone when configured to (never silently)."""
@@ -422,7 +470,8 @@ class Proxy:
         in the body; an empty pool must not make Kubernetes restart the proxy)."""
         return web.json_response({"status": "ok", "connector": self.config.connector.value,
                                   "draining": self.draining,
-                                  **{role: pool.counts() for role, pool in self.pools.items()}})
+                                  **{role: pool.counts() for role, pool in self.pools.items()},
+                                  "kvTransfer": {"failingPairs": self.failing_pairs()}})
 
     def missing_roles(self) -> list[Role]:
         """The roles a request needs that have no instance to take it now. Every connector sends a

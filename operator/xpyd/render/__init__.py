@@ -195,7 +195,8 @@ def _proxy_objects(name: str, namespace: str, spec: DisaggregatedServingSpec,
         "labels": naming.labels(name, "proxy"),
         "selector": naming.selector_labels(name, "proxy"),
     }
-    proxy_env: list[JSON] = []
+    # Its own pod's name: the proxy keeps its KV-transfer health there (`xpyd.proxy.podreport`).
+    proxy_env: list[JSON] = [{"name": "POD_NAME", "valueFrom": {"fieldRef": {"fieldPath": "metadata.name"}}}]
     if spec.proxy.api_key_secret_ref is not None:
         ref = spec.proxy.api_key_secret_ref
         proxy_env.append({"name": "XPYD_PROXY_API_KEY",

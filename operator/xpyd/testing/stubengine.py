@@ -83,6 +83,9 @@ class StubEngine:
     record: bool = True
     side_channel_port: int = 5600
     fail_status: int | None = None
+    #: Engine ids of the prefill engines whose KV this decode engine cannot load: their decode legs get
+    #: the 500 vLLM answers under `kv_load_failure_policy: fail` (a broken pair, not a broken engine).
+    unreadable_from: frozenset[str] = frozenset()
     hang: bool = False
     health_status: int = 200
     hang_health: bool = False
@@ -194,6 +197,9 @@ class StubEngine:
                                                     "param": None, "code": self.fail_status}}, status=self.fail_status)
             if self.shutting_down:
                 return self._aborted(request, body)
+            if (body.get("kv_transfer_params") or {}).get("remote_engine_id") in self.unreadable_from:
+                return web.json_response({"error": {"message": "KV load failed", "type": "InternalServerError",
+                                                    "param": None, "code": 500}}, status=500)
             broken = self._check_lmcache_prefill(body.get("kv_transfer_params"))
             if broken is not None:
                 self.errors.append(broken)

@@ -1,0 +1,71 @@
+"""The proxy's KV-transfer health on its own Pod: the condition `xpyd.io/KVTransferHealthy`
+(`api.conditions.KV_TRANSFER_POD_CONDITION`), which the operator reads to set the pool's
+`Degraded` condition with reason `KVTransferFailing` (and its Event).
+
+It is a custom Pod condition, the kind readiness gates use: written through `pods/status` with a
+strategic merge patch, so the kubelet's own conditions stay (the kubelet keeps conditions it does
+not own). The proxy writes it when its failing pairs change, at most every `interval` seconds;
+`pod_name` comes from the downward API (`POD_NAME`)."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Callable, Sequence
+
+from xpyd.api.conditions import KV_TRANSFER_FAILING, KV_TRANSFER_HEALTHY, KV_TRANSFER_POD_CONDITION
+from xpyd.common.jsontypes import JSON
+from xpyd.common.timefmt import rfc3339
+from xpyd.kube import Kube, KubeError
+
+log = logging.getLogger(__name__)
+
+REPORT_INTERVAL_SECONDS = 2.0
+#: A condition message stays short: the first pairs, then how many more.
+MAX_PAIRS_NAMED = 5
+
+
+def kv_condition(failing: Sequence[JSON]) -> JSON:
+    """The condition for the pairs `Proxy.failing_pairs()` lists (without its transition time)."""
+    if not failing:
+        return {"type": KV_TRANSFER_POD_CONDITION, "status": "True", "reason": KV_TRANSFER_HEALTHY,
+                "message": "no prefill/decode pair keeps failing its KV hand-offs"}
+    named = "; ".join(f"{p['prefill']} -> {p['decode']}: {p['failures']} failed in a row" for p in
+                      failing[:MAX_PAIRS_NAMED])
+    more = f"; and {len(failing) - MAX_PAIRS_NAMED} more" if len(failing) > MAX_PAIRS_NAMED else ""
+    return {"type": KV_TRANSFER_POD_CONDITION, "status": "False", "reason": KV_TRANSFER_FAILING,
+            "message": f"KV hand-offs keep failing for {len(failing)} pair(s): {named}{more}"}
+
+
+class PodConditionReporter:
+    """Keeps the condition on the proxy's Pod current (see the module docstring)."""
+
+    def __init__(self, kube: Kube, namespace: str, pod_name: str, failing: Callable[[], Sequence[JSON]],
+                 interval: float = REPORT_INTERVAL_SECONDS) -> None:
+        self.kube, self.namespace, self.pod_name = kube, namespace, pod_name
+        self.failing = failing
+        self.interval = interval
+        self.written: tuple[str, str] | None = None  # (status, message) last written
+
+    def write(self, condition: JSON) -> bool:
+        """Write `condition` (a `kv_condition`) if it changed; True when written. Blocking."""
+        key = (condition["status"], condition["message"])
+        if key == self.written:
+            return False
+        stamped = {**condition, "lastTransitionTime": rfc3339()}
+        try:
+            self.kube.patch("v1", "Pod", self.namespace, self.pod_name, {"status": {"conditions": [stamped]}},
+                            subresource="status", strategic=True)
+        except KubeError as error:  # the next round tries again
+            log.warning("could not write %s on pod %s: %s", KV_TRANSFER_POD_CONDITION, self.pod_name, error)
+            return False
+        if condition["status"] == "False" or self.written is not None:
+            log.info("pod condition %s=%s: %s", KV_TRANSFER_POD_CONDITION, *key)
+        self.written = key
+        return True
+
+    async def run(self) -> None:
+        """Forever: read the failing pairs (on the event loop, which owns them), write off it."""
+        while True:
+            await asyncio.to_thread(self.write, kv_condition(self.failing()))
+            await asyncio.sleep(self.interval)
