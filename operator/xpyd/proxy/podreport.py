@@ -67,5 +67,8 @@ class PodConditionReporter:
     async def run(self) -> None:
         """Forever: read the failing pairs (on the event loop, which owns them), write off it."""
         while True:
-            await asyncio.to_thread(self.write, kv_condition(self.failing()))
+            try:
+                await asyncio.to_thread(self.write, kv_condition(self.failing()))
+            except Exception:  # the API server unreachable, say: serving goes on, the next round retries
+                log.exception("could not report %s", KV_TRANSFER_POD_CONDITION)
             await asyncio.sleep(self.interval)
