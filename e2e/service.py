@@ -24,6 +24,7 @@ from typing import Any
 from xpyd.bench import BenchConfig, RequestRecord, run_bench
 from xpyd.common.netguard import require_loopback
 from xpyd.kube import Kube, KubeError
+from xpyd.proxy.discovery import pod_ready
 
 log = logging.getLogger(__name__)
 
@@ -38,8 +39,7 @@ def ready_endpoints(kube: Kube, namespace: str, selector: str, target_port: int 
     result = []
     for pod in sorted(kube.list_objects("v1", "Pod", namespace, selector), key=lambda p: p["metadata"]["name"]):
         status = pod.get("status", {})
-        if pod["metadata"].get("deletionTimestamp") or not status.get("podIP") or not any(
-                c["type"] == "Ready" and c["status"] == "True" for c in status.get("conditions", [])):
+        if pod["metadata"].get("deletionTimestamp") or not status.get("podIP") or not pod_ready(pod):
             continue
         ports = {p.get("name"): p["containerPort"] for c in pod["spec"]["containers"] for p in c.get("ports", [])}
         port = target_port if isinstance(target_port, int) else ports.get(target_port)

@@ -46,6 +46,7 @@ from xpyd.cluster.controlplane import ControlPlane
 from xpyd.cluster.pidfiles import PID_FILE
 from xpyd.common.stats import percentile
 from xpyd.kube import Kube
+from xpyd.proxy.discovery import pod_ready as ready
 
 pytestmark = pytest.mark.e2e
 
@@ -120,10 +121,6 @@ def pool(operator: Cluster) -> Iterator[Cluster]:
             _, tail = rest.split(TABLE_END, 1)
             DOCS.write_text(f"{head}{TABLE_START}\n{table()}\n{TABLE_END}{tail}")
         delete_namespace(operator, NAMESPACE)
-
-
-def ready(pod: Any) -> bool:
-    return any(c["type"] == "Ready" and c["status"] == "True" for c in pod["status"].get("conditions", []))
 
 
 def kv_healthy(pod: Any) -> str | None:
@@ -227,22 +224,14 @@ def test_kill_an_engine_process(pool: Cluster) -> None:
         cuts_streams=True)
 
 
-def test_scale_prefill_up_and_down(pool: Cluster) -> None:
+@pytest.mark.parametrize(("role", "replicas", "other"), [("prefill", 1, 2), ("decode", 2, 1)])
+def test_scale_each_role_and_back(pool: Cluster, role: str, replicas: int, other: int) -> None:
     def event() -> None:
-        scale(pool, "prefill", 2)
-        eventually(lambda: settled(pool, "prefill", 2), timeout=60, what="2 prefill ready")
-        scale(pool, "prefill", 1)
+        scale(pool, role, other)
+        eventually(lambda: settled(pool, role, other), timeout=60, what=f"{other} {role} settled")
+        scale(pool, role, replicas)
 
-    run(pool, "scale prefill 1 → 2 → 1", event, lambda: settled(pool, "prefill", 1))
-
-
-def test_scale_decode_down_and_up(pool: Cluster) -> None:
-    def event() -> None:
-        scale(pool, "decode", 1)
-        eventually(lambda: settled(pool, "decode", 1), timeout=60, what="1 decode left")
-        scale(pool, "decode", 2)
-
-    run(pool, "scale decode 2 → 1 → 2", event, lambda: settled(pool, "decode", 2))
+    run(pool, f"scale {role} {replicas} → {other} → {replicas}", event, lambda: settled(pool, role, replicas))
 
 
 def test_roll_the_engine_image(pool: Cluster) -> None:

@@ -76,7 +76,6 @@ def test_a_worker_waits_while_its_leader_answers_and_stops_once_it_is_gone() -> 
     serving = threading.Thread(target=leader.serve_forever, daemon=True)
     serving.start()
     follower = threading.Thread(target=drain.follow_leader, args=(HOST, leader.server_address[1], 30.0), daemon=True)
-    started = time.monotonic()
     follower.start()
     try:
         time.sleep(2.5)
@@ -85,4 +84,4 @@ def test_a_worker_waits_while_its_leader_answers_and_stops_once_it_is_gone() -> 
         leader.shutdown()
         leader.server_close()
     follower.join(timeout=5)
-    assert not follower.is_alive() and time.monotonic() - started < 10
+    assert not follower.is_alive(), "the worker still waits for a leader that is gone"
