@@ -16,6 +16,7 @@ import yaml
 
 from xpyd.cluster.binaries import Binaries
 from xpyd.cluster.controlplane import ClusterState
+from xpyd.kube.pods import condition
 
 ROOT = Path(__file__).resolve().parents[1]
 OPERATOR_NAMESPACE = "xpyd-system"
@@ -69,13 +70,6 @@ def eventually(check: Callable[[], Any], timeout: float = 60.0, interval: float 
             return last
         time.sleep(interval)
     raise AssertionError(f"timed out after {timeout:.0f}s waiting for {what or check} (last: {last!r})")
-
-
-def condition(obj: Any, kind: str) -> dict[str, Any]:
-    for item in (obj or {}).get("status", {}).get("conditions", []):
-        if item["type"] == kind:
-            return dict(item)
-    return {}
 
 
 def serving_of(cluster: Cluster, namespace: str, name: str) -> Any:

@@ -24,7 +24,7 @@ from typing import Any
 from xpyd.bench import BenchConfig, RequestRecord, run_bench
 from xpyd.common.netguard import require_loopback
 from xpyd.kube import Kube, KubeError
-from xpyd.proxy.discovery import pod_ready
+from xpyd.kube.pods import pod_ready
 
 log = logging.getLogger(__name__)
 

@@ -16,9 +16,11 @@ docs/operations.md#chaos."""
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import time
+import urllib.request
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -44,9 +46,10 @@ from xpyd.api.conditions import KV_TRANSFER_POD_CONDITION
 from xpyd.api.load import load_servings
 from xpyd.cluster.controlplane import ControlPlane
 from xpyd.cluster.pidfiles import PID_FILE
+from xpyd.common.netguard import require_loopback_url
 from xpyd.common.stats import percentile
 from xpyd.kube import Kube
-from xpyd.proxy.discovery import pod_ready as ready
+from xpyd.kube.pods import pod_ready as ready
 
 pytestmark = pytest.mark.e2e
 
@@ -224,6 +227,44 @@ def test_kill_an_engine_process(pool: Cluster) -> None:
         cuts_streams=True)
 
 
+def test_kv_handoffs_fail_between_the_prefill_and_one_decode(pool: Cluster) -> None:
+    """A broken KV link (engine-sim's fault injection: one decode cannot read the prefill's KV). Under
+    `kv_load_failure_policy: fail` that decode answers 500 after each good prefill leg: the proxies
+    retry those requests on the other decode (no client sees it), avoid the pair after 3 failures in
+    a row, and report it, so the pool turns Degraded `KVTransferFailing` naming the two pods, with a
+    Warning Event. Once the link is back, the pair's next trial after its cool-down heals it, and
+    Degraded clears."""
+    (prefill,) = pods_of(pool, NAMESPACE, NAME, "prefill")
+    decode = pods_of(pool, NAMESPACE, NAME, "decode")[0]
+    (port,) = [p["containerPort"] for p in decode["spec"]["containers"][0]["ports"] if p["name"] == "http"]
+    faults = require_loopback_url(f"http://{decode['status']['podIP']}:{port}/xpyd/faults")
+    reports: list[str] = []
+
+    def set_faults(unreadable_from: list[str]) -> None:
+        request = urllib.request.Request(faults, method="PUT", data=json.dumps(
+            {"unreadable_from": unreadable_from}).encode(), headers={"Content-Type": "application/json"})
+        with urllib.request.urlopen(request, timeout=5) as response:
+            assert json.load(response)["unreadable_from"] == unreadable_from
+
+    def degraded() -> dict[str, Any]:
+        return condition(serving_of(pool, NAMESPACE, NAME), "Degraded")
+
+    def event() -> None:
+        set_faults([prefill["status"]["podIP"]])
+        try:
+            found = eventually(lambda: degraded() if degraded().get("reason") == "KVTransferFailing" else None,
+                               timeout=60, interval=0.5, what="Degraded KVTransferFailing")
+            reports.append(found["message"])
+        finally:  # the link is repaired whatever happened, for the scenarios after this one
+            set_faults([])
+
+    run(pool, "KV hand-offs fail between the prefill and one decode", event,
+        lambda: degraded().get("status") == "False", timeout=150)
+    assert prefill["metadata"]["name"] in reports[0] and decode["metadata"]["name"] in reports[0], reports
+    warnings = pool.get("events", "-n", NAMESPACE, "--field-selector", "reason=KVTransferFailing")["items"]
+    assert any(e["type"] == "Warning" for e in warnings), warnings
+
+
 @pytest.mark.parametrize(("role", "replicas", "other"), [("prefill", 1, 2), ("decode", 2, 1)])
 def test_scale_each_role_and_back(pool: Cluster, role: str, replicas: int, other: int) -> None:
     def event() -> None:
@@ -234,22 +275,38 @@ def test_scale_each_role_and_back(pool: Cluster, role: str, replicas: int, other
     run(pool, f"scale {role} {replicas} → {other} → {replicas}", event, lambda: settled(pool, role, replicas))
 
 
-def test_roll_the_engine_image(pool: Cluster) -> None:
-    """A new engine image changes the pods' KV compatibility hash: both roles roll at once, and the
-    old revision's pair serves until the new one has both roles."""
+#: How much longer than prefill the new decode pods take to start in the rollout: more than the
+#: pool's drain timeout (20 s), so the old prefill's drain alone could not bridge the wait.
+SLOW_DECODE_START_SECONDS = 35
+
+
+def test_roll_the_engine_image_with_a_slower_decode_start(pool: Cluster) -> None:
+    """A new engine image changes the pods' KV compatibility hash: both roles roll at once. The new
+    decode pods take 35 s to load, the new prefill none: the operator holds the prefill
+    Deployment's old pod (and decode's) until a new decode is Ready, so the old pair serves until
+    the new one has both roles (`controller.rollout`)."""
     image = "vllm/vllm-openai:v0.33.1"
     reasons: set[str | None] = set()
+    held: list[str] = []
 
     def rolled() -> bool:
-        reasons.add(condition(serving_of(pool, NAMESPACE, NAME), "Progressing").get("reason"))
+        progressing = condition(serving_of(pool, NAMESPACE, NAME), "Progressing")
+        reasons.add(progressing.get("reason"))
+        if "keep their old pods" in progressing.get("message", ""):
+            held.append(progressing["message"])
         pods = every_pod(pool, "prefill") + every_pod(pool, "decode")
         return all(p["spec"]["containers"][0]["image"] == image for p in pods) and \
             settled(pool, "prefill", 1) and settled(pool, "decode", 2)
 
-    run(pool, "roll the engine image", lambda: pool.kubectl(
-        "patch", "disaggregatedserving", NAME, "-n", NAMESPACE, "--type=merge",
-        "-p", f'{{"spec": {{"engine": {{"image": "{image}"}}}}}}'), rolled, timeout=180)
+    patch = {"spec": {"engine": {"image": image},
+                      "decode": {"extraArgs": [f"--startup-delay-s={SLOW_DECODE_START_SECONDS}"]}}}
+    run(pool, "roll the engine image (decode starts 35 s slower)", lambda: pool.kubectl(
+        "patch", "disaggregatedserving", NAME, "-n", NAMESPACE, "--type=merge", "-p", json.dumps(patch)),
+        rolled, timeout=240)
     assert "KVRevisionRollingOut" in reasons, reasons
+    assert held, "the Progressing message never said the rollout was held"
+    deployments = [pool.get("deployment", "-n", NAMESPACE, f"{NAME}-{role}") for role in ("prefill", "decode")]
+    assert [d["spec"].get("minReadySeconds", 0) for d in deployments] == [0, 0]  # released once both had rolled
 
 
 def test_roll_the_proxy(pool: Cluster) -> None:

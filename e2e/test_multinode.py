@@ -27,6 +27,7 @@ from xpyd.api.naming import LWS_GROUP_KEY_LABEL, LWS_WORKER_INDEX_LABEL
 from xpyd.cluster.nodes import CLIQUE_LABEL
 from xpyd.cluster.pidfiles import PID_FILE
 from xpyd.common.netguard import LOOPBACK_ONLY_ENV, require_loopback
+from xpyd.kube.pods import pod_ready as ready
 
 pytestmark = pytest.mark.e2e
 
@@ -55,10 +56,6 @@ def groups(cluster: Cluster, namespace: str, role: str) -> dict[str, list[Any]]:
                       key=lambda p: int(p["metadata"]["labels"].get(LWS_WORKER_INDEX_LABEL, "0"))):
         result.setdefault(pod["metadata"]["labels"][LWS_GROUP_KEY_LABEL], []).append(pod)
     return result
-
-
-def ready(pod: Any) -> bool:
-    return any(c["type"] == "Ready" and c["status"] == "True" for c in pod["status"].get("conditions", []))
 
 
 class Load:

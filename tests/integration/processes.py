@@ -18,14 +18,15 @@ from xpyd.common.netguard import require_loopback
 HOST = require_loopback("127.0.0.1")
 
 
-def start_engine(role: str, port: int, side_port: int, time_scale: str) -> subprocess.Popen[bytes]:
+def start_engine(role: str, port: int, side_port: int, time_scale: str, *extra: str) -> subprocess.Popen[bytes]:
     """An `engine-sim` process of `role` serving HTTP on `port` and its NIXL side channel on
-    `side_port`. Take both from the same `free_ports` call as every other port of the test: a side
-    channel on "any free port" (0) could take a port chosen for a process not started yet."""
+    `side_port` (`extra`: more of its arguments). Take both ports from the same `free_ports` call as
+    every other port of the test: a side channel on "any free port" (0) could take a port chosen
+    for a process not started yet."""
     env = {**os.environ, "VLLM_NIXL_SIDE_CHANNEL_PORT": str(side_port)}
     return subprocess.Popen(
         [sys.executable, "-m", "xpyd.sim.emulator", "--role", role, "--host", HOST, "--port", str(port),
-         "--time-scale", time_scale], env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+         "--time-scale", time_scale, *extra], env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
 
 
 def start_proxy(port: int, prefill: Iterable[str], decode: Iterable[str], *extra: str) -> subprocess.Popen[bytes]:

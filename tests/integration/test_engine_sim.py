@@ -595,6 +595,32 @@ async def test_load_failure_policy_fail() -> None:
         assert metrics.value("vllm:num_requests_running") == 0 and metrics.value("vllm:num_requests_waiting") == 0
 
 
+async def test_an_injected_broken_link_fails_kv_loads_from_that_host_until_repaired() -> None:
+    async with engine(kv_role="kv_producer") as prefill, engine(kv_role="kv_consumer") as decode, \
+            client_session() as session:
+        faults = f"{decode.url}/xpyd/faults"
+        for bad in (b"not json", b'{"unreadable_from": "127.0.0.1"}', b'{"unreadable_from": [""]}', b"[]"):
+            async with session.put(faults, data=bad) as response:
+                assert response.status == 400 and (await response.json())["error"]["type"] == "BadRequestError"
+        host = prefill.engine.side_channel[0]
+        async with session.put(faults, json={"unreadable_from": [host]}) as response:
+            assert response.status == 200 and await response.json() == {"unreadable_from": [host]}
+        status, first = await post(session, f"{prefill.url}/v1/completions", {
+            "prompt": token_prompt(30), "max_tokens": 1, "kv_transfer_params": PREFILL_KV})
+        assert status == 200
+        body = {"prompt": token_prompt(30), "max_tokens": 5, "kv_transfer_params": first["kv_transfer_params"]}
+        status, answer = await post(session, f"{decode.url}/v1/completions", body)
+        assert status == 500 and "the link is down" in answer["error"]["message"]
+        assert (await scrape(session, decode)).value("vllm:nixl_num_failed_transfers_total") == 1
+        # Repaired: the same KV (still held under its lease) is read.
+        async with session.put(faults, json={"unreadable_from": []}) as response:
+            assert await response.json() == {"unreadable_from": []}
+        status, answer = await post(session, f"{decode.url}/v1/completions", body)
+        assert status == 200 and answer["usage"]["completion_tokens"] == 5
+        async with session.get(faults) as response:
+            assert await response.json() == {"unreadable_from": []}
+
+
 async def test_load_failure_policy_recompute() -> None:
     async with engine(kv_role="kv_producer") as prefill, \
             engine(kv_role="kv_consumer", kv_load_failure_policy="recompute") as decode, client_session() as session:

@@ -292,6 +292,23 @@ async def test_a_retried_mooncake_attempt_gets_a_fresh_transfer_id() -> None:
         assert sum(leg.body["kv_transfer_params"]["transfer_id"] in succeeded for leg in decode.seen) == 4
 
 
+async def test_a_streamed_kv_load_failure_is_retried_on_another_pair_before_the_client_sees_it() -> None:
+    """vLLM answers a streamed request whose KV cannot be loaded with 200, an error event and [DONE]
+    (its stream generators). Nothing has reached the client then: the proxy treats it as a failed
+    hand-off, retries on another decode, and the client gets the whole stream."""
+    engines = ([StubEngine(name="p-a")], [StubEngine(name="d-a"), StubEngine(name="d-b")])
+    async with rig(engines=engines, health_interval=0.2) as r:
+        (p_a,), (d_a, d_b) = r.prefill, r.decode
+        d_a.unreadable_from = frozenset({p_a.engine_id})
+        for _ in range(12):
+            status, text, _ = await r.post("/v1/completions", {**COMPLETION, "stream": True})
+            assert status == 200 and '"error"' not in text and text.rstrip().endswith("data: [DONE]"), text
+        assert r.proxy.metrics.kv_handoff_failures.value(p_a.url, d_a.url) >= 3
+        health = await (await r.session.get(r.url + "/health")).json()
+        assert [(p["prefill"], p["decode"]) for p in health["kvTransfer"]["failingPairs"]] == [(p_a.url, d_a.url)]
+        assert d_b.completed == 12
+
+
 async def test_a_pair_whose_kv_hand_offs_keep_failing_is_avoided_while_both_engines_serve_others() -> None:
     """d-a cannot load p-a's KV (500, as under kv_load_failure_policy fail) but reads p-b's. Each
     failed hand-off is retried elsewhere; after three the pair is avoided: p-a's requests go to d-b,

@@ -39,6 +39,11 @@ CASES: list[tuple[str, Any, Any, bool]] = [
     ("a non-empty map does not match None", {"a": {"b": 1}}, {"a": None}, False),
     ("a non-empty list does not match None", {"a": [1]}, {"a": None}, False),
     ("an empty string is a value, not absent", {"a": ""}, {}, False),
+    # Zero numbers and false are what the server omits (omitempty): minReadySeconds 0.
+    ("0 matches a missing key", {"minReadySeconds": 0}, {}, True),
+    ("false matches a missing key", {"a": False}, {}, True),
+    ("0 does not match another value", {"minReadySeconds": 0}, {"minReadySeconds": 2400}, False),
+    ("a non-zero number does not match a missing key", {"minReadySeconds": 2400}, {}, False),
     ("an empty list is not a subset of a non-empty one", {"a": []}, {"a": [1]}, False),
     # Lists of named items match by name, in any order, as the server merges them.
     ("named items in another order", [{"name": "a", "v": 1}, {"name": "b", "v": 2}],

@@ -218,7 +218,7 @@ def test_urgent_events_are_those_that_may_need_a_write(kind: Kind, old: Any, new
     assert is_urgent(kind, old, new) is urgent
 
 
-def test_pod_events_matter_only_when_the_status_reads_something_new() -> None:
+def test_pod_events_matter_only_when_the_reconcile_reads_something_new() -> None:
     base = {"metadata": {"name": "p"}, "status": {"phase": "Pending", "conditions": [
         {"type": "PodScheduled", "status": "False", "reason": "Unschedulable", "message": "0/5 nodes"}]}}
     assert pod_signal(base) == pod_signal({**base, "status": {**base["status"], "podIP": "127.0.0.9"}})
@@ -228,3 +228,8 @@ def test_pod_events_matter_only_when_the_status_reads_something_new() -> None:
     assert pod_signal(base) != pod_signal(crashing)
     assert pod_signal(base) != pod_signal({**base, "metadata": {"name": "p", "deletionTimestamp": "now"}})
     assert pod_signal(None) != pod_signal(base)
+    # Readiness (a held rollout ends when the other role's new pod is Ready), not its reason or time.
+    ready = {**base, "status": {"conditions": [{"type": "Ready", "status": "True", "lastTransitionTime": "t1"}]}}
+    assert pod_signal(ready) != pod_signal(base)
+    later = {**base, "status": {"conditions": [{"type": "Ready", "status": "True", "lastTransitionTime": "t2"}]}}
+    assert pod_signal(ready) == pod_signal(later)

@@ -14,8 +14,9 @@ from prometheus_client import REGISTRY, generate_latest
 
 from xpyd.api.models import RoutingPolicy
 from xpyd.common import exposition
+from xpyd.kube.pods import pod_ready
 from xpyd.proxy.breaker import Breaker, BreakerState
-from xpyd.proxy.discovery import pod_endpoints, pod_ready
+from xpyd.proxy.discovery import pod_endpoints
 from xpyd.proxy.metrics import Counter as MetricCounter
 from xpyd.proxy.metrics import Gauge, Histogram
 from xpyd.proxy.p2pnccl import EXPIRY_SECONDS, RegistrationTable

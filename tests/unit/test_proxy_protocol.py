@@ -345,3 +345,21 @@ ROLE = {"index": 0, "delta": {"role": "assistant", "content": ""}, "finish_reaso
 ])
 def test_an_engine_shutting_down_aborts_unrun_requests(data: bytes, stream: bool, aborted: bool) -> None:
     assert protocol.answer_aborted(data, stream) == aborted
+
+
+KV_ERROR = {"message": "KV transfer failed", "type": "InternalServerError", "param": None, "code": 500}
+
+
+@pytest.mark.parametrize(("data", "error"), [
+    # vLLM's stream generators: a request that failed before any output (GenerationError).
+    (b"data: " + json.dumps({"error": KV_ERROR}).encode() + b"\n\ndata: [DONE]\n\n", KV_ERROR),
+    # Not an error event first: output came (an error later is the stream's, relayed as it is).
+    (_event({"index": 0, "text": " tok", "finish_reason": None}) + b"data: " + json.dumps({"error": KV_ERROR}).encode(),
+     None),
+    (_event({"index": 0, "text": ' "error"', "finish_reason": None}), None),
+    (b'data: {"error": {"message": "cut', None),                                            # cut short
+    (b'data: {"error": "not an object"}\n\n', None),
+    (b"", None),
+])
+def test_a_stream_whose_first_event_is_an_error(data: bytes, error: dict[str, Any] | None) -> None:
+    assert protocol.stream_error(data) == error

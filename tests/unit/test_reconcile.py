@@ -11,7 +11,10 @@ import pytest
 
 import xpyd.controller.reconcile as reconcile_module
 from xpyd.api import models
+from xpyd.api.load import parse_serving
+from xpyd.api.naming import KV_COMPAT_LABEL, ROLE_LABEL, SERVING_LABEL
 from xpyd.controller.reconcile import Verified, fingerprint, reconcile
+from xpyd.render.engine import rollout_hold_seconds
 
 pytestmark = pytest.mark.unit
 
@@ -33,6 +36,7 @@ class MemoryKube:
         self.waves: list[list[str]] = []
         self.status_writes: list[JSON] = []
         self.events: list[str] = []
+        self.pods: list[JSON] = []
         self._versions = itertools.count(100)
 
     def get(self, api_version: str, kind: str, namespace: str, name: str) -> JSON | None:
@@ -46,6 +50,8 @@ class MemoryKube:
         meta.setdefault("uid", f"uid-{meta['name']}")
         generation = (old or {}).get("metadata", {}).get("generation", 0)
         meta["generation"] = generation + 1 if old is None or old.get("spec") != obj.get("spec") else generation
+        if old is not None and "status" in old:
+            obj.setdefault("status", old["status"])  # an apply leaves the status to its controller
         self.objects[(obj["kind"], meta["name"])] = obj
         return obj
 
@@ -61,8 +67,8 @@ class MemoryKube:
     def event(self, owner: JSON, event_type: str, reason: str, message: str) -> None:
         self.events.append(reason)
 
-    def list_objects(self, *args: Any, **kwargs: Any) -> list[JSON]:
-        return []
+    def list_objects(self, api_version: str, kind: str, *args: Any, **kwargs: Any) -> list[JSON]:
+        return list(self.pods) if kind == "Pod" else []
 
 
 class Clock:
@@ -186,6 +192,53 @@ def test_progress_only_status_is_written_at_most_once_per_interval() -> None:
     changed["metadata"]["generation"] = 2
     changed["spec"]["decode"]["replicas"] = 3
     assert run(kube, verified, changed, clock=clock, interval=2.0).status_written
+
+
+def engine_pod(role: str, revision: str, ready: bool = True) -> JSON:
+    return {"metadata": {"name": f"llama-{role}-{revision[:4]}-{ready}",
+                         "labels": {SERVING_LABEL: "llama", ROLE_LABEL: role, KV_COMPAT_LABEL: revision}},
+            "status": {"conditions": [{"type": "Ready", "status": str(ready)}]}}
+
+
+def min_ready(kube: MemoryKube, role: str) -> int:
+    return int(kube.objects[("Deployment", f"llama-{role}")]["spec"]["minReadySeconds"])
+
+
+def test_a_new_kv_revision_holds_both_deployments_until_each_role_has_a_ready_new_pod(renders: list[int]) -> None:
+    kube, verified = MemoryKube(), Verified()
+    run(kube, verified)
+    old = kube.objects[("Deployment", "llama-prefill")]["spec"]["template"]["metadata"]["labels"][KV_COMPAT_LABEL]
+    assert (min_ready(kube, "prefill"), min_ready(kube, "decode")) == (0, 0)
+    changed = copy.deepcopy(SERVING)
+    changed["metadata"]["generation"] = 2
+    changed["spec"]["engine"] = {"image": "vllm/vllm-openai:v0.33.1"}
+    run(kube, verified, changed)
+    new = kube.objects[("Deployment", "llama-prefill")]["spec"]["template"]["metadata"]["labels"][KV_COMPAT_LABEL]
+    assert new != old
+    # The new prefill pod is Ready, decode's is still starting: both Deployments keep their old pods.
+    kube.pods = [engine_pod("prefill", old), engine_pod("prefill", new), engine_pod("decode", old),
+                 engine_pod("decode", old), engine_pod("decode", new, ready=False)]
+    status_of(kube, "llama-decode", replicas=3, updatedReplicas=1, readyReplicas=2)
+    status_of(kube, "llama-prefill", replicas=2, updatedReplicas=1, readyReplicas=2)
+    outcome = run(kube, verified, changed)
+    hold = rollout_hold_seconds(parse_serving(changed).spec)
+    assert hold == 1800 + 600  # the default start-up budget and the scheduling margin
+    assert sorted(outcome.updated) == ["Deployment/llama-decode", "Deployment/llama-prefill"]
+    assert (min_ready(kube, "prefill"), min_ready(kube, "decode")) == (hold, hold)
+    progressing = next(c for c in kube.status_writes[-1]["conditions"] if c["type"] == "Progressing")
+    assert progressing["reason"] == "KVRevisionRollingOut"
+    assert progressing["message"].endswith("prefill and decode keep their old pods until both roles have a ready "
+                                           "pod of the new revision")
+    # The same pods again: nothing to render or apply.
+    renders.clear()
+    assert not run(kube, verified, changed).updated and renders == []
+    # The new decode pod turns Ready: the hold ends on both.
+    kube.pods[-1] = engine_pod("decode", new)
+    outcome = run(kube, verified, changed)
+    assert sorted(outcome.updated) == ["Deployment/llama-decode", "Deployment/llama-prefill"]
+    assert (min_ready(kube, "prefill"), min_ready(kube, "decode")) == (0, 0)
+    spec = kube.objects[("Deployment", "llama-decode")]["spec"]
+    assert spec["progressDeadlineSeconds"] > hold  # the API refuses minReadySeconds >= the deadline
 
 
 def test_fingerprint_follows_generation_and_rendered_metadata_only() -> None:

@@ -37,6 +37,7 @@ from xpyd.autoscaler.observation import Observation, Quantiles, RoleObservation
 from xpyd.common.jsontypes import JSON
 from xpyd.common.netguard import NonLoopbackAddress, guard_url
 from xpyd.common.timefmt import parse_rfc3339
+from xpyd.kube.pods import condition
 
 ENGINE_ROLES: Final = ("prefill", "decode")
 
@@ -218,7 +219,7 @@ def count_pods(pods: Sequence[JSON], role: str, now: float = 0.0) -> PodCounts:
             pending += 1
         elif leader_ready:
             ready += 1
-            ready_for = max(ready_for, _age_s(_condition(leader, "Ready").get("lastTransitionTime"), now))
+            ready_for = max(ready_for, _age_s(condition(leader, "Ready").get("lastTransitionTime"), now))
         else:
             starting += 1
     return PodCounts(ready, starting, pending, draining, ready_for)
@@ -248,20 +249,13 @@ def _group_size(pod: JSON) -> int:
         return 1
 
 
-def _condition(pod: JSON, kind: str) -> JSON:
-    for condition in pod.get("status", {}).get("conditions", []):
-        if condition.get("type") == kind:
-            return dict(condition)
-    return {}
-
-
 def _pod_state(pod: JSON) -> tuple[bool, bool] | None:
     """(ready, scheduled) of a pod, None when it has finished."""
     status = pod.get("status", {})
     if status.get("phase") in ("Succeeded", "Failed"):
         return None
-    scheduled = _condition(pod, "PodScheduled").get("status") == "True" or bool(pod.get("spec", {}).get("nodeName"))
-    return _condition(pod, "Ready").get("status") == "True", scheduled
+    scheduled = condition(pod, "PodScheduled").get("status") == "True" or bool(pod.get("spec", {}).get("nodeName"))
+    return condition(pod, "Ready").get("status") == "True", scheduled
 
 
 def observation(results: Mapping[str, Samples], pods: Sequence[JSON], now: float, scope: Scope) -> Observation:

@@ -29,10 +29,17 @@ def _empty(value: Any) -> bool:
     return value is None or value == {} or value == []
 
 
+def _omitted(value: Any) -> bool:
+    """Whether the server may leave the field out when it has this value: empty, or a zero number or
+    false (`omitempty`: a Deployment without minReadySeconds has 0). An empty string stays a value."""
+    return _empty(value) or (isinstance(value, bool | int | float) and not value)
+
+
 def is_subset(desired: Any, live: Any) -> bool:
     """True when every field of `desired` has the same value in `live`.
 
-    Empty maps and lists match absent fields (the server omits them). Lists of named items
+    Empty maps and lists, zero numbers and false match absent fields (the server omits
+    them). Lists of named items
     (containers, env, ports, volumes) match by name, as the server merges them; other lists
     match position by position and must have the same length.
     """
@@ -40,7 +47,7 @@ def is_subset(desired: Any, live: Any) -> bool:
         if not isinstance(live, dict):
             return _empty(desired) and _empty(live)
         return all(
-            is_subset(value, live.get(key)) if key in live else _empty(value) for key, value in desired.items()
+            is_subset(value, live.get(key)) if key in live else _omitted(value) for key, value in desired.items()
         )
     if isinstance(desired, list):
         if not isinstance(live, list):

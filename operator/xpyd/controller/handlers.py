@@ -49,6 +49,7 @@ from xpyd.controller.reconcile import LWS_API_VERSION, InvalidSpec, Verified, re
 from xpyd.controller.workqueue import WorkQueue
 from xpyd.kube import Kube, KubeError
 from xpyd.kube.cache import Cache, Kind, pod_view
+from xpyd.kube.pods import pod_ready
 
 log = logging.getLogger(__name__)
 
@@ -92,13 +93,14 @@ def owner_of(kind: Kind, obj: JSON) -> Key | None:
 
 
 def pod_signal(pod: JSON | None) -> tuple[Any, ...]:
-    """What the status reads of a pod (scheduling, crash loops, deletion, a proxy's KV-transfer
-    health): a pod event that leaves it unchanged needs no reconcile."""
+    """What the reconcile reads of a pod (scheduling, readiness for a held rollout, crash loops,
+    deletion, a proxy's KV-transfer health): a pod event that leaves it unchanged needs no reconcile."""
     if pod is None:
         return ()
     status = pod.get("status") or {}
     read = [(c.get("type"), c.get("status"), c.get("reason"), c.get("message")) for c in status.get("conditions") or []
             if c.get("type") in ("PodScheduled", KV_TRANSFER_POD_CONDITION)]
+    read.append(("Ready", pod_ready(pod), None, None))
     waiting = [(s.get("state") or {}).get("waiting", {}).get("reason") for s in status.get("containerStatuses") or []]
     return bool((pod.get("metadata") or {}).get("deletionTimestamp")), tuple(read), tuple(waiting)
 

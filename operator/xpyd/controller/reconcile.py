@@ -22,9 +22,11 @@ from xpyd.api.naming import FIELD_MANAGER, ROLE_LABEL, ROLES, SERVING_LABEL, Com
 from xpyd.common.jsontypes import JSON
 from xpyd.common.timefmt import rfc3339
 from xpyd.controller.diff import is_subset
+from xpyd.controller.rollout import held_roles
 from xpyd.controller.status import ConditionValue, Observed, compute_status, invalid_status, status_changed
 from xpyd.kube import Kube
 from xpyd.render import RenderOptions, endpoint, render
+from xpyd.render.compat import compat_hash
 from xpyd.render.engine import transport
 
 log = logging.getLogger(__name__)
@@ -159,10 +161,15 @@ def reconcile(kube: Kube, body: JSON, operator_image: str, now: Callable[[], str
 
     replicas = desired_replicas(serving)
     verified = verified if verified is not None else Verified()
-    key = (meta.get("uid"), generation, operator_image, tuple(sorted(replicas.items())))
+    pods = kube.list_objects("v1", "Pod", namespace, f"{SERVING_LABEL}={name}")
+    held = held_roles(compat_hash(serving.spec), pods,
+                      [role for role in ROLES if not getattr(serving.spec, role).multi_node])
+    key = (meta.get("uid"), generation, operator_image, tuple(sorted(replicas.items())), tuple(sorted(held)))
     live_deployments = _unchanged_deployments(kube, namespace, key, verified)
     if live_deployments is None:
-        live_deployments = _converge(kube, body, serving, replicas, operator_image, key, verified, outcome,
+        options = RenderOptions(operator_image=operator_image, replicas={role: replicas[role] for role in ROLES},
+                                held=held)
+        live_deployments = _converge(kube, body, serving, options, key, verified, outcome,
                                      lws or AssumeLeaderWorkerSets())
 
     components: tuple[Component, ...] = ("prefill", "decode", "proxy")
@@ -171,9 +178,9 @@ def reconcile(kube: Kube, body: JSON, operator_image: str, now: Callable[[], str
     # pods always report their KV-transfer health.
     short = any((deployments[c] or {}).get("status", {}).get("readyReplicas", 0) < replicas[c]
                 for c in deployments)
-    pods = kube.list_objects("v1", "Pod", namespace, f"{SERVING_LABEL}={name}" if short
-                             else f"{SERVING_LABEL}={name},{ROLE_LABEL}=proxy")
-    observed = Observed(deployments=deployments, desired=replicas, pods=pods, problem=outcome.blocked)
+    if not short:
+        pods = [p for p in pods if ((p.get("metadata") or {}).get("labels") or {}).get(ROLE_LABEL) == "proxy"]
+    observed = Observed(deployments=deployments, desired=replicas, pods=pods, problem=outcome.blocked, held=held)
     status = compute_status(serving.spec, observed, old_status, generation,
                             endpoint(name, namespace, serving.spec), transport(serving.spec), now())
     if status_changed(old_status, status):
@@ -212,15 +219,13 @@ def _unchanged_deployments(kube: Kube, namespace: str, key: tuple[Any, ...],
     return deployments
 
 
-def _converge(kube: Kube, body: JSON, serving: DisaggregatedServing, replicas: dict[Component, int],
-              operator_image: str, key: tuple[Any, ...], verified: Verified, outcome: Outcome,
+def _converge(kube: Kube, body: JSON, serving: DisaggregatedServing, options: RenderOptions,
+              key: tuple[Any, ...], verified: Verified, outcome: Outcome,
               lws: LeaderWorkerSetCheck) -> dict[str, JSON]:
     """Render, delete children of a shape no longer asked for, apply what differs (recording it in
     `outcome`), remember what was verified; the live workloads."""
     name, namespace = body["metadata"]["name"], body["metadata"]["namespace"]
-    objects = render(name, namespace, serving.spec,
-                     RenderOptions(operator_image=operator_image,
-                                   replicas={role: replicas[role] for role in ROLES}))
+    objects = render(name, namespace, serving.spec, options)
     kopf.adopt(objects, owner=kopf.Body(body))  # type: ignore[arg-type]
     verified.key, verified.children = (), {}  # until every child is known equal
     multi_node = [role for role in ROLES if getattr(serving.spec, role).multi_node]

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from xpyd.api import conditions as reasons
 from xpyd.api.conditions import ConditionType
 from xpyd.api.models import AutoscalingMode, DisaggregatedServingSpec, RoleSpec
-from xpyd.api.naming import ROLE_LABEL, Component
+from xpyd.api.naming import ROLE_LABEL, ROLES, Component, Role
 from xpyd.common.jsontypes import JSON
 
 
@@ -129,6 +129,8 @@ class Observed:
     pods: Sequence[JSON] = ()
     #: A problem the reconcile met that explains more than the pods do (LeaderWorkerSet missing).
     problem: ConditionValue | None = None
+    #: Roles whose Deployment keeps its old pods until the other role has a new one Ready.
+    held: frozenset[Role] = frozenset()
 
 
 def compute_status(spec: DisaggregatedServingSpec, observed: Observed, old_status: JSON,
@@ -165,7 +167,9 @@ def compute_status(spec: DisaggregatedServingSpec, observed: Observed, old_statu
             ConditionType.PROGRESSING, True, reasons.KV_REVISION_ROLLING_OUT,
             "prefill and decode roll to a new KV revision: the proxies pair old with old and new with new "
             "until both have rolled (" + ", ".join(f"{c}: {n} of the old template left"
-                                                  for c, n in outdated.items()) + ")")
+                                                  for c, n in outdated.items()) + ")"
+            + ("; " + " and ".join(r for r in ROLES if r in observed.held) + " keep their old pods until both "
+               "roles have a ready pod of the new revision" if observed.held else ""))
     elif rolling:
         progressing = ConditionValue(ConditionType.PROGRESSING, True, reasons.ROLLING_OUT,
                                      "waiting for " + ", ".join(rolling) + " to reach the desired state")

@@ -26,17 +26,12 @@ from xpyd.common.jsontypes import JSON
 from xpyd.common.timefmt import parse_rfc3339
 from xpyd.kube import Kube
 from xpyd.kube.cache import Reflector, without_managed_fields
+from xpyd.kube.pods import pod_ready
 from xpyd.proxy.pool import Endpoint
 from xpyd.proxy.protocol import host_port
 
 #: Server-side end of one watch request; the thread then re-watches from the last resourceVersion.
 WATCH_SECONDS: Final = 240
-
-
-def pod_ready(pod: JSON) -> bool:
-    """The Pod's condition Ready=True (a terminating pod keeps it while its probes pass)."""
-    conditions = pod.get("status", {}).get("conditions") or []
-    return any(c.get("type") == "Ready" and c.get("status") == "True" for c in conditions)
 
 
 def pod_endpoints(pods: Iterable[JSON], engine_port: int) -> list[Endpoint]:

@@ -360,6 +360,11 @@ class Legs:
                 raise DecodeFailed("the stream ended before its first byte")
             if protocol.answer_aborted(head, stream):
                 raise DecodeFailed(ABORTED)
+            failed = protocol.stream_error(head) if stream else None
+            if failed is not None and isinstance(failed.get("code"), int) and failed["code"] >= 500:
+                # Nothing has reached the client yet: as an HTTP 5xx would be, retried on another pair.
+                raise DecodeFailed(f"the stream's first event is an error (code {failed['code']}): "
+                                   f"{str(failed.get('message'))[:200]!r}", handoff=True)
             opened = Opened(response, head, started)
             response = None
             result = ""

@@ -382,6 +382,26 @@ def answer_aborted(data: bytes, stream: bool) -> bool:
     return False
 
 
+def stream_error(data: bytes) -> JSON | None:
+    """The error of a stream whose first event is vLLM's error event (`data: {"error": {"message",
+    "type", "param", "code"}}`): a request that failed before any output answers 200 and then that
+    event (vLLM's completion and chat stream generators; a KV load failing under
+    `kv_load_failure_policy: fail` is one). None otherwise, and while the first event is cut short.
+    Chunks without the word are not parsed: this runs on every streamed decode leg."""
+    if b'"error"' not in data:
+        return None
+    for line in data.split(b"\n"):
+        if not line.startswith(b"data: {"):
+            continue
+        try:
+            event = json.loads(line[len(b"data: "):])
+        except ValueError:
+            return None
+        error = event.get("error") if isinstance(event, dict) else None
+        return error if isinstance(error, dict) else None
+    return None
+
+
 def _output(choice: Mapping[str, Any]) -> bool:
     message = choice.get("message") or choice.get("delta") or {}
     return bool(choice.get("text") or (isinstance(message, dict) and message.get("content")))

@@ -55,11 +55,13 @@ _ENV.filters["json"] = lambda value: json.dumps(value, separators=(", ", ": "))
 
 @dataclass(frozen=True)
 class RenderOptions:
-    """What the operator adds to the spec: its own image (for the proxy) and replica counts
-    decided by the autoscaler (when absent, the spec's replicas)."""
+    """What the operator adds to the spec: its own image (for the proxy), replica counts decided by
+    the autoscaler (when absent, the spec's replicas) and the roles whose Deployment keeps its old
+    pods while the other role rolls to the same KV revision (`controller.rollout`)."""
 
     operator_image: str = DEFAULT_OPERATOR_IMAGE
     replicas: Mapping[Role, int] = field(default_factory=dict)
+    held: frozenset[Role] = frozenset()
 
 
 def _render(template: str, **values: Any) -> list[JSON]:
@@ -101,6 +103,8 @@ def _engine_objects(name: str, namespace: str, spec: DisaggregatedServingSpec, r
                            worker_template=_engine_pod(name, namespace, spec, role, "worker"))
     else:
         workload = _render("engine-deployment.yaml.j2", **values,
+                           min_ready_seconds=engine.rollout_hold_seconds(spec) if role in options.held else 0,
+                           progress_deadline_seconds=engine.progress_deadline_seconds(spec),
                            pod_template=_engine_pod(name, namespace, spec, role, None))
     ports = engine.ports(spec, role, "leader" if role_spec.multi_node else None)
     service_ports = [{"name": p["name"], "port": p["containerPort"], "targetPort": p["name"], "protocol": "TCP"}

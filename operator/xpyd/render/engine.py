@@ -39,6 +39,12 @@ LWS_WORKER_INDEX: Final = "$(LWS_WORKER_INDEX)"
 POD_IP: Final = "$(POD_IP)"
 #: vLLM's defaults (ParallelConfig): the torch.distributed master of a multi-node engine, and the
 #: ZMQ port of data-parallel coordination; both on the leader, dialled by every worker.
+#: Besides the slower role's start-up budget, what a held Deployment waits for it: scheduling and
+#: pulling the image on a node that does not have it (`controller.rollout`).
+ROLLOUT_HOLD_MARGIN_SECONDS: Final = 600
+#: A Deployment without progress for longer than its pods may take to start (and be held) is stuck.
+PROGRESS_DEADLINE_MARGIN_SECONDS: Final = 600
+
 MASTER_PORT: Final = 29501
 DATA_PARALLEL_RPC_PORT: Final = 29550
 
@@ -332,3 +338,16 @@ def termination_grace_seconds(spec: DisaggregatedServingSpec, role: Role) -> int
 
 def startup_failure_threshold(role_spec: RoleSpec) -> int:
     return max(1, math.ceil(role_spec.probes.startup_timeout_seconds / role_spec.probes.period_seconds))
+
+
+def rollout_hold_seconds(spec: DisaggregatedServingSpec) -> int:
+    """`minReadySeconds` of a Deployment held while the other role rolls to the same KV revision
+    (`controller.rollout`): as long as the slower role's pod may take to be scheduled and start."""
+    return max(spec.prefill.probes.startup_timeout_seconds,
+               spec.decode.probes.startup_timeout_seconds) + ROLLOUT_HOLD_MARGIN_SECONDS
+
+
+def progress_deadline_seconds(spec: DisaggregatedServingSpec) -> int:
+    """`progressDeadlineSeconds` of the engine Deployments: above the hold (the API requires it) and
+    above any pod's start-up budget, so a slow model load is not reported as a failed rollout."""
+    return rollout_hold_seconds(spec) + PROGRESS_DEADLINE_MARGIN_SECONDS

@@ -198,8 +198,12 @@ class StubEngine:
             if self.shutting_down:
                 return self._aborted(request, body)
             if (body.get("kv_transfer_params") or {}).get("remote_engine_id") in self.unreadable_from:
-                return web.json_response({"error": {"message": "KV load failed", "type": "InternalServerError",
-                                                    "param": None, "code": 500}}, status=500)
+                error = {"error": {"message": "KV load failed", "type": "InternalServerError", "param": None,
+                                   "code": 500}}
+                if body.get("stream"):  # vLLM's stream generators: 200, the error event, then [DONE]
+                    return web.Response(body=b"data: " + json.dumps(error).encode() + b"\n\ndata: [DONE]\n\n",
+                                        content_type="text/event-stream")
+                return web.json_response(error, status=500)
             broken = self._check_lmcache_prefill(body.get("kv_transfer_params"))
             if broken is not None:
                 self.errors.append(broken)

@@ -91,6 +91,9 @@ Roles follow the request, as in vLLM; `kv_role` only names the engine's intent.
   `vllm:request_success_total{finished_reason="error"}` and `vllm:nixl_num_failed_transfers_total`);
   `recompute` prefills the prompt locally (`local_compute`, and a failed transfer).
 - No `kv_transfer_params` on any engine: the prompt is computed locally (`local_compute`).
+- Fault injection (not vLLM's): `PUT /xpyd/faults` `{"unreadable_from": [host, ...]}` makes every KV
+  load from those prefill side-channel hosts fail as a broken link would (`"*"`: all hosts; `[]`
+  repairs them); `GET` shows the list.
 """
 
 

@@ -104,6 +104,9 @@ class Engine:
         #: Why the engine cannot serve beyond loading (a multi-node leader waiting for its workers).
         self.not_ready_reason: Callable[[], str | None] = lambda: None
         self.in_flight = 0                   # generation handlers running
+        #: Injected fault (`PUT /xpyd/faults`): the side-channel hosts whose KV this engine cannot read,
+        #: as if the link to them were down ("*": every host).
+        self.unreadable_from: frozenset[str] = frozenset()
         self._streams: dict[EngineRequest, Stream] = {}
         self._held: dict[str, EngineRequest] = {}
         self._awaiting_kv: set[Stream] = set()
@@ -457,6 +460,9 @@ class Engine:
     async def _locate(self, remote: RemoteKV) -> float:
         """The producer's remaining lease (wall seconds) for the KV; KVLoadError if there is none."""
         assert self._session is not None
+        if remote.host in self.unreadable_from or "*" in self.unreadable_from:
+            raise KVLoadError(f"cannot read KV from the prefill engine at {remote.host}:{remote.port}: the link is "
+                              "down (an injected fault)")
         try:
             async with self._session.get(remote.url()) as response:
                 if response.status == 404:

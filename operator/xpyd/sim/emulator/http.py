@@ -226,6 +226,25 @@ async def kv_release(request: web.Request) -> web.Response:
     return web.json_response({"released": request_id})
 
 
+async def faults(request: web.Request) -> web.Response:
+    """`GET` / `PUT /xpyd/faults` (fault injection, not vLLM's): `{"unreadable_from": [host, ...]}`,
+    the prefill side-channel hosts whose KV this engine cannot read ("*": all), as a broken link
+    would make it. `PUT` replaces the list; `[]` repairs every link."""
+    engine = request.app[ENGINE]
+    if request.method == "PUT":
+        try:
+            body = json.loads(await request.read())
+        except ValueError as error:
+            return error_response(400, f"Invalid JSON body: {error}", "BadRequestError")
+        hosts = body.get("unreadable_from") if isinstance(body, dict) else None
+        if not isinstance(hosts, list) or not all(isinstance(h, str) and h for h in hosts):
+            return error_response(400, 'the body must be {"unreadable_from": [host, ...]} (non-empty strings)',
+                                  "BadRequestError")
+        engine.unreadable_from = frozenset(hosts)
+        log.warning("injected fault: KV unreadable from %s", ", ".join(sorted(hosts)) or "no host")
+    return web.json_response({"unreadable_from": sorted(engine.unreadable_from)})
+
+
 def build_app(engine: Engine) -> web.Application:
     """The aiohttp application of one engine (the engine is started and stopped with it)."""
     app = web.Application(client_max_size=64 * 1024 * 1024)
@@ -247,6 +266,8 @@ def build_app(engine: Engine) -> web.Application:
     app.router.add_get("/metrics", metrics)
     app.router.add_get("/xpyd/kv/{request_id}", kv_lookup)
     app.router.add_post("/xpyd/kv/{request_id}/release", kv_release)
+    app.router.add_get("/xpyd/faults", faults)
+    app.router.add_put("/xpyd/faults", faults)
     return app
 
 
