@@ -130,3 +130,46 @@ async def test_a_decode_engine_killed_mid_load_costs_no_client_an_error(cluster:
         await asyncio.wait_for(clients, 60)
     assert statuses == [200] * 120, failures
 
+
+
+async def test_failed_kv_transfers_a_recomputing_decode_counts_are_reported_by_the_proxy() -> None:
+    """Under kv_load_failure_policy recompute a broken link fails no request (decode recomputes the
+    prompt): the only sign is the engine's vllm:nixl_num_failed_transfers_total, which the proxy
+    reads and reports in /health (and so on its pod's condition)."""
+    ports = free_ports(5)
+    prefill, decode, proxy = (f"http://{HOST}:{port}" for port in ports[:3])
+    recompute = json.dumps({"kv_connector": "NixlConnector", "kv_role": "kv_consumer",
+                            "kv_load_failure_policy": "recompute"})
+    processes = {prefill: start_engine("prefill", ports[0], ports[3], TIME_SCALE),
+                 decode: start_engine("decode", ports[1], ports[4], TIME_SCALE, "--kv-transfer-config", recompute)}
+    try:
+        processes[proxy] = start_proxy(ports[2], [prefill], [decode], "--kv-metrics-interval", "1")
+        for url, process in processes.items():
+            await wait_for(url + "/health", process)
+        await wait_eligible(proxy, prefill=1, decode=1)
+        async with aiohttp.ClientSession() as session:
+            async with session.put(decode + "/xpyd/faults", json={"unreadable_from": [HOST]}) as response:
+                assert response.status == 200
+            body = {"model": "meta-llama/Llama-3.1-8B-Instruct", "prompt": PROMPT, "max_tokens": 4}
+            for n in range(6):
+                if n == 3:  # the proxy's first read (a baseline) has happened by the second half
+                    await asyncio.sleep(2.5)
+                async with session.post(proxy + "/v1/completions", json=body) as response:
+                    assert response.status == 200, await response.text()
+            assert await _metric(session, [decode], "vllm:nixl_num_failed_transfers_total") == 6
+
+            async def reported() -> list[dict[str, object]]:
+                async with session.get(proxy + "/health") as response:
+                    report = (await response.json())["kvTransfer"]
+                assert report["failingPairs"] == []   # every hand-off "worked": decode recomputed
+                return list(report["failingEngines"])
+
+            deadline = asyncio.get_running_loop().time() + 10
+            while not (engines := await reported()):
+                assert asyncio.get_running_loop().time() < deadline, "the proxy never reported the engine"
+                await asyncio.sleep(0.2)
+            (engine,) = engines
+            assert (engine["engine"], engine["role"], engine["windowSeconds"]) == (decode, "decode", 60.0)
+            assert 3 <= float(engine["failedTransfers"]) <= 6   # the first read may come after some of them
+    finally:
+        kill(processes.values())

@@ -422,6 +422,7 @@ PROXY_FAMILIES: dict[str, tuple[str, set[str]]] = {
     "xpyd_proxy_draining": ("gauge", set()),
     "xpyd_proxy_kv_handoff_failures_total": ("counter", {"prefill", "decode"}),
     "xpyd_proxy_kv_pairs_failing": ("gauge", set()),
+    "xpyd_proxy_kv_engines_failing": ("gauge", set()),
 }
 
 

@@ -8,7 +8,7 @@ import pytest
 from xpyd.api.conditions import KV_TRANSFER_FAILING, KV_TRANSFER_POD_CONDITION
 from xpyd.controller.handlers import pod_signal
 from xpyd.controller.status import kv_transfer_problem
-from xpyd.proxy.kvhealth import PairHealth
+from xpyd.proxy.kvhealth import EngineTransferFailures, PairHealth, failed_transfers
 from xpyd.proxy.podreport import MAX_PAIRS_NAMED, kv_condition
 
 pytestmark = pytest.mark.unit
@@ -110,3 +110,49 @@ def test_the_reporter_writes_its_own_pod_only_on_change_and_merges_the_condition
     assert [(name, strategic) for name, _, strategic in kube.patches] == [("llama-proxy-abc", True)] * 2
     (condition,) = kube.patches[1][1]["status"]["conditions"]
     assert condition["status"] == "False" and "lastTransitionTime" in condition
+
+
+# As vLLM's prometheus_client writes a counter of two data-parallel engines.
+EXPOSITION = """# HELP vllm:nixl_num_failed_transfers_total Number of failed NIXL KV Cache transfers.
+# TYPE vllm:nixl_num_failed_transfers_total counter
+vllm:nixl_num_failed_transfers_total{engine="0",model_name="m"} 3.0
+vllm:nixl_num_failed_transfers_total{engine="1",model_name="m"} 2.0
+# HELP vllm:nixl_num_failed_transfers_created Number of failed NIXL KV Cache transfers.
+# TYPE vllm:nixl_num_failed_transfers_created gauge
+vllm:nixl_num_failed_transfers_created{engine="0",model_name="m"} 1.7e+09
+# HELP vllm:num_requests_running Number of requests in model execution batches.
+# TYPE vllm:num_requests_running gauge
+vllm:num_requests_running{engine="0",model_name="m"} 4.0
+"""
+
+
+def test_the_engines_failed_transfers_are_read_from_their_metrics() -> None:
+    assert failed_transfers(EXPOSITION) == 5.0   # both data-parallel engines; not the _created sample
+    assert failed_transfers("# TYPE vllm:num_requests_running gauge\nvllm:num_requests_running 1\n") is None
+    with pytest.raises(ValueError):
+        failed_transfers("vllm:nixl_num_failed_transfers_total{engine=\"0\" 3\n")
+
+
+def test_an_engine_whose_count_rose_is_failing_for_the_window() -> None:
+    engines = EngineTransferFailures(window=60.0)
+    assert engines.observe("d", 7.0, 0.0) == 0.0          # a baseline: failures from before the proxy
+    assert engines.observe("d", 7.0, 10.0) == 0.0 and engines.failing(10.0) == []
+    assert engines.observe("d", 9.0, 20.0) == 2.0
+    assert engines.observe("d", 10.0, 30.0) == 1.0
+    assert engines.failing(30.0) == [("d", 3.0)]
+    assert engines.failing(85.0) == [("d", 1.0)]          # the first rise left the window
+    assert engines.failing(95.0) == []
+    # A restarted engine counts from 0 again: a baseline, not a rise.
+    assert engines.observe("d", 1.0, 100.0) == 0.0 and engines.observe("d", 2.0, 110.0) == 1.0
+    engines.forget({"d"})
+    assert engines.failing(110.0) == [] and "d" not in engines.last
+
+
+def test_the_pod_condition_names_engines_counting_failed_transfers() -> None:
+    engine = {"engine": "llama-decode-0", "role": "decode", "failedTransfers": 4.0, "windowSeconds": 60.0}
+    condition = kv_condition([], [engine])
+    assert (condition["status"], condition["reason"]) == ("False", KV_TRANSFER_FAILING)
+    assert condition["message"] == "1 engine(s) count failed KV transfers: llama-decode-0: 4 in 60 s"
+    both = kv_condition([_pair(0)], [engine])
+    assert both["message"].startswith("KV hand-offs keep failing for 1 pair(s): llama-prefill-0 -> llama-decode-0")
+    assert both["message"].endswith("; 1 engine(s) count failed KV transfers: llama-decode-0: 4 in 60 s")

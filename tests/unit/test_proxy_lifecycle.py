@@ -100,6 +100,11 @@ def _parse(*argv: str) -> argparse.Namespace:
     (("--decode-tensor-parallel-size", "65"), "--decode-tensor-parallel-size"),
     (("--decode-tensor-parallel-size", "8", "--lmcache-init-port", "65529"), "--lmcache-init-port"),
     (("--lmcache-alloc-port", "0"), "--lmcache-alloc-port"),
+    (("--kv-metrics-interval", "0"), None),
+    (("--kv-metrics-interval", "30"), None),
+    (("--kv-metrics-interval", "0.5"), "--kv-metrics-interval"),
+    (("--kv-metrics-interval", "-1"), "--kv-metrics-interval"),
+    (("--kv-metrics-interval", "nan"), "--kv-metrics-interval"),
 ])
 def test_flags_are_bounded(argv: tuple[str, ...], problem: str | None) -> None:
     message = _check(_parse(*argv))

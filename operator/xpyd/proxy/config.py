@@ -26,6 +26,8 @@ class ProxyConfig:
     connect_timeout: float = 2.0
     health_interval: float = 2.0
     health_timeout: float = 2.0
+    #: Seconds between reads of the NIXL engines' failed KV transfers on their /metrics (0: never).
+    kv_metrics_interval: float = 10.0
     breaker_threshold: int = 3
     breaker_cooldown: float = 2.0
     #: Idle upstream connections close after this many seconds: below uvicorn's 5 s keep-alive,

@@ -1,5 +1,6 @@
-"""Health of the upstream instances: `GET /health` probes, and what a failed leg does to an instance
-(its circuit breaker, its learnt identities, a probe at once)."""
+"""Health of the upstream instances: `GET /health` probes, what a failed leg does to an instance
+(its circuit breaker, its learnt identities, a probe at once), and the NIXL engines' own count of
+failed KV transfers, read from their /metrics (`kvhealth.EngineTransferFailures`)."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ import aiohttp
 
 from xpyd.api.naming import Role
 from xpyd.proxy.config import ProxyConfig
+from xpyd.proxy.kvhealth import EngineTransferFailures, failed_transfers
 from xpyd.proxy.metrics import ProxyMetrics
 from xpyd.proxy.pool import Instance, Pool
 
@@ -23,8 +25,10 @@ class HealthProber:
 
     def __init__(self, config: ProxyConfig, pools: dict[Role, Pool], metrics: ProxyMetrics,
                  session: Callable[[], aiohttp.ClientSession], timeouts: dict[str, aiohttp.ClientTimeout],
-                 spawn: Callable[[Awaitable[None]], None]) -> None:
+                 spawn: Callable[[Awaitable[None]], None],
+                 kv_engines: EngineTransferFailures | None = None) -> None:
         self.config = config
+        self.kv_engines = kv_engines if kv_engines is not None else EngineTransferFailures()
         self.pools = pools
         self.metrics = metrics
         self.session = session
@@ -60,6 +64,31 @@ class HealthProber:
         if instance.set_healthy(healthy):  # turning healthy also forgets the engine ids (a restart changes them)
             log.info("%s %s is %s", instance.role, instance.url, "healthy" if healthy else "unhealthy")
         instance.breaker.probe(healthy, time.monotonic())
+
+    async def run_kv_metrics(self) -> None:
+        """Read every listed instance's failed KV transfers each `kv_metrics_interval` (NIXL
+        connectors only: the others export no such count)."""
+        if not self.config.kv_metrics_interval or not self.config.connector.is_nixl:
+            return
+        while True:
+            await asyncio.sleep(self.config.kv_metrics_interval)
+            instances = [i for pool in self.pools.values() for i in pool.instances.values() if i.listed]
+            await asyncio.gather(*(self.read_kv_failures(i) for i in instances))
+
+    async def read_kv_failures(self, instance: Instance) -> None:
+        """One read of an engine's failed KV transfers (nothing when it does not answer: its health
+        probe says so)."""
+        try:
+            async with self.session().get(instance.url + "/metrics", timeout=self.timeouts["probe"]) as response:
+                if response.status != 200:
+                    return
+                text = await response.text()
+            value = failed_transfers(text)
+        except (TimeoutError, aiohttp.ClientError, OSError, ValueError, UnicodeDecodeError):
+            return
+        if value is not None and (rise := self.kv_engines.observe(instance.url, value, time.monotonic())):
+            log.warning("%s %s counts %g more failed KV transfer(s) (%s)", instance.role, instance.name or instance.url,
+                        rise, "vllm:nixl_num_failed_transfers_total")
 
     def failed(self, instance: Instance, reason: str) -> None:
         """A leg to `instance` failed: count it on its breaker and probe it now."""

@@ -9,11 +9,27 @@ the decode engine's own health (`xpyd.proxy.health`), not the pair's.
 doubling while it keeps failing (up to `max_cooldown`); one success resets it. Avoiding is a
 preference: when every pair left is failing, they are used (`xpyd.proxy.server` falls back), since
 refusing a request a pair might still serve would lose it for certain.
+
+The engines' own count of failed KV transfers (`FAILED_TRANSFERS_METRIC` on their /metrics, which
+HealthProber reads every `kv_metrics_interval`) is the other sign, and under
+`kv_load_failure_policy: recompute` the only one: decode then recomputes the prompt and the request
+succeeds, slower. An engine whose count rose within `window` seconds is reported beside the pairs
+(`EngineTransferFailures`); it is not avoided, since its requests still succeed and the count does
+not say which peer failed.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Final
+
+from prometheus_client.parser import text_string_to_metric_families
+
+#: vLLM's count of failed NIXL KV transfers on an engine (from 0.23 handshake and notification
+#: failures included: `nixl/stats.py`); summed over its series (one per data-parallel engine).
+FAILED_TRANSFERS_METRIC: Final = "vllm:nixl_num_failed_transfers"
+#: Its samples, as prometheus_client writes a counter (the family named so too, in text format 0.0.4).
+FAILED_TRANSFERS_SAMPLE: Final = FAILED_TRANSFERS_METRIC + "_total"
 
 
 @dataclass
@@ -69,3 +85,46 @@ class PairHealth:
         """Drop the pairs of instances that are gone."""
         for key in [k for k in self.pairs if k[0] in urls or k[1] in urls]:
             del self.pairs[key]
+
+
+def failed_transfers(exposition: str) -> float | None:
+    """An engine's failed KV transfers from its /metrics text; None when it exports no such counter
+    (another connector). ValueError when the text is not Prometheus' format."""
+    samples = [sample.value for family in text_string_to_metric_families(exposition) for sample in family.samples
+               if sample.name == FAILED_TRANSFERS_SAMPLE]
+    return sum(samples) if samples else None
+
+
+@dataclass
+class EngineTransferFailures:
+    """The engines whose own count of failed KV transfers rose recently (see the module docstring)."""
+
+    window: float = 60.0
+    #: url -> the counter at the last reading
+    last: dict[str, float] = field(default_factory=dict)
+    #: url -> (when, rise) of the readings that rose, within the window
+    rises: dict[str, list[tuple[float, float]]] = field(default_factory=dict)
+
+    def observe(self, url: str, value: float, now: float) -> float:
+        """A reading of the engine's counter; the rise since the last one. The first reading is only
+        a baseline, and so is a lower one (the engine restarted: its counter began again at 0)."""
+        previous = self.last.get(url)
+        self.last[url] = value
+        if previous is None or value <= previous:
+            return 0.0
+        self.rises.setdefault(url, []).append((now, value - previous))
+        return value - previous
+
+    def failing(self, now: float) -> list[tuple[str, float]]:
+        """(url, failed transfers within the window) of each engine that had some, by URL."""
+        for url in list(self.rises):
+            self.rises[url] = [(t, n) for t, n in self.rises[url] if now - t <= self.window]
+            if not self.rises[url]:
+                del self.rises[url]
+        return [(url, sum(n for _, n in rises)) for url, rises in sorted(self.rises.items())]
+
+    def forget(self, urls: set[str]) -> None:
+        """Drop the engines that are gone."""
+        for url in urls:
+            self.last.pop(url, None)
+            self.rises.pop(url, None)

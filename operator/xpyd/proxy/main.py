@@ -88,6 +88,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     failures.add_argument("--health-timeout", type=float, default=2.0,
                           help="seconds a health probe may take (also a Mooncake bootstrap /query; "
                           "GET /v1/models gets five times as long)")
+    failures.add_argument("--kv-metrics-interval", type=float, default=10.0,
+                          help="seconds between reads of the NIXL engines' failed KV transfers on their /metrics "
+                          "(vllm:nixl_num_failed_transfers_total), reported with the pairs' hand-off health; 0: never")
     failures.add_argument("--breaker-threshold", type=int, default=3,
                           help="consecutive failed legs that open an instance's circuit breaker")
     failures.add_argument("--breaker-cooldown", type=float, default=2.0,
@@ -156,6 +159,7 @@ def config_from_args(args: argparse.Namespace) -> ProxyConfig:
         connect_timeout=args.connect_timeout,
         health_interval=args.health_interval,
         health_timeout=args.health_timeout,
+        kv_metrics_interval=args.kv_metrics_interval,
         breaker_threshold=args.breaker_threshold,
         breaker_cooldown=args.breaker_cooldown,
         upstream_idle_timeout=args.upstream_idle_timeout,
@@ -191,6 +195,8 @@ def _check(args: argparse.Namespace) -> str | None:
                        ("--lmcache-alloc-port", args.lmcache_alloc_port)):
         if not 1 <= port <= 65536 - args.decode_tensor_parallel_size:
             return f"{flag} must leave a port per decode tensor-parallel rank within 1..65535"
+    if not (args.kv_metrics_interval == 0 or 1 <= args.kv_metrics_interval <= 3600):
+        return "--kv-metrics-interval must be 0 (never) or within 1..3600 seconds"
     if args.upstream_idle_timeout >= 5.0:
         return "--upstream-idle-timeout must stay below the engines' 5 s keep-alive"
     if not 0 <= args.drain_seconds <= MAX_PROXY_DRAIN_SECONDS:
@@ -269,7 +275,7 @@ async def serve(args: argparse.Namespace) -> None:
         if pod_name := os.environ.get("POD_NAME"):
             from xpyd.proxy.podreport import PodConditionReporter
 
-            reporter = PodConditionReporter(kube, namespace, pod_name, proxy.failing_pairs)
+            reporter = PodConditionReporter(kube, namespace, pod_name, proxy.kv_transfer_report)
             reporting = asyncio.ensure_future(reporter.run())
     else:
         proxy.set_endpoints("prefill", static_endpoints(args.prefill))

@@ -4,7 +4,8 @@
 
 It is a custom Pod condition, the kind readiness gates use: written through `pods/status` with a
 strategic merge patch, so the kubelet's own conditions stay (the kubelet keeps conditions it does
-not own). The proxy writes it when its failing pairs change, at most every `interval` seconds;
+not own). The proxy writes it when its report (`Proxy.kv_transfer_report`: the failing pairs, and
+the engines whose own count of failed KV transfers rose) changes, at most every `interval` seconds;
 `pod_name` comes from the downward API (`POD_NAME`)."""
 
 from __future__ import annotations
@@ -25,25 +26,35 @@ REPORT_INTERVAL_SECONDS = 2.0
 MAX_PAIRS_NAMED = 5
 
 
-def kv_condition(failing: Sequence[JSON]) -> JSON:
-    """The condition for the pairs `Proxy.failing_pairs()` lists (without its transition time)."""
-    if not failing:
+def _named(items: Sequence[JSON], describe: Callable[[JSON], str]) -> str:
+    more = f"; and {len(items) - MAX_PAIRS_NAMED} more" if len(items) > MAX_PAIRS_NAMED else ""
+    return "; ".join(describe(item) for item in items[:MAX_PAIRS_NAMED]) + more
+
+
+def kv_condition(failing: Sequence[JSON], engines: Sequence[JSON] = ()) -> JSON:
+    """The condition for the pairs `Proxy.failing_pairs()` and the engines `Proxy.failing_engines()`
+    list (without its transition time)."""
+    if not failing and not engines:
         return {"type": KV_TRANSFER_POD_CONDITION, "status": "True", "reason": KV_TRANSFER_HEALTHY,
                 "message": "no prefill/decode pair keeps failing its KV hand-offs"}
-    named = "; ".join(f"{p['prefill']} -> {p['decode']}: {p['failures']} failed in a row" for p in
-                      failing[:MAX_PAIRS_NAMED])
-    more = f"; and {len(failing) - MAX_PAIRS_NAMED} more" if len(failing) > MAX_PAIRS_NAMED else ""
+    parts = []
+    if failing:
+        parts.append(f"KV hand-offs keep failing for {len(failing)} pair(s): " + _named(
+            failing, lambda p: f"{p['prefill']} -> {p['decode']}: {p['failures']} failed in a row"))
+    if engines:
+        parts.append(f"{len(engines)} engine(s) count failed KV transfers: " + _named(
+            engines, lambda e: f"{e['engine']}: {e['failedTransfers']:g} in {e['windowSeconds']:g} s"))
     return {"type": KV_TRANSFER_POD_CONDITION, "status": "False", "reason": KV_TRANSFER_FAILING,
-            "message": f"KV hand-offs keep failing for {len(failing)} pair(s): {named}{more}"}
+            "message": "; ".join(parts)}
 
 
 class PodConditionReporter:
     """Keeps the condition on the proxy's Pod current (see the module docstring)."""
 
-    def __init__(self, kube: Kube, namespace: str, pod_name: str, failing: Callable[[], Sequence[JSON]],
+    def __init__(self, kube: Kube, namespace: str, pod_name: str, report: Callable[[], JSON],
                  interval: float = REPORT_INTERVAL_SECONDS) -> None:
         self.kube, self.namespace, self.pod_name = kube, namespace, pod_name
-        self.failing = failing
+        self.report = report
         self.interval = interval
         self.written: tuple[str, str] | None = None  # (status, message) last written
 
@@ -65,10 +76,11 @@ class PodConditionReporter:
         return True
 
     async def run(self) -> None:
-        """Forever: read the failing pairs (on the event loop, which owns them), write off it."""
+        """Forever: read the report (on the event loop, which owns it), write off it."""
         while True:
             try:
-                await asyncio.to_thread(self.write, kv_condition(self.failing()))
+                report = self.report()
+                await asyncio.to_thread(self.write, kv_condition(report["failingPairs"], report["failingEngines"]))
             except Exception:  # the API server unreachable, say: serving goes on, the next round retries
                 log.exception("could not report %s", KV_TRANSFER_POD_CONDITION)
             await asyncio.sleep(self.interval)

@@ -51,7 +51,7 @@ from xpyd.common.jsontypes import JSON
 from xpyd.proxy import protocol
 from xpyd.proxy.config import ProxyConfig, client_timeouts
 from xpyd.proxy.health import HealthProber
-from xpyd.proxy.kvhealth import PairHealth
+from xpyd.proxy.kvhealth import EngineTransferFailures, PairHealth
 from xpyd.proxy.legs import Context, DecodeFailed, Legs, PrefillFailed, UpstreamAnswer
 from xpyd.proxy.metrics import Gauge, GaugeSample, ProxyMetrics
 from xpyd.proxy.picking import pairable, partners
@@ -104,6 +104,7 @@ class Proxy:
                        breaker_cooldown=config.breaker_cooldown) for role in ROLES}
         self.metrics = ProxyMetrics()
         self.kv_health = PairHealth()
+        self.kv_engines = EngineTransferFailures()
         self._timeouts = client_timeouts(config)
         self._sources: dict[Role, dict[str, list[Endpoint]]] = {role: {} for role in ROLES}
         self.in_flight = 0
@@ -112,7 +113,7 @@ class Proxy:
         self._tasks: set[asyncio.Task[None]] = set()
         self._prober: asyncio.Task[None] | None = None
         self.health_prober = HealthProber(config, self.pools, self.metrics, lambda: self._session, self._timeouts,
-                                          self._spawn)
+                                          self._spawn, self.kv_engines)
         self.legs = Legs(config, self.pools, self.metrics, lambda: self._session, self._timeouts,
                          self.health_prober)
         self._gauges = [
@@ -131,6 +132,9 @@ class Proxy:
                   self._draining_sample),
             Gauge("xpyd_proxy_kv_pairs_failing", "Prefill/decode pairs whose KV hand-offs keep failing.", (),
                   lambda: [((), float(len(self.kv_health.failing(time.monotonic()))))]),
+            Gauge("xpyd_proxy_kv_engines_failing", "Engines whose own count of failed KV transfers "
+                  "(vllm:nixl_num_failed_transfers_total) rose within the last minute.", (),
+                  lambda: [((), float(len(self.kv_engines.failing(time.monotonic()))))]),
         ]
         m = self.metrics
         self.registry = exposition.registry([m.requests, m.rejected, m.ttft, m.stream_ttft, m.duration, m.legs,
@@ -173,6 +177,7 @@ class Proxy:
         self.session = aiohttp.ClientSession(connector=connector, auto_decompress=False,
                                              skip_auto_headers=("User-Agent",))
         self._prober = asyncio.create_task(self.health_prober.run())
+        self._spawn(self.health_prober.run_kv_metrics())
 
     async def close(self) -> None:
         """Stop probing and close upstream connections."""
@@ -209,6 +214,7 @@ class Proxy:
             self._spawn(self.health_prober.probe(instance))
         instances = {url for pool in self.pools.values() for url in pool.instances}
         self.kv_health.forget({url for pair in self.kv_health.pairs for url in pair} - instances)
+        self.kv_engines.forget(set(self.kv_engines.last) - instances)
 
     def _spawn(self, coroutine: Awaitable[None]) -> None:
         task = asyncio.ensure_future(coroutine)
@@ -415,6 +421,19 @@ class Proxy:
                  "failures": pair.failures, "total": pair.total, "avoidedForSeconds": pair.avoided_for}
                 for pair in self.kv_health.failing(time.monotonic())]
 
+    def failing_engines(self) -> list[JSON]:
+        """The engines whose own count of failed KV transfers rose within the window, by pod name
+        where known (for /health and the pod's condition)."""
+        known = {i.url: i for pool in self.pools.values() for i in pool.instances.values()}
+        return [{"engine": (known[url].name or url) if url in known else url,
+                 "role": known[url].role if url in known else None,
+                 "failedTransfers": count, "windowSeconds": self.kv_engines.window}
+                for url, count in self.kv_engines.failing(time.monotonic())]
+
+    def kv_transfer_report(self) -> JSON:
+        """The KV-transfer health this proxy sees: failing pairs and failing engines."""
+        return {"failingPairs": self.failing_pairs(), "failingEngines": self.failing_engines()}
+
     async def _without_prefill(self, context: Context, reason: str, tried_decode: set[str]) -> web.StreamResponse:
         """No prefill instance could serve: 503, or decode alone when configured to (never silently)."""
         if not self.config.decode_only_fallback:
@@ -471,7 +490,7 @@ class Proxy:
         return web.json_response({"status": "ok", "connector": self.config.connector.value,
                                   "draining": self.draining,
                                   **{role: pool.counts() for role, pool in self.pools.items()},
-                                  "kvTransfer": {"failingPairs": self.failing_pairs()}})
+                                  "kvTransfer": self.kv_transfer_report()})
 
     def missing_roles(self) -> list[Role]:
         """The roles a request needs that have no instance to take it now. Every connector sends a
