@@ -38,10 +38,9 @@ def _omitted(value: Any) -> bool:
 def is_subset(desired: Any, live: Any) -> bool:
     """True when every field of `desired` has the same value in `live`.
 
-    Empty maps and lists, zero numbers and false match absent fields (the server omits
-    them). Lists of named items
-    (containers, env, ports, volumes) match by name, as the server merges them; other lists
-    match position by position and must have the same length.
+    Empty maps and lists, zero numbers and false match absent fields (the server omits them).
+    Lists of named items (containers, env, ports, volumes) match by name, as the server merges
+    them; other lists match position by position and must have the same length.
     """
     if isinstance(desired, dict):
         if not isinstance(live, dict):

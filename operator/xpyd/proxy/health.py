@@ -73,7 +73,10 @@ class HealthProber:
         while True:
             await asyncio.sleep(self.config.kv_metrics_interval)
             instances = [i for pool in self.pools.values() for i in pool.instances.values() if i.listed]
-            await asyncio.gather(*(self.read_kv_failures(i) for i in instances))
+            try:
+                await asyncio.gather(*(self.read_kv_failures(i) for i in instances))
+            except Exception:  # never the end of the loop: the next round reads again
+                log.exception("could not read the engines' failed KV transfers")
 
     async def read_kv_failures(self, instance: Instance) -> None:
         """One read of an engine's failed KV transfers (nothing when it does not answer: its health

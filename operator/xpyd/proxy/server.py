@@ -393,18 +393,18 @@ class Proxy:
     def _healthy_pairs(self, prefills: list[Instance], decodes: list[Instance], now: float) -> list[Instance]:
         """Of the pairable `prefills`, those with a decode partner whose pair is not failing (all of
         them when none has: avoiding is a preference, see `xpyd.proxy.kvhealth`)."""
-        healthy = [p for p in prefills if self._healthy_partners(p, partners(decodes, p.compat, _compat), now,
-                                                                 strict=True)]
+        healthy = [p for p in prefills if self._unavoided(p, partners(decodes, p.compat, _compat), now)]
         return healthy or prefills
 
-    def _healthy_partners(self, prefill: Instance | None, decodes: list[Instance], now: float,
-                          strict: bool = False) -> list[Instance]:
-        """The `decodes` whose pair with `prefill` is not failing; when all are, all of them (none
-        with `strict`)."""
+    def _healthy_partners(self, prefill: Instance | None, decodes: list[Instance], now: float) -> list[Instance]:
+        """The `decodes` whose pair with `prefill` is not failing; when all are, all of them."""
         if prefill is None:
             return decodes
-        healthy = [d for d in decodes if not self.kv_health.avoided(prefill.url, d.url, now)]
-        return healthy if healthy or strict else decodes
+        return self._unavoided(prefill, decodes, now) or decodes
+
+    def _unavoided(self, prefill: Instance, decodes: list[Instance], now: float) -> list[Instance]:
+        """The `decodes` whose pair with `prefill` is not avoided now (possibly none)."""
+        return [d for d in decodes if not self.kv_health.avoided(prefill.url, d.url, now)]
 
     def _handoff_failed(self, prefill: Instance, decode: Instance, reason: str) -> None:
         self.metrics.kv_handoff_failures.inc(prefill.url, decode.url)

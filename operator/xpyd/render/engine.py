@@ -37,14 +37,13 @@ LWS_LEADER_ADDRESS: Final = "$(LWS_LEADER_ADDRESS)"
 LWS_WORKER_INDEX: Final = "$(LWS_WORKER_INDEX)"
 #: The pod's own IP (the engine container's first env var, from the downward API).
 POD_IP: Final = "$(POD_IP)"
-#: vLLM's defaults (ParallelConfig): the torch.distributed master of a multi-node engine, and the
-#: ZMQ port of data-parallel coordination; both on the leader, dialled by every worker.
 #: Besides the slower role's start-up budget, what a held Deployment waits for it: scheduling and
 #: pulling the image on a node that does not have it (`controller.rollout`).
 ROLLOUT_HOLD_MARGIN_SECONDS: Final = 600
 #: A Deployment without progress for longer than its pods may take to start (and be held) is stuck.
 PROGRESS_DEADLINE_MARGIN_SECONDS: Final = 600
-
+#: vLLM's defaults (ParallelConfig): the torch.distributed master of a multi-node engine, and the
+#: ZMQ port of data-parallel coordination; both on the leader, dialled by every worker.
 MASTER_PORT: Final = 29501
 DATA_PARALLEL_RPC_PORT: Final = 29550
 
