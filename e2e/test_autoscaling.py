@@ -29,6 +29,7 @@ import yaml
 from prometheus_client.parser import text_string_to_metric_families
 
 from e2e.cluster import OPERATOR_NAMESPACE, ROOT, Cluster, condition, eventually, serving_of, wait_ready
+from xpyd.autoscaler.state import decode as decode_state
 from xpyd.cluster.controlplane import ControlPlane
 from xpyd.common.netguard import LOOPBACK_ONLY_ENV, require_loopback, require_loopback_url
 
@@ -182,6 +183,9 @@ def test_prefill_heavy_code_slice_grows_prefill_more_than_decode(operator: Clust
     decision = obj["status"]["autoscaler"]["lastDecision"]
     assert decision["reason"] and decision["message"]
     assert obj["status"]["autoscaler"]["observed"]["isl"] > 1000
+    # The API server keeps the decision state a restarted operator resumes from, and it decodes.
+    state = decode_state(obj["status"]["autoscaler"]["state"])
+    assert state.rate.samples >= 1
     metrics = operator_metrics(operator)
     code = {"namespace": namespace, "name": "code"}
     assert ("xpyd_autoscaler_desired_replicas", {**code, "role": "prefill"}) in metrics

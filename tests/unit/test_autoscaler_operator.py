@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import base64
 import copy
+import json
 import math
 from pathlib import Path
 from typing import Any
@@ -16,6 +17,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from xpyd.api.load import parse_serving
 from xpyd.autoscaler.collect import Access, MetricsError, Samples, Scope
+from xpyd.autoscaler.decide import AutoscalerState
 from xpyd.autoscaler.profile import ProfileError, perf_model
 from xpyd.common import exposition
 from xpyd.controller.autoscale import Autoscaler, config_for
@@ -398,3 +400,41 @@ def test_an_idle_pool_is_not_a_metrics_problem() -> None:
     assert condition(patch)["status"] == "True"
     assert kube.events == []
 
+
+
+def test_a_new_process_resumes_from_the_decision_state_in_the_status(caplog: pytest.LogCaptureFixture) -> None:
+    """The decision state goes into the status with each decision, and a process without its own
+    (a restart, a hand-over) starts from it rather than empty."""
+    kube, prom, now = FakeKube(PODS), FakePrometheus(busy_results()), [1000.0]
+    obj = body(intervalSeconds=30)
+    first = autoscaler(kube, prom, now)
+    for _ in range(3):
+        first.step(obj)
+        obj["status"] = {**obj["status"], **kube.status_patches[-1]}
+        now[0] += 30
+    recorded = obj["status"]["autoscaler"]["state"]
+    json.dumps(recorded, allow_nan=False)   # strict JSON, as the API server stores it
+    assert recorded["rate"]["samples"] == 3 and recorded["time_s"] == 1060.0
+    autoscaler(kube, prom, now).step(obj)
+    assert kube.status_patches[-1]["autoscaler"]["state"]["rate"]["samples"] == 4   # continued, not restarted
+    # A state it cannot use (another version): an empty start, said in the log.
+    obj["status"]["autoscaler"]["state"] = {**recorded, "version": 99}
+    with caplog.at_level("WARNING"):
+        autoscaler(kube, prom, now).step(obj)
+    assert kube.status_patches[-1]["autoscaler"]["state"]["rate"]["samples"] == 1
+    assert "starting from an empty state" in caplog.text and "version 99" in caplog.text
+
+
+def test_the_state_alone_is_no_reason_to_write_the_status() -> None:
+    kube, prom, now = FakeKube(PODS), FakePrometheus(busy_results()), [1000.0]
+    scaler = autoscaler(kube, prom, now)
+    obj = body()
+    patch = {"autoscaler": {"lastDecision": {"time": "t", "prefill": 1, "decode": 2, "reason": "WithinTargets"}}}
+    scaler._write(obj, patch, AutoscalerState(time_s=1000.0))
+    assert kube.status_patches[-1]["autoscaler"]["state"]["time_s"] == 1000.0
+    obj["status"] = {**obj["status"], **kube.status_patches[-1]}
+    scaler._write(obj, patch, AutoscalerState(time_s=1030.0))   # its clock moved; nothing else did
+    assert len(kube.status_patches) == 1
+    changed = {"autoscaler": {**patch["autoscaler"], "recommendedRatio": "1:2"}}
+    scaler._write(obj, changed, AutoscalerState(time_s=1060.0))
+    assert kube.status_patches[-1]["autoscaler"]["state"]["time_s"] == 1060.0

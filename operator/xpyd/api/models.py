@@ -1154,6 +1154,9 @@ class AutoscalerStatus(StatusModel):
     observed: ObservedLoad | None = Field(default=None, description="The latest observation.")
     recommended_ratio: str | None = Field(default=None, description="Recommended P:D, e.g. 1:3.")
     profile: str | None = Field(default=None, description="The performance model the sizing uses.")
+    state: FreeForm | None = Field(
+        default=None, description="The decision state (forecasts, stabilisation windows, bursts) the next "
+        "decision starts from, so that it survives an operator restart; versioned, written by the operator.")
 
 
 class ProxyStatus(StatusModel):

@@ -16,12 +16,13 @@ DisaggregatedServing whose mode is not Off, under the object's reconcile lock:
 5. Auto mode only: `status.{prefill,decode}.desiredReplicas`, which the reconcile (run right after,
    the single writer of the Deployments) applies to the children's replicas.
 
-The decision state (forecasts, capacity corrections, stabilisation windows) lives in memory. After
-an operator restart or a hand-over to another replica it starts empty, which only delays
-scale-down: a down-step needs a whole stabilisation window of recommendations. Such a process makes
-its first decision of an object only once `intervalSeconds` have passed since the last decision
-recorded in its status (`status.autoscaler.lastDecision.time`), so the hand-over never decides twice
-in one interval.
+The decision state (forecasts, capacity corrections, stabilisation windows, bursts) is kept in
+memory and, with every status write of a decision, in `status.autoscaler.state`
+(`autoscaler.state`). After an operator restart or a hand-over to another replica the new process
+starts from that state rather than empty, so a scale-down does not wait a whole window again and a
+recent prompt burst is still remembered. It makes its first decision of an object only once
+`intervalSeconds` have passed since the last decision recorded in its status
+(`status.autoscaler.lastDecision.time`), so the hand-over never decides twice in one interval.
 """
 
 from __future__ import annotations
@@ -55,6 +56,8 @@ from xpyd.autoscaler.decide import (
 from xpyd.autoscaler.observation import Observation
 from xpyd.autoscaler.profile import ProfileError, perf_model
 from xpyd.autoscaler.sizing import DEFAULT_MAX_NUM_BATCHED_TOKENS, DEFAULT_MAX_NUM_SEQS
+from xpyd.autoscaler.state import decode as decode_state
+from xpyd.autoscaler.state import encode as encode_state
 from xpyd.common import exposition
 from xpyd.common.args import last_flag_value
 from xpyd.common.jsontypes import JSON
@@ -281,13 +284,14 @@ class Autoscaler:
         if autoscaling.mode == AutoscalingMode.OFF:
             self.forget(namespace, name)
             return False
+        old_status: JSON = body.get("status") or {}
         with self._guard:
             memory = self._memory.get((namespace, name))
             if memory is None or memory.uid != meta.get("uid"):
-                memory = self._memory[(namespace, name)] = _Memory(uid=meta.get("uid", ""))
+                memory = self._memory[(namespace, name)] = _Memory(uid=meta.get("uid", ""),
+                                                                   state=restored(namespace, name, old_status))
         now = self.clock()
         memory.last_run_s, memory.generation = now, meta.get("generation")
-        old_status: JSON = body.get("status") or {}
         stamp = rfc3339(now)
 
         try:
@@ -331,7 +335,7 @@ class Autoscaler:
         if auto:
             patch["prefill"] = {"desiredReplicas": decision.prefill.replicas}
             patch["decode"] = {"desiredReplicas": decision.decode.replicas}
-        self._write(body, patch)
+        self._write(body, patch, decision.state)
         self._announce(body, decision, previous, auto)
         if decision.changed or decision.reason != previous.get("reason"):
             log.info("autoscaler %s/%s: %s: %s", namespace, name, decision.reason, decision.message)
@@ -359,11 +363,17 @@ class Autoscaler:
         except KubeError as error:
             raise collect.MetricsError(f"{kind} {name} cannot be read: {error}") from None
 
-    def _write(self, body: JSON, patch: JSON) -> None:
+    def _write(self, body: JSON, patch: JSON, state: AutoscalerState | None = None) -> None:
+        """Patch the status when `patch` changes it, with the decision `state` beside the decision
+        (only then: the state alone, whose clock moves every decision, is no reason to write)."""
         old: JSON = body.get("status") or {}
         merged = {key: ({**(old.get(key) or {}), **value} if key in ("prefill", "decode") else value)
                   for key, value in patch.items()}
+        if "autoscaler" in merged:
+            merged["autoscaler"] = {**merged["autoscaler"], "state": (old.get("autoscaler") or {}).get("state")}
         if status_changed(old, merged):
+            if state is not None and "autoscaler" in patch:
+                patch = {**patch, "autoscaler": {**patch["autoscaler"], "state": encode_state(state)}}
             self.kube.patch_status(body["metadata"]["namespace"], body["metadata"]["name"], patch)
 
     def _announce(self, body: JSON, decision: Decision, previous: JSON, auto: bool) -> None:
@@ -385,6 +395,22 @@ class Autoscaler:
                             f"recommends prefill {sizes[0]}, decode {sizes[1]}: {decision.message}")
         elif held_before:
             self.kube.event(body, "Normal", METRICS_AVAILABLE, f"metrics are back: {decision.message}")
+
+
+def restored(namespace: str, name: str, status: JSON) -> AutoscalerState:
+    """The decision state recorded in `status` (a process that has none of its own: it restarted or
+    took over), or an empty one when there is none or it cannot be used (logged)."""
+    recorded = (status.get("autoscaler") or {}).get("state")
+    if recorded is None:
+        return AutoscalerState()
+    try:
+        state = decode_state(recorded)
+    except ValueError as error:
+        log.warning("autoscaler %s/%s: starting from an empty state: the recorded one cannot be used: %s",
+                    namespace, name, error)
+        return AutoscalerState()
+    log.info("autoscaler %s/%s: resuming from the decision state in its status", namespace, name)
+    return state
 
 
 def old_status_reason(status: JSON) -> str | None:
