@@ -423,6 +423,14 @@ def test_a_new_process_resumes_from_the_decision_state_in_the_status(caplog: pyt
         autoscaler(kube, prom, now).step(obj)
     assert kube.status_patches[-1]["autoscaler"]["state"]["rate"]["samples"] == 1
     assert "starting from an empty state" in caplog.text and "version 99" in caplog.text
+    # A state older than the scale-down window and two intervals (300 + 60 s) is not used either.
+    obj["status"]["autoscaler"]["state"] = recorded
+    now[0] = recorded["time_s"] + 361
+    autoscaler(kube, prom, now).step(obj)
+    assert kube.status_patches[-1]["autoscaler"]["state"]["rate"]["samples"] == 1
+    now[0] = recorded["time_s"] + 359
+    autoscaler(kube, prom, now).step(obj)
+    assert kube.status_patches[-1]["autoscaler"]["state"]["rate"]["samples"] == 4
 
 
 def test_the_state_alone_is_no_reason_to_write_the_status() -> None:

@@ -285,12 +285,15 @@ class Autoscaler:
             self.forget(namespace, name)
             return False
         old_status: JSON = body.get("status") or {}
+        now = self.clock()
         with self._guard:
             memory = self._memory.get((namespace, name))
             if memory is None or memory.uid != meta.get("uid"):
-                memory = self._memory[(namespace, name)] = _Memory(uid=meta.get("uid", ""),
-                                                                   state=restored(namespace, name, old_status))
-        now = self.clock()
+                # What the state remembers matters for a scale-down window and a couple of decisions.
+                window = autoscaling.behavior.scale_down.stabilization_window_seconds
+                max_age = window + 2 * autoscaling.interval_seconds
+                memory = self._memory[(namespace, name)] = _Memory(
+                    uid=meta.get("uid", ""), state=restored(namespace, name, old_status, now - max_age))
         memory.last_run_s, memory.generation = now, meta.get("generation")
         stamp = rfc3339(now)
 
@@ -397,9 +400,10 @@ class Autoscaler:
             self.kube.event(body, "Normal", METRICS_AVAILABLE, f"metrics are back: {decision.message}")
 
 
-def restored(namespace: str, name: str, status: JSON) -> AutoscalerState:
+def restored(namespace: str, name: str, status: JSON, not_before: float) -> AutoscalerState:
     """The decision state recorded in `status` (a process that has none of its own: it restarted or
-    took over), or an empty one when there is none or it cannot be used (logged)."""
+    took over), or an empty one when there is none, it cannot be used (logged), or it was made
+    before `not_before` (autoscaling was off, or no operator ran, for long)."""
     recorded = (status.get("autoscaler") or {}).get("state")
     if recorded is None:
         return AutoscalerState()
@@ -408,6 +412,9 @@ def restored(namespace: str, name: str, status: JSON) -> AutoscalerState:
     except ValueError as error:
         log.warning("autoscaler %s/%s: starting from an empty state: the recorded one cannot be used: %s",
                     namespace, name, error)
+        return AutoscalerState()
+    if state.time_s < not_before:
+        log.info("autoscaler %s/%s: starting from an empty state: the recorded one is too old", namespace, name)
         return AutoscalerState()
     log.info("autoscaler %s/%s: resuming from the decision state in its status", namespace, name)
     return state
