@@ -31,6 +31,7 @@ from xpyd.cluster.nodes import DEFAULT_NODES, NodeSpec, node_object
 from xpyd.cluster.pidfiles import kill_leftover_pods
 from xpyd.common.netguard import require_loopback
 from xpyd.kube import Kube
+from xpyd.kube.pods import condition
 
 HOST = "127.0.0.1"
 SERVICE_CIDR = "10.0.0.0/16"  # a label on Service objects only: nothing routes or dials it (room for many pools)
@@ -415,8 +416,7 @@ class ControlPlane:
 
 
 def _node_ready(node: dict[str, Any] | None) -> bool:
-    conditions = (node or {}).get("status", {}).get("conditions", [])
-    return any(c.get("type") == "Ready" and c.get("status") == "True" for c in conditions)
+    return condition(node, "Ready").get("status") == "True"
 
 
 def _terminate(pid: int, grace: float = 10.0) -> None:

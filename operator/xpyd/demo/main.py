@@ -54,6 +54,7 @@ from xpyd.demo.manifest import DemoPool, serving_manifest
 from xpyd.demo.plot import write_plot
 from xpyd.demo.timeline import PoolSample, demo_report, latency_so_far, sample_from_status
 from xpyd.kube import Kube, KubeError
+from xpyd.kube.pods import condition, pod_ready
 
 ROOT = Path(__file__).resolve().parents[3]
 """The source checkout: the chart and the trace fixtures come from it."""
@@ -289,8 +290,7 @@ class Demo:
 
         def ready() -> JSON | None:
             obj = kube.get(models.API_VERSION, models.KIND, pool.namespace, pool.name) or {}
-            conditions = obj.get("status", {}).get("conditions", [])
-            return obj if any(c["type"] == "Ready" and c["status"] == "True" for c in conditions) else None
+            return obj if condition(obj, "Ready").get("status") == "True" else None
 
         obj = _poll(ready, READY_TIMEOUT_S, f"{pool.name} was not Ready after {READY_TIMEOUT_S:.0f} s "
                     f"(kubectl describe xpyd {pool.name})")
@@ -430,8 +430,7 @@ def _poll(check: Callable[[], JSON | None], timeout_s: float, message: str) -> J
 def proxy_url(pods: Sequence[JSON]) -> str:
     """The URL of a ready proxy pod (its pod IP, loopback here: Service ClusterIPs are never dialled)."""
     for pod in pods:
-        conditions = pod.get("status", {}).get("conditions", [])
-        if any(c["type"] == "Ready" and c["status"] == "True" for c in conditions):
+        if pod_ready(pod):
             port = pod["spec"]["containers"][0]["ports"][0]["containerPort"]
             return f"http://{require_loopback(pod['status']['podIP'], 'proxy pod IP')}:{port}"
     raise DemoFailed("no ready proxy pod")

@@ -40,7 +40,7 @@ from __future__ import annotations
 
 import json
 import uuid
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any, Final
 
@@ -368,13 +368,7 @@ def answer_aborted(data: bytes, stream: bool) -> bool:
             return aborted(json.loads(data))
         except ValueError:
             return False
-    for line in data.split(b"\n"):
-        if not line.startswith(b"data: {"):
-            continue
-        try:
-            event = json.loads(line[len(b"data: "):])
-        except ValueError:
-            return False  # an event cut short: the first chunk ends inside it
+    for event in _events(data):
         choices = event.get("choices") if isinstance(event, dict) else None
         if isinstance(choices, list) and any(isinstance(c, dict) and (_output(c) or c.get("finish_reason"))
                                              for c in choices):
@@ -390,16 +384,21 @@ def stream_error(data: bytes) -> JSON | None:
     Chunks without the word are not parsed: this runs on every streamed decode leg."""
     if b'"error"' not in data:
         return None
+    first = next(_events(data), None)
+    error = first.get("error") if isinstance(first, dict) else None
+    return error if isinstance(error, dict) else None
+
+
+def _events(data: bytes) -> Iterator[Any]:
+    """The JSON events of the first bytes of a stream (`data: {...}` lines), in order, up to the
+    first one cut short (the chunk ends inside it)."""
     for line in data.split(b"\n"):
         if not line.startswith(b"data: {"):
             continue
         try:
-            event = json.loads(line[len(b"data: "):])
+            yield json.loads(line[len(b"data: "):])
         except ValueError:
-            return None
-        error = event.get("error") if isinstance(event, dict) else None
-        return error if isinstance(error, dict) else None
-    return None
+            return
 
 
 def _output(choice: Mapping[str, Any]) -> bool:
