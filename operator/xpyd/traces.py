@@ -101,6 +101,28 @@ def scale_rate(requests: Sequence[TraceRequest], factor: int, *, seed: int = 0) 
     return out
 
 
+def surge(requests: Sequence[TraceRequest], start_s: float, end_s: float, factor: int, *,
+          seed: int = 0) -> list[TraceRequest]:
+    """The requests with those arriving in [start_s, end_s) each `factor` times (`scale_rate` on that
+    span alone): a surge with sharp edges whose traffic keeps the trace's own shape and lengths."""
+    _check_rate_scale(factor)
+    if not end_s > start_s:
+        raise ValueError(f"a surge must end after it starts, not [{start_s:g} s, {end_s:g} s)")
+    inside = [r for r in requests if start_s <= r.arrival_s < end_s]
+    outside = [r for r in requests if not start_s <= r.arrival_s < end_s]
+    return sorted(outside + (scale_rate(inside, factor, seed=seed) if inside else []), key=lambda r: r.arrival_s)
+
+
+def scale_prompts(requests: Sequence[TraceRequest], factor: float, *, max_isl: int) -> list[TraceRequest]:
+    """Every prompt `factor` times as long (rounded, at most `max_isl` tokens), outputs unchanged: a
+    long-context variant of a trace with its arrivals (prefix blocks are dropped: they no longer match)."""
+    if not factor > 0 or not math.isfinite(factor):
+        raise ValueError(f"prompt scale must be a positive number, not {factor}")
+    if max_isl < 1:
+        raise ValueError(f"max_isl must be at least 1, not {max_isl}")
+    return [TraceRequest(r.arrival_s, max(1, min(max_isl, round(r.isl * factor))), r.osl) for r in requests]
+
+
 def _check_rate_scale(factor: int) -> None:
     if isinstance(factor, bool) or not isinstance(factor, int) or factor < 1:
         raise ValueError(f"rate scale must be a whole number of requests per request (1 or more), not {factor!r}")

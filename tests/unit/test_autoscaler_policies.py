@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from dataclasses import replace
 
 import pytest
 
@@ -12,21 +13,19 @@ from xpyd.autoscaler.observation import Desired, Observation, Quantiles, RoleObs
 from xpyd.autoscaler.sizing import Burst, PoolModel, PromptMix
 from xpyd.perf.model import PerfModel
 from xpyd.sim.dynamo import ArimaLikePredictor, DynamoSlaPolicy
-from xpyd.sim.oracle import OraclePolicy, OracleWindow, oracle_gpu_hours, oracle_windows
+from xpyd.sim.oracle import OraclePolicy, SchedulePolicy, _fewest, oracle_schedule
 from xpyd.sim.policies import (
     POLICIES,
     QueueThresholdPolicy,
     XpydPolicy,
     build_policy,
-    queued_work,
     simulate_policy,
-    size_for,
     static_sizes,
 )
 from xpyd.sim.policy import PolicyContext
 from xpyd.sim.report import build_report
-from xpyd.sim.simulator import SimConfig
-from xpyd.traces import TraceRequest, read_trace
+from xpyd.sim.simulator import SimConfig, simulate
+from xpyd.traces import TraceRequest, read_trace, scale_prompts, scale_rate, surge
 
 pytestmark = pytest.mark.unit
 
@@ -173,18 +172,95 @@ def test_dynamo_plans_every_180s_with_its_formulas() -> None:
 
 # --- oracle ------------------------------------------------------------------------------------------
 
-def test_oracle_windows_grow_with_load_and_lead_by_the_startup() -> None:
-    trace = steady_trace(10.0, 60.0) + [TraceRequest(60.0 + i / 120.0, 1000, 100) for i in range(120 * 60)]
-    windows = oracle_windows(trace, PERF, SLO)
+def step_trace() -> list[TraceRequest]:
+    return steady_trace(10.0, 60.0) + [TraceRequest(60.0 + i / 120.0, 1000, 100) for i in range(120 * 60)]
+
+
+def test_oracle_windows_grow_with_load_and_its_replay_meets_every_window() -> None:
+    schedule = oracle_schedule(step_trace(), PERF, SLO)
+    windows = schedule.windows
     assert len(windows) == 2 and windows[1].prefill > windows[0].prefill
-    assert oracle_gpu_hours(windows) == pytest.approx(sum(w.prefill + w.decode for w in windows) * 60 / 3600)
-    policy = OraclePolicy(tuple(windows), lead_s=30.0)
+    assert schedule.met and schedule.feasible
+    assert all(w.attained >= w.goal == 0.95 for w in windows)
+    assert build_report(schedule.result)["attainment"] >= 0.95
+    assert schedule.gpu_hours == pytest.approx(sum(schedule.result.gpu_seconds.values()) / 3600)
+    assert schedule.peak == Desired(max(w.prefill for w in windows), max(w.decode for w in windows))
+    assert schedule.mean.prefill == math.ceil((windows[0].prefill + windows[1].prefill) / 2)
+    policy = OraclePolicy(windows, lead_s=30.0)
     assert policy.decide(Observation(time_s=30.0, window_s=60.0)) == Desired(windows[0].prefill, windows[0].decode)
     assert policy.decide(Observation(time_s=60.0, window_s=60.0)) == Desired(windows[1].prefill, windows[1].decode)
-    early = OraclePolicy(tuple(windows), lead_s=150.0)
+    early = OraclePolicy(windows, lead_s=150.0)
     assert early.decide(Observation(time_s=30.0, window_s=60.0)).prefill == windows[1].prefill
     assert policy.initial == Desired(windows[0].prefill, windows[0].decode)
-    assert OracleWindow(0.0, 60.0, 1, 1, 0) != windows[0]
+
+
+def test_the_oracle_is_the_fewest_the_simulator_shows_meeting_the_target() -> None:
+    """One prefill or decode replica fewer in the busy window misses its goal in the same replay."""
+    schedule = oracle_schedule(step_trace(), PERF, SLO)
+    busy = schedule.windows[1]
+    for fewer in (replace(busy, prefill=busy.prefill - 1), replace(busy, decode=busy.decode - 1)):
+        if min(fewer.prefill, fewer.decode) < 1:
+            continue
+        windows = (schedule.windows[0], fewer)
+        result = simulate(step_trace(), PERF, SimConfig(prefill=windows[0].prefill, decode=windows[0].decode,
+                                                        slo=SLO, startup_delay_s=0.0, interval_s=60.0),
+                          SchedulePolicy(windows))
+        tpot = result.tpot_s()
+        late = [i for i, t in enumerate(result.arrival_s) if t >= 60.0]
+        good = sum(1 for i in late if result.ttft_s[i] <= SLO.ttft_s and tpot[i] <= SLO.tpot_s)
+        assert good / len(late) < 0.95, fewer
+
+
+def fixture_workloads() -> dict[str, tuple[list[TraceRequest], Slo]]:
+    """The evaluation's kinds of workload on the fixture slices: each trace at a rate that needs
+    several replicas, a surge built from one, a long-context variant of one."""
+    conv = read_trace(FIXTURE_TRACES / "azure_conv_2023_600s_240s.csv")
+    code = [r for r in read_trace(FIXTURE_TRACES / "azure_code_2023_600s_720s.csv") if r.arrival_s < 180.0]
+    mooncake = read_trace(FIXTURE_TRACES / "mooncake_synthetic_head50.jsonl")
+    long_slo = Slo(ttft_s=3.0, tpot_s=0.030)
+    return {
+        "conv": (scale_rate(conv, 4), SLO),
+        "code": (scale_rate(code, 4), SLO),
+        "mooncake": (scale_rate(mooncake, 4), long_slo),
+        "surge": (surge(scale_rate(conv, 2), 60.0, 120.0, 4), SLO),
+        "long": (scale_prompts(scale_rate(conv, 2), 8.0, max_isl=32768), long_slo),
+    }
+
+
+@pytest.mark.parametrize("name", ["conv", "code", "mooncake", "surge", "long"])
+def test_the_oracle_meets_the_target_on_every_kind_of_workload(name: str) -> None:
+    trace, slo = fixture_workloads()[name]
+    schedule = oracle_schedule(trace, PERF, slo)
+    assert schedule.feasible and schedule.met, [(w.prefill, w.decode, w.attained) for w in schedule.windows]
+    report = build_report(schedule.result)
+    assert report["attainment"] >= 0.95
+    assert max(w.prefill + w.decode for w in schedule.windows) >= 3   # a pool to size, not one pair
+
+
+def test_a_window_an_idle_pool_cannot_serve_is_infeasible_at_its_slo() -> None:
+    too_long = [TraceRequest(i * 0.5, 60_000 if i % 4 == 0 else 1000, 20) for i in range(100)]
+    schedule = oracle_schedule(too_long, PERF, SLO)
+    assert not schedule.feasible
+    assert all(w.goal == pytest.approx(0.95 * 0.75) for w in schedule.windows if w.requests == 50)
+    assert schedule.met   # the feasible requests' share of the goal is still met
+
+
+@pytest.mark.parametrize(("start", "threshold", "limit", "expected"), [
+    (1, 5, 64, 5), (9, 5, 64, 5), (5, 5, 64, 5), (40, 1, 64, 1), (1, 63, 64, 63), (1, 65, 64, None),
+    (100, 3, 64, 3),
+])
+def test_fewest_searches_outward_from_its_start(start: int, threshold: int, limit: int,
+                                                expected: int | None) -> None:
+    tried: list[int] = []
+
+    def meets(n: int) -> bool:
+        tried.append(n)
+        return n >= threshold
+
+    assert _fewest(start, meets, limit) == expected
+    assert all(1 <= n <= limit for n in tried)
+    if expected is not None:
+        assert len(tried) <= 2 * max(1, abs(expected - min(start, limit))).bit_length() + 3
 
 
 # --- registry and end to end --------------------------------------------------------------------------
@@ -193,38 +269,20 @@ def test_registry_holds_every_policy() -> None:
     assert {"static", "xpyd", "static-peak", "static-mean", "queue-threshold", "dynamo-sla", "oracle"} <= set(POLICIES)
     context = PolicyContext(Desired(1, 1), SLO, PERF, 30.0, 120.0, steady_trace(20.0, 120.0))
     assert isinstance(build_policy("xpyd", context), XpydPolicy)
-    ramp = steady_trace(5.0, 60.0) + [TraceRequest(60 + i / 80, 1000, 100) for i in range(4800)]
-    peak, mean = static_sizes(MODEL, ramp, peak=True), static_sizes(MODEL, ramp, peak=False)
-    assert peak.prefill >= mean.prefill and peak.decode >= mean.decode
     with pytest.raises(ValueError, match="trace"):
         build_policy("static-peak", PolicyContext(Desired(1, 1), SLO, PERF, 30.0, 120.0))
 
 
-def batched_trace() -> list[TraceRequest]:
-    """15 req/s on average, arriving as one batch of 150 every 10 s (240 s)."""
-    return [TraceRequest(10.0 * (i // 150) + 0.001 * (i % 150), 2000, 50) for i in range(150 * 24)]
-
-
-def test_static_peak_sizes_the_busiest_window_for_its_bursts_as_well() -> None:
-    trace = batched_trace()
-    poisson_view = size_for(MODEL, trace[:1500], 60.0, bursts=False)
-    bursts = size_for(MODEL, trace[:1500], 60.0)
-    # The rate (25 req/s x 2000 tokens) fits two replicas; 300k tokens arriving at once do not.
-    assert poisson_view.prefill == 2 and bursts.prefill > 4
-    assert static_sizes(MODEL, trace, peak=True).prefill == bursts.prefill
-    assert static_sizes(MODEL, trace, peak=False).prefill == size_for(MODEL, trace, trace[-1].arrival_s,
-                                                                      bursts=False).prefill
-    # Spread evenly the same load queues nothing: the burst term adds no replica.
-    even = steady_trace(25.0, 60.0, isl=2000, osl=50)
-    assert size_for(MODEL, even, 60.0) == size_for(MODEL, even, 60.0, bursts=False)
-
-
-def test_queued_work_is_the_work_ahead_on_arrival() -> None:
-    batch = [TraceRequest(0.0, 1000, 10) for _ in range(10)]
-    work = queued_work(MODEL, batch, 2)
-    assert (work.work_p50, work.work_p90, work.work_p99) == (5000.0, 9000.0, 9000.0)
-    spaced = [TraceRequest(float(i), 1000, 10) for i in range(10)]
-    assert queued_work(MODEL, spaced, 1).work_p99 == 0.0
+def test_static_baselines_come_from_the_oracle_and_run_from_the_start() -> None:
+    trace = step_trace()
+    schedule = oracle_schedule(trace, PERF, SLO)
+    assert static_sizes(schedule, peak=True) == schedule.peak
+    assert static_sizes(schedule, peak=False) == schedule.mean
+    assert schedule.peak.prefill > schedule.mean.prefill or schedule.peak.decode > schedule.mean.decode
+    result = simulate_policy("static-peak", trace, PERF, SimConfig(prefill=1, decode=1, slo=SLO))
+    first = result.replicas[0]
+    assert (first.prefill_ready, first.decode_ready) == (schedule.peak.prefill, schedule.peak.decode)
+    assert result.scaling_actions == 0 and build_report(result)["attainment"] >= 0.95
 
 
 @pytest.mark.parametrize("name", ["xpyd", "static-peak", "static-mean", "queue-threshold", "dynamo-sla"])

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from xpyd.traces import TraceError, TraceRequest, load_trace, read_trace, scale_rate
+from xpyd.traces import TraceError, TraceRequest, load_trace, read_trace, scale_prompts, scale_rate, surge
 
 pytestmark = pytest.mark.unit
 
@@ -117,6 +117,32 @@ def test_rate_scale_in_load_trace_and_bad_factors(tmp_path: Path) -> None:
     for factor in (0, -2, 2.5, True):
         with pytest.raises(ValueError, match="rate scale"):
             load_trace(AZURE, rate_scale=factor)  # type: ignore[arg-type]
+
+
+def test_surge_multiplies_only_its_span() -> None:
+    requests = [TraceRequest(i / 2, 100 + i, 10) for i in range(40)]   # 2 req/s for 20 s
+    surged = surge(requests, 5.0, 10.0, 3, seed=1)
+    per_second = [sum(1 for r in surged if s <= r.arrival_s < s + 1) for s in range(20)]
+    assert per_second[:5] == [2] * 5 and per_second[10:] == [2] * 10
+    assert sum(per_second[5:10]) == 30 and len(surged) == 40 + 20
+    assert [r.arrival_s for r in surged] == sorted(r.arrival_s for r in surged)
+    assert sorted(r.isl for r in surged if 5.0 <= r.arrival_s < 10.0) == sorted(
+        r.isl for r in requests if 5.0 <= r.arrival_s < 10.0 for _ in range(3))
+    assert surge(requests, 30.0, 40.0, 5) == requests       # nothing arrives in the span
+    with pytest.raises(ValueError, match="end after it starts"):
+        surge(requests, 5.0, 5.0, 2)
+    with pytest.raises(ValueError, match="rate scale"):
+        surge(requests, 5.0, 6.0, 0)
+
+
+def test_scale_prompts_lengthens_prompts_within_the_cap() -> None:
+    requests = [TraceRequest(0.0, 1000, 7, (1, 2)), TraceRequest(1.0, 5000, 9), TraceRequest(2.0, 1, 3)]
+    assert scale_prompts(requests, 4.0, max_isl=16_000) == [
+        TraceRequest(0.0, 4000, 7), TraceRequest(1.0, 16_000, 9), TraceRequest(2.0, 4, 3)]
+    assert [r.isl for r in scale_prompts(requests, 0.001, max_isl=100)] == [1, 5, 1]
+    for factor, cap, message in ((0.0, 10, "prompt scale"), (float("inf"), 10, "prompt scale"), (2.0, 0, "max_isl")):
+        with pytest.raises(ValueError, match=message):
+            scale_prompts(requests, factor, max_isl=cap)
 
 
 @pytest.mark.parametrize(("name", "text", "message"), [

@@ -1,112 +1,303 @@
-"""`oracle`: the hindsight lower bound on GPU-hours (`docs/evaluation.md`).
+"""`oracle`: the hindsight bound on GPU-hours, found by search in the simulator itself
+(`docs/evaluation.md`).
 
-The trace is cut into windows (60 s). For each window, by simulation from a warm state (the
-previous `warmup_s` of the true arrivals replayed first, at the same sizes) it finds the fewest
-prefill replicas for which `attainment` of the window's feasible requests meet the TTFT target
-with decode unconstrained, and the fewest decode replicas for which `attainment` of them meet the
-TPOT target with prefill unconstrained. A request is feasible for TTFT when an idle pool serves it
-within the target (`PerfModel.ttft_seconds(isl, disaggregated=True)`); the others miss it whatever
-the sizes, and no size is spent on them. Start-up is ignored: the policy asks for each window's
-sizes `startup_delay_s + interval_s` ahead (run it with a zero start-up delay for the bound itself).
-Since each role is sized with the other unconstrained, running both minimal together may attain a
-little less than `attainment`: it is a bound, not a policy.
+The trace is cut into windows (60 s). Window by window it finds the fewest prefill and decode
+replicas with which the simulator shows `attainment` of the window's requests meeting both SLOs:
+each candidate is tried by replaying the previous window's arrivals at the sizes already chosen for
+it (so the queue the window inherits is carried over), then the window's arrivals at the candidate's
+sizes until the last of them finishes. Prefill is searched first with decode roomy, then decode with
+that prefill (prefill grows by one when no decode reaches the goal). The sizes are the simulator's
+answer, not the autoscaler's model's: the model only gives the search its first guess.
+
+Then the whole schedule is replayed (sizes change at window boundaries, start-up ignored, drained
+replicas count until they are idle): a window that misses its goal in the replay gets one more
+replica of the role behind the miss (prefill when TTFT alone misses it) and the replay repeats, until
+every window meets its goal or `rounds` replays have been made. `OracleSchedule.met` says which; the
+bound is the last replay's GPU-hours, so what the bound claims is what the simulator showed.
+
+A request an idle pool cannot serve within the TTFT target (`PerfModel.ttft_seconds(isl,
+disaggregated=True)`), or that fits no engine's KV cache, misses whatever the sizes: a window whose
+feasible share is below `attainment` has as goal `attainment` of its feasible share and is marked
+infeasible (`OracleWindow.feasible`): the workload cannot meet the target at that SLO.
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
-from dataclasses import dataclass
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, replace
 
 from xpyd.autoscaler.observation import Desired, Observation, Slo
-from xpyd.autoscaler.sizing import PoolModel, PromptMix
+from xpyd.autoscaler.sizing import PoolModel
 from xpyd.perf.model import PerfModel
-from xpyd.sim.core import EngineConfig
-from xpyd.sim.simulator import SimConfig, simulate
+from xpyd.sim.core import EngineConfig, EngineCore
+from xpyd.sim.policy import StaticPolicy
+from xpyd.sim.simulator import SimConfig, SimResult, simulate
 from xpyd.traces import TraceRequest
 
 WINDOW_S = 60.0
-WARMUP_S = 60.0
 ATTAINMENT = 0.95
 MAX_REPLICAS = 256
+ROUNDS = 8
 
 
 @dataclass(frozen=True)
 class OracleWindow:
-    """The fewest replicas meeting the targets for the arrivals in [start_s, end_s)."""
+    """The fewest replicas found for the arrivals in [start_s, end_s), with what the schedule's replay
+    showed: `attained` of the window's requests met both SLOs against a `goal`."""
 
     start_s: float
     end_s: float
     prefill: int
     decode: int
     requests: int
+    goal: float = ATTAINMENT
+    attained: float = math.nan
+    feasible: bool = True
 
 
-def oracle_windows(trace: Sequence[TraceRequest], perf: PerfModel, slo: Slo, engine: EngineConfig | None = None,
-                   window_s: float = WINDOW_S, warmup_s: float = WARMUP_S,
-                   attainment: float = ATTAINMENT) -> list[OracleWindow]:
-    """Per-window minimal sizes by simulation (see the module docstring)."""
+@dataclass(frozen=True)
+class OracleSchedule:
+    """The oracle's windows and its verifying replay (`result`: start-up ignored)."""
+
+    windows: tuple[OracleWindow, ...]
+    result: SimResult
+    rounds: int
+
+    @property
+    def met(self) -> bool:
+        """Whether the replay met every window's goal."""
+        return all(w.attained >= w.goal for w in self.windows)
+
+    @property
+    def feasible(self) -> bool:
+        """Whether every window could meet the attainment target at all (see the module docstring)."""
+        return all(w.feasible for w in self.windows)
+
+    @property
+    def gpu_hours(self) -> float:
+        """The bound: GPU time of the verifying replay, in hours."""
+        return sum(self.result.gpu_seconds.values()) / 3600.0
+
+    @property
+    def peak(self) -> Desired:
+        """Each role's largest size over the windows."""
+        return Desired(max(w.prefill for w in self.windows), max(w.decode for w in self.windows))
+
+    @property
+    def mean(self) -> Desired:
+        """Each role's time-weighted mean size over the windows, rounded up."""
+        span = sum(w.end_s - w.start_s for w in self.windows)
+        def average(role: str) -> int:
+            total = sum(getattr(w, role) * (w.end_s - w.start_s) for w in self.windows) / span
+            return max(1, math.ceil(total - 1e-9))
+        return Desired(average("prefill"), average("decode"))
+
+
+@dataclass(frozen=True)
+class SchedulePolicy:
+    """Each window's sizes from its start (ticks at the window boundaries): the oracle's replay."""
+
+    windows: tuple[OracleWindow, ...]
+
+    def decide(self, observation: Observation) -> Desired:
+        """The sizes of the window holding `observation.time_s` (the last after the trace)."""
+        now = observation.time_s
+        current = next((w for w in self.windows if w.start_s <= now < w.end_s), self.windows[-1])
+        return Desired(current.prefill, current.decode)
+
+
+def oracle_schedule(trace: Sequence[TraceRequest], perf: PerfModel, slo: Slo, engine: EngineConfig | None = None,
+                    window_s: float = WINDOW_S, attainment: float = ATTAINMENT, rounds: int = ROUNDS,
+                    seed: int = 0) -> OracleSchedule:
+    """Per-window fewest sizes by search, verified by replaying the schedule (the module docstring)."""
+    if not trace:
+        raise ValueError("the oracle needs the trace's requests")
+    if trace[0].arrival_s < 0:
+        raise ValueError(f"the trace's arrivals must start at 0 s or later, not {trace[0].arrival_s:g} s")
     engine = engine or EngineConfig()
     model = PoolModel(perf, slo.ttft_s, slo.tpot_s, max_num_batched_tokens=engine.max_num_batched_tokens,
                       max_num_seqs=engine.max_num_seqs)
-    end = trace[-1].arrival_s
-    count = int(end // window_s) + 1
+    capacity = EngineCore(perf, engine).capacity
+    possible = [r.isl + r.osl <= capacity and perf.ttft_seconds(r.isl, disaggregated=True) <= slo.ttft_s
+                for r in trace]
+    bounds = _window_bounds(trace, window_s)
+    search = _WindowSearch(trace, perf, slo, engine, seed)
     windows: list[OracleWindow] = []
-    for index in range(count):
-        start = index * window_s
-        stop = start + window_s
-        inside = [r for r in trace if start <= r.arrival_s < stop]
-        if not inside:
-            windows.append(OracleWindow(start, stop, 1, 1, 0))
+    previous: Desired | None = None
+    for index, (first, stop) in enumerate(bounds):
+        start_s, end_s = index * window_s, (index + 1) * window_s
+        count = stop - first
+        if count == 0:
+            sizes = Desired(1, 1) if previous is None else previous
+            windows.append(OracleWindow(start_s, end_s, sizes.prefill, sizes.decode, 0, 0.0, 1.0))
+            previous = sizes
             continue
-        origin = max(0.0, start - warmup_s)
-        replay = [TraceRequest(r.arrival_s - origin, r.isl, r.osl) for r in trace if origin <= r.arrival_s < stop]
-        first = len(replay) - len(inside)
-        feasible = [i for i, r in enumerate(replay) if i >= first
-                    and perf.ttft_seconds(r.isl, disaggregated=True) <= slo.ttft_s]
-        good_tpot = [i for i, r in enumerate(replay) if i >= first and r.osl > 1]
-        rate = len(inside) / window_s
-        mix = PromptMix.from_samples([r.isl for r in inside])
-        osl = sum(r.osl for r in inside) / len(inside)
-        decode_guess = model.size_decode(rate, mix.mean, osl).replicas
-        prefill_floor = max(1, math.floor(rate * mix.mean / model.saturated_tokens_per_s()))
-        decode_floor = max(1, math.floor(decode_guess / 2))
-        roomy_decode = 2 * decode_guess + 2
-        roomy_prefill = 2 * prefill_floor + 3
+        share = sum(possible[first:stop]) / count
+        feasible = share >= attainment
+        goal = attainment if feasible else attainment * share
+        warm = bounds[index - 1][0] if index > 0 and previous is not None else first
+        sizes = search.fewest(warm, first, stop, start_s, previous, goal, _hint(model, trace[first:stop], window_s,
+                                                                              previous))
+        windows.append(OracleWindow(start_s, end_s, sizes.prefill, sizes.decode, count, goal, math.nan, feasible))
+        previous = sizes
 
-        prefill = prefill_floor
-        while (prefill < MAX_REPLICAS
-               and _share(replay, perf, slo, engine, prefill, roomy_decode, feasible) < attainment):
+    result = None
+    for made in range(1, rounds + 1):
+        result = simulate(trace, perf, _replay_config(windows, slo, engine, window_s, seed),
+                          SchedulePolicy(tuple(windows)), name="oracle")
+        ttft_share, both_share = _window_shares(result, bounds, slo)
+        windows = [w if w.requests == 0 else
+                   replace(w, attained=both_share[i]) for i, w in enumerate(windows)]
+        missed = [i for i, w in enumerate(windows) if w.requests and w.attained < w.goal]
+        if not missed or made == rounds:
+            return OracleSchedule(tuple(windows), result, made)
+        for i in missed:
+            w = windows[i]
+            if ttft_share[i] < w.goal and w.prefill < MAX_REPLICAS:
+                windows[i] = replace(w, prefill=w.prefill + 1)
+            elif w.decode < MAX_REPLICAS:
+                windows[i] = replace(w, decode=w.decode + 1)
+    raise AssertionError("unreachable")   # rounds >= 1 returns in the loop
+
+
+def _window_bounds(trace: Sequence[TraceRequest], window_s: float) -> list[tuple[int, int]]:
+    """Per window, the [first, stop) indices of the requests arriving in it (the trace is sorted)."""
+    count = int(trace[-1].arrival_s // window_s) + 1
+    bounds: list[tuple[int, int]] = []
+    index = 0
+    for window in range(count):
+        first = index
+        end = (window + 1) * window_s
+        while index < len(trace) and trace[index].arrival_s < end:
+            index += 1
+        bounds.append((first, index))
+    return bounds
+
+
+def _replay_config(windows: Sequence[OracleWindow], slo: Slo, engine: EngineConfig, window_s: float,
+                   seed: int) -> SimConfig:
+    return SimConfig(prefill=windows[0].prefill, decode=windows[0].decode, slo=slo, startup_delay_s=0.0,
+                     interval_s=window_s, window_s=window_s, seed=seed, engine=engine)
+
+
+def _window_shares(result: SimResult, bounds: Sequence[tuple[int, int]], slo: Slo) -> tuple[list[float], list[float]]:
+    """Per window, the share of its requests meeting TTFT, and both SLOs (NaN latencies miss)."""
+    tpot = result.tpot_s()
+    ttft_share, both_share = [], []
+    for first, stop in bounds:
+        if stop == first:
+            ttft_share.append(1.0)
+            both_share.append(1.0)
+            continue
+        fast = [result.ttft_s[i] <= slo.ttft_s for i in range(first, stop)]
+        good = sum(1 for i, ok in zip(range(first, stop), fast, strict=True) if ok and tpot[i] <= slo.tpot_s)
+        ttft_share.append(sum(fast) / (stop - first))
+        both_share.append(good / (stop - first))
+    return ttft_share, both_share
+
+
+def _hint(model: PoolModel, requests: Sequence[TraceRequest], window_s: float, previous: Desired | None) -> Desired:
+    """Where the search starts: the previous window's sizes, else the fluid prefill bound and the
+    model's decode sizes."""
+    if previous is not None:
+        return previous
+    rate = len(requests) / window_s
+    isl = sum(r.isl for r in requests) / len(requests)
+    osl = sum(r.osl for r in requests) / len(requests)
+    prefill = max(1, math.floor(rate * isl / model.saturated_tokens_per_s()))
+    return Desired(prefill, model.size_decode(rate, isl, osl).replicas)
+
+
+@dataclass
+class _WindowSearch:
+    trace: Sequence[TraceRequest]
+    perf: PerfModel
+    slo: Slo
+    engine: EngineConfig
+    seed: int
+
+    def fewest(self, warm: int, first: int, stop: int, start_s: float, previous: Desired | None, goal: float,
+               hint: Desired) -> Desired:
+        """The fewest prefill, then decode, meeting `goal` for requests [first, stop) (arrivals from `warm`
+        replayed at `previous`)."""
+        origin = self.trace[warm].arrival_s if warm < first else start_s
+        origin = min(origin, start_s)
+        replay = [TraceRequest(r.arrival_s - origin, r.isl, r.osl) for r in self.trace[warm:stop]]
+        inside = range(first - warm, stop - warm)
+        switch_s = start_s - origin
+        cache: dict[tuple[int, int], tuple[float, float]] = {}
+
+        def shares(prefill: int, decode: int) -> tuple[float, float]:
+            if (prefill, decode) not in cache:
+                cache[prefill, decode] = self._shares(replay, inside, previous if warm < first else None, switch_s,
+                                                      Desired(prefill, decode))
+            return cache[prefill, decode]
+
+        roomy = 2 * hint.decode + 2
+        limit = max(roomy, 4 * hint.decode + 8)
+        prefill = _fewest(hint.prefill, lambda p: shares(p, roomy)[0] >= goal, MAX_REPLICAS) or MAX_REPLICAS
+        # A prefill that only just meets TTFT leaves no slack for TPOT misses among the same requests,
+        # which decode then buys back dearly: the fewest replicas in all may have more prefill.
+        best: Desired | None = None
+        guess, last = hint.decode, min(MAX_REPLICAS, prefill + 8)
+        while prefill <= last and (best is None or prefill + 1 < best.prefill + best.decode):
+            decode = _fewest(guess, lambda d, p=prefill: shares(p, d)[1] >= goal, limit)
+            if decode is not None:
+                if best is None or prefill + decode < best.prefill + best.decode:
+                    best = Desired(prefill, decode)
+                guess = decode
             prefill += 1
-        decode = decode_floor
-        while decode < MAX_REPLICAS and _share(replay, perf, slo, engine, max(prefill, roomy_prefill), decode,
-                                               good_tpot, tpot=True) < attainment:
-            decode += 1
-        windows.append(OracleWindow(start, stop, prefill, decode, len(inside)))
-    return windows
+        return best or Desired(last, limit)   # not met: the replay shows by how much
+
+    def _shares(self, replay: Sequence[TraceRequest], inside: range, previous: Desired | None, switch_s: float,
+                sizes: Desired) -> tuple[float, float]:
+        start = previous or sizes
+        config = SimConfig(prefill=start.prefill, decode=start.decode, slo=self.slo, startup_delay_s=0.0,
+                           interval_s=switch_s if previous is not None and switch_s > 0 else 1e9,
+                           seed=self.seed, engine=self.engine)
+        result = simulate(replay, self.perf, config, StaticPolicy(sizes))
+        ttft, tpot = result.ttft_s, result.tpot_s()
+        fast = sum(1 for i in inside if ttft[i] <= self.slo.ttft_s)
+        good = sum(1 for i in inside if ttft[i] <= self.slo.ttft_s and tpot[i] <= self.slo.tpot_s)
+        return fast / len(inside), good / len(inside)
 
 
-def _share(replay: Sequence[TraceRequest], perf: PerfModel, slo: Slo, engine: EngineConfig, prefill: int,
-           decode: int, requests: Sequence[int], tpot: bool = False) -> float:
-    """Share of `requests` (indices into `replay`) meeting the TTFT (or TPOT) target at these sizes."""
-    if not requests:
-        return 1.0
-    config = SimConfig(prefill=prefill, decode=decode, slo=slo, startup_delay_s=0.0, interval_s=1e6, engine=engine)
-    result = simulate(replay, perf, config)
-    if tpot:
-        per_token = result.tpot_s()
-        return sum(1 for i in requests if per_token[i] <= slo.tpot_s) / len(requests)
-    return sum(1 for i in requests if result.ttft_s[i] <= slo.ttft_s) / len(requests)
-
-
-def oracle_gpu_hours(windows: Sequence[OracleWindow], prefill_gpus: int = 1, decode_gpus: int = 1) -> float:
-    """The bound itself: every window's sizes for the window's length, in GPU-hours."""
-    return sum((w.prefill * prefill_gpus + w.decode * decode_gpus) * (w.end_s - w.start_s) for w in windows) / 3600.0
+def _fewest(start: int, meets: Callable[[int], bool], limit: int) -> int | None:
+    """The fewest n in [1, limit] with `meets(n)` (taken as monotone), searched outward from `start`:
+    galloping down or up, then bisection. None if even `limit` does not meet it."""
+    n = min(max(1, start), limit)
+    if meets(n):
+        low, high, step = 0, n, 1          # low: known to miss (0 always does), high: known to meet
+        while high - step >= 1:
+            if meets(high - step):
+                high -= step
+                step *= 2
+            else:
+                low = high - step
+                break
+    else:
+        low, step = n, 1
+        while True:
+            candidate = min(limit, low + step)
+            if meets(candidate):
+                high = candidate
+                break
+            if candidate >= limit:
+                return None
+            low, step = candidate, step * 2
+    while high - low > 1:
+        middle = (low + high) // 2
+        if meets(middle):
+            high = middle
+        else:
+            low = middle
+    return high
 
 
 @dataclass(frozen=True)
 class OraclePolicy:
-    """Follows the precomputed windows, asking `lead_s` (start-up + interval) ahead for every window
+    """Follows the oracle's windows, asking `lead_s` (start-up + interval) ahead for every window
     the next replicas will serve."""
 
     windows: tuple[OracleWindow, ...]
