@@ -28,6 +28,7 @@ from xpyd.autoscaler.decide import (
     RoleBounds,
     RoleState,
     decide,
+    drain_budget_s,
     metrics_problem,
     pd_ratio,
     quantile_at,
@@ -224,6 +225,89 @@ def test_forecast_sizes_for_the_load_after_the_startup_delay() -> None:
         state = decision.state
     assert decision.state.rate.trend_per_s > 0
     assert "(forecast; now 50.0)" in decision.prefill.message
+
+
+# --- backlog --------------------------------------------------------------------------------------------
+
+def backlog_observation(waiting: float, prefill: int = 2, rate: float = 20.0, pool: RoleObservation | None = None,
+                        **overrides: Any) -> Observation:
+    fields: dict[str, Any] = {"ttft_seconds": Quantiles(4.0, 6.0, 8.0, 4.5)} | overrides
+    obs = observation(rate=rate, prefill=prefill, **fields)
+    return dataclasses.replace(obs, prefill=pool or role(prefill, num_requests_waiting=waiting))
+
+
+def test_queued_prompt_work_is_drained_within_the_horizon_on_top_of_the_load() -> None:
+    """30,000 prompts of 1,000 tokens queued: what serves 20 req/s and drains 30M tokens within the
+    sizing horizon, in one step."""
+    assert drain_budget_s(CONFIG) == CONFIG.horizon_s == 180.0
+    obs = backlog_observation(30_000.0)
+    decision = decide(obs, CONFIG, settled(2, 3))
+    per_replica = MODEL.saturated_tokens_per_s()
+    offered = 20.0 * 1000.0
+    expected = math.ceil((offered + 30_000 * 1000.0 / drain_budget_s(CONFIG)) / per_replica)
+    assert expected > 3                                  # more than +1, and more than the load needs
+    assert decision.prefill.replicas == min(expected, 2 + CONFIG.scale_up.max_step)
+    assert decision.prefill.reason == PREFILL_QUEUEING
+    assert "backlog 30000.0k prompt tokens queued" in decision.prefill.message
+    # The stabilisation window remembers the load's size, not the queue's.
+    assert decision.state.prefill.recommendations[-1][1] < expected
+
+
+def test_a_cold_pool_orders_what_the_load_and_the_queue_building_over_start_up_need_at_once() -> None:
+    """1 prefill replica at three times its capacity: the queue keeps building for the start-up delay, and
+    one decision orders what drains it, not one replica after another."""
+    per_replica = MODEL.saturated_tokens_per_s()
+    rate = 3 * per_replica / 1000.0
+    obs = backlog_observation(50.0, prefill=1, rate=rate)
+    config = dataclasses.replace(CONFIG, scale_up=dataclasses.replace(CONFIG.scale_up, max_step=64))
+    decision = decide(obs, config, settled(1, 3))
+    building = (rate * 1000.0 - per_replica) * config.startup_s
+    expected = math.ceil((rate * 1000.0 + (50 * 1000.0 + building) / drain_budget_s(config)) / per_replica - 1e-9)
+    assert decision.prefill.replicas == expected > 3
+    assert f"building over {config.startup_s:.0f}s of start-up" in decision.prefill.message
+    # Half-way through their start-up the same queue, grown as foreseen, orders nothing more.
+    started = dataclasses.replace(decision.state, prefill=dataclasses.replace(
+        decision.state.prefill, starting_since_s=600.0))
+    grown = 50.0 + (rate - per_replica / 1000.0) * 60.0
+    later = backlog_observation(grown, rate=rate, time_s=660.0,
+                                pool=role(expected, ready=1, starting=expected - 1, num_requests_waiting=grown))
+    assert decide(later, config, started).prefill.replicas == expected
+
+
+def test_a_pool_keeps_the_replicas_its_queue_needs_while_the_queue_lasts() -> None:
+    state = settled(6, 3)
+    state = dataclasses.replace(state, prefill=dataclasses.replace(
+        state.prefill, recommendations=tuple((t, 2) for t, _ in state.prefill.recommendations)))
+    quiet = decide(observation(prefill=6), CONFIG, state)
+    assert quiet.prefill.reason == SCALE_DOWN and quiet.prefill.replicas == 5
+    # A queue that 5.5 replicas drain within the budget besides serving the load.
+    waiting = (5.5 * MODEL.saturated_tokens_per_s() - 20.0 * 1000.0) * drain_budget_s(CONFIG) / 1000.0
+    queued = decide(backlog_observation(waiting, prefill=6, ttft_seconds=FAST_TTFT), CONFIG, state)
+    assert queued.prefill.replicas == 6 and queued.prefill.recommended == 6
+    assert queued.prefill.reason == PREFILL_QUEUEING and "backlog" in queued.prefill.message
+
+
+def test_requests_waiting_for_decode_admission_order_decode_within_the_horizon() -> None:
+    obs = dataclasses.replace(observation(), decode=role(3, num_requests_waiting=15_000.0))
+    decision = decide(obs, CONFIG, settled(2, 3))
+    waiting = 15_000.0 - 20.0 * PERF.kv_transfer_seconds(1000)
+    expected = MODEL.size_decode(20.0 + waiting / drain_budget_s(CONFIG), 1000.0, 200.0).replicas
+    assert decision.decode.replicas == min(expected, 3 + CONFIG.scale_up.max_step) > 3
+    assert decision.decode.reason == DECODE_ADMISSION
+    assert "requests waiting for decode admission" in decision.decode.message
+    # Requests whose KV is in flight are no backlog.
+    in_flight = dataclasses.replace(observation(),
+                                    decode=role(3, num_requests_waiting=20.0 * PERF.kv_transfer_seconds(1000)))
+    assert decide(in_flight, CONFIG, settled(2, 3)).decode.replicas == 3
+
+
+def test_a_tpot_breach_adds_no_decode_while_the_window_still_shows_the_smaller_pool() -> None:
+    slow = {"tpot_seconds": Quantiles(0.02, 0.027, 0.03, 0.022)}
+    fresh = settled(2, 3, last_scale_up_s=600.0 - CONFIG.startup_s - 30.0)
+    held = decide(observation(**slow), CONFIG, fresh)
+    assert held.decode.replicas == 3 and "still holds the pool before its last scale-up" in held.decode.message
+    old = settled(2, 3, last_scale_up_s=600.0 - CONFIG.startup_s - CONFIG.window_s)
+    assert decide(observation(**slow), CONFIG, old).decode.replicas == 4
 
 
 # --- pace: fast up, slow down ------------------------------------------------------------------------

@@ -44,15 +44,21 @@ The rules, in order (each named in the decision's CamelCase reason and message):
    short prefill queue while decode admission is blocked (KV nearly full, at `max_num_seqs`, or
    requests waiting beyond the KV hand-offs in flight) is decode's (`DecodeAdmission`); a TPOT
    breach is decode's (`TpotOverTarget`). The guilty role gets at least one replica more than it
-   has (unless replicas of it are already starting), the other role none for that symptom.
-6. Stability: up at once (minimum over the up-window, by at most `scale_up.max_step`); down only to
+   has (unless replicas of it are already starting, or, for TPOT, the window still reaches back to
+   before its last scale-up's replicas served), the other role none for that symptom.
+6. Backlog: each role also gets what serves the load and drains the work queued now (`_backlog`):
+   prefill the queued prompt tokens plus what keeps queueing until replicas ordered now serve,
+   decode the requests waiting for admission, each drained within the sizing horizon.
+   Recommended while the queue lasts, never remembered by the stabilisation windows.
+7. Stability: up at once (minimum over the up-window, but never below the backlog's size, by at
+   most `scale_up.max_step`); down only to
    the maximum recommendation over the down-window, by at most `scale_down.max_step`, never within
    the grace period after the role grew, and only if the model says both SLOs hold at the smaller
    size with `down_margin` more load (the N-1 check).
-7. Reality: replicas Pending for lack of GPUs are not capacity and stop further scale-up of their
+8. Reality: replicas Pending for lack of GPUs are not capacity and stop further scale-up of their
    role only (`InsufficientGPUs`, reported as Degraded); starting replicas count as coming capacity
    for at most twice the start-up time; min/max bounds apply last, at once.
-8. GPU budget: when P and D together want more GPUs than the budget, GPUs go one at a time to the
+9. GPU budget: when P and D together want more GPUs than the budget, GPUs go one at a time to the
    role whose predicted SLO violation the next replica reduces most (`GPUBudgetBinding`).
 """
 
@@ -60,6 +66,7 @@ from __future__ import annotations
 
 import itertools
 import math
+from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING
 
@@ -385,6 +392,7 @@ class _Plan:
     expected_requests: float          # the requests the burst memory's span brings at the current rate
     burst_replicas: int               # prefill replicas keeping the bursts' misses within the error budget
     k_prefill: float = 1.0
+    backlog: Mapping[str, int] = field(default_factory=dict)   # per role: replicas the queued work needs
 
     @property
     def prefill_replicas(self) -> int:
@@ -493,8 +501,24 @@ def decide(observation: Observation, config: AutoscalerConfig, state: Autoscaler
         bumped = capacity + 1 if role.starting == 0 else role.replicas
         if role.starting:
             message += f" ({role.starting} already starting: not adding more for this symptom)"
+        elif reason == TPOT_OVER_TARGET and _unsettled(state.role(role_name), now, config):
+            bumped = role.replicas
+            message += (f" (the window still holds the pool before its last scale-up at "
+                        f"t={state.role(role_name).last_scale_up_s:.0f}s: not adding more for this symptom)")
         recommended[role_name] = max(recommended[role_name], bumped)
         reasons[role_name], messages[role_name] = reason, message
+
+    # The work already queued: the replicas that drain it within the drain budget as well as serve the load.
+    backlog = _backlog(observation, config, plan, state.prefill, k_prefill, k_decode)
+    plan = replace(plan, backlog={name: replicas for name, (replicas, _) in backlog.items()})
+    remembered = dict(recommended)   # what the stabilisation windows keep: the load's sizes, not the queue's
+    for role_name, (replicas, message) in backlog.items():
+        if replicas > recommended[role_name]:
+            recommended[role_name] = replicas
+            queued_now = (observation.prefill if role_name == PREFILL else observation.decode).num_requests_waiting > 0
+            if queued_now and reasons[role_name] in (PREFILL_DEMAND, DECODE_DEMAND):
+                reasons[role_name] = PREFILL_QUEUEING if role_name == PREFILL else DECODE_ADMISSION
+            messages[role_name] = f"{messages[role_name]}; {message}"
 
     # Pace, grace, N-1, Pending, bounds, per role.
     roles: dict[str, RoleDecision] = {}
@@ -502,7 +526,7 @@ def decide(observation: Observation, config: AutoscalerConfig, state: Autoscaler
     blocked: list[str] = []
     for role_name, role_state in ((PREFILL, prefill_state), (DECODE, decode_state)):
         role = observation.prefill if role_name == PREFILL else observation.decode
-        role_state = _remember(role_state, role, now, recommended[role_name], config)
+        role_state = _remember(role_state, role, now, remembered[role_name], config)
         decision, is_blocked = _stabilise(role_name, role, role_state, recommended[role_name], reasons[role_name],
                                           messages[role_name], now, config, plan, k_prefill, k_decode)
         if is_blocked:
@@ -629,6 +653,73 @@ def _remember(role_state: RoleState, role: RoleObservation, now: float, recommen
                    starting_since_s=starting_since)
 
 
+def _unsettled(role_state: RoleState, now: float, config: AutoscalerConfig) -> bool:
+    """Whether the metrics window still reaches back to before the replicas of the role's last
+    scale-up could serve (it grew, then they started, then a whole window had to pass): a latency
+    quantile over that window shows the smaller pool, and growing again for it would overshoot."""
+    return now - config.window_s < role_state.last_scale_up_s + config.startup_s
+
+
+def drain_budget_s(config: AutoscalerConfig) -> float:
+    """How soon queued work should be gone: within the sizing horizon (start-up, one interval, half
+    a window). Draining within one interval instead ordered far more than the load needs for as long
+    as the grace period and the step-by-step scale-down keep them: in the evaluation's cold starts
+    +66% GPU-hours at 120 s start-up and twice as many at 300 s, for under two points of attainment
+    (`docs/evaluation.md`)."""
+    return max(config.horizon_s, config.model.ttft_target_s)
+
+
+def _until_serving(role: RoleObservation, role_state: RoleState, now: float, config: AutoscalerConfig) -> float:
+    """How long until replicas ordered now serve: the start-up delay, or what is left of it for the
+    replicas already starting (they serve first)."""
+    if role.starting and math.isfinite(role_state.starting_since_s):
+        return max(0.0, config.startup_s - (now - role_state.starting_since_s))
+    return config.startup_s
+
+
+def _backlog(observation: Observation, config: AutoscalerConfig, plan: _Plan, prefill_state: RoleState,
+             k_prefill: float, k_decode: float) -> dict[str, tuple[int, str]]:
+    """Per role, the replicas that serve the load and drain the work queued now, plus what keeps
+    queueing until replicas ordered now serve (start-up), within `drain_budget_s`.
+
+    Prefill: the queued prompt tokens (requests waiting x ISL) and the excess of the offered prompt
+    rate over the ready replicas' saturated rate until replicas ordered now serve (`_until_serving`),
+    over the drain budget (`drain_budget_s`), on top of the offered rate, in saturated replicas;
+    each decision sizes the whole backlog it foresees, so a queue that grows as foreseen while
+    replicas start orders nothing more. Decode: the requests waiting for admission (less those whose
+    KV is in flight), over the drain budget, as extra arrival rate of the decode model (decode's
+    arrivals are what prefill delivers, so its queue is not extrapolated). Only
+    roles whose queue needs more than the load alone are returned. They are recommended while the
+    queue lasts, but the stabilisation windows do not remember them: the queue is work to drain,
+    not load to expect again."""
+    model = config.model
+    drain_s = drain_budget_s(config)
+    out: dict[str, tuple[int, str]] = {}
+    prefill = observation.prefill
+    isl = observation.isl_mean if observation.isl_mean > 0 else plan.isl
+    per_replica = model.saturated_tokens_per_s(k_prefill)
+    offered = max(plan.rate, plan.rate_now) * isl
+    queued = prefill.num_requests_waiting * isl
+    until_s = _until_serving(prefill, prefill_state, observation.time_s, config)
+    building = max(0.0, offered - prefill.ready * per_replica) * until_s
+    if queued + building > 0:
+        need = (offered + (queued + building) / drain_s) / per_replica
+        replicas = min(max(1, math.ceil(need - 1e-9)), max(config.prefill.max_replicas, 1))
+        if replicas > plan.prefill_replicas:
+            out[PREFILL] = (replicas, f"backlog {_kilo(queued)} prompt tokens queued + {_kilo(building)} building "
+                                      f"over {until_s:.0f}s of start-up, drained within {drain_s:.0f}s on "
+                                      f"top of {_kilo(offered)} tok/s: P {replicas} x {_kilo(per_replica)} tok/s")
+    decode = observation.decode
+    # Requests whose KV is still in flight wait in decode's queue too: they are not a backlog.
+    waiting = max(0.0, decode.num_requests_waiting - plan.rate_now * model.perf.kv_transfer_seconds(round(isl)))
+    if waiting > 0:
+        sizing = model.size_decode(plan.rate + waiting / drain_s, plan.isl, plan.osl, k_decode)
+        if sizing.replicas > plan.decode.replicas:
+            out[DECODE] = (sizing.replicas, f"backlog {waiting:.0f} requests waiting for decode admission, admitted "
+                                            f"within {drain_s:.0f}s on top of the load: D {sizing.replicas}")
+    return out
+
+
 def _prefill_message(plan: _Plan, replicas: int, config: AutoscalerConfig) -> str:
     sizing = plan.prefill
     forecast = f" (forecast; now {plan.rate_now:.1f})" if plan.rate > plan.rate_now * 1.01 else ""
@@ -720,7 +811,7 @@ def _stabilise(role_name: str, role: RoleObservation, role_state: RoleState, rec
     blocked = False
     if recommended > current:
         up_window = [r for t, r in history if t > now - config.scale_up.window_s] or [recommended]
-        target = min(min(up_window), recommended)
+        target = max(min(min(up_window), recommended), plan.backlog.get(role_name, 0))
         wanted = min(max(target, current), current + config.scale_up.max_step)
         if role.pending > 0 and wanted > current:
             wanted, blocked = current, True
