@@ -3,6 +3,7 @@ figures themselves are not checked, only that every row is there and nothing fai
 
 from __future__ import annotations
 
+import json
 import re
 import subprocess
 import sys
@@ -56,3 +57,30 @@ def test_metrics_bench_prints_both_implementations_and_their_ratio() -> None:
             if re.match(r"(hand-written|prometheus_client) +\d+$", line)}
     assert set(rows) == {"hand-written", "prometheus_client"} and all(ns > 0 for ns in rows.values()), out
     assert re.search(r"ratio prometheus_client / hand-written: \d+\.\d\d$", out, re.MULTILINE), out
+
+
+def test_autoscaler_eval_writes_its_tables_reports_and_plots_and_reuses_its_oracles(tmp_path: Path) -> None:
+    args = ("--workloads", "conv", "long", "--duration", "240", "--startups", "30", "--jobs", "2",
+            "--out", str(tmp_path))
+    out = run("autoscaler_eval.py", *args, timeout=300)
+    assert "reused" not in out.splitlines()[-1], out
+    readme = (tmp_path / "README.md").read_text()
+    for heading in ("## Workloads", "## GPU-hours to meet 95%", "## Targets", "#### conv, start-up delay 30 s",
+                    "#### long, start-up delay 30 s"):
+        assert heading in readme, readme
+    table = readme[readme.index("#### conv, start-up delay 30 s"):].split("\n\n")[1].splitlines()
+    policies = [row.split("|")[1:3] for row in table[2:]]
+    assert [(p.strip(), s.strip()) for p, s in policies] == [
+        ("static-peak", "t=0"), ("static-mean", "t=0"), ("queue-threshold", "warm"), ("queue-threshold", "cold"),
+        ("dynamo-sla", "warm"), ("dynamo-sla", "cold"), ("xpyd", "warm"), ("xpyd", "cold"),
+        ("oracle", "no start-up")], readme
+    oracle = json.loads((tmp_path / "conv" / "oracle.json").read_text())
+    assert oracle["oracle_met"] and oracle["attainment"] >= 0.95 and oracle["oracle_key"], oracle.keys()
+    cold = json.loads((tmp_path / "conv" / "xpyd_cold_startup30.json").read_text())
+    assert cold["initial"] == {"prefill": 1, "decode": 1} and cold["settled_after_s"] == 150.0
+    assert cold["autoscaler_decisions"] and 0.0 <= cold["attainment_settled"] <= 1.0
+    for name in ("conv.png", "long.png"):
+        assert (tmp_path / name).read_bytes().startswith(b"\x89PNG")
+    again = run("autoscaler_eval.py", *args, timeout=300)
+    assert again.splitlines()[-1].endswith("(saved oracles reused: conv, long)"), again
+    assert json.loads((tmp_path / "conv" / "oracle.json").read_text()) == oracle

@@ -88,10 +88,11 @@ class OracleSchedule:
     def mean(self) -> Desired:
         """Each role's time-weighted mean size over the windows, rounded up."""
         span = sum(w.end_s - w.start_s for w in self.windows)
-        def average(role: str) -> int:
-            total = sum(getattr(w, role) * (w.end_s - w.start_s) for w in self.windows) / span
+
+        def average(sizes: Sequence[int]) -> int:
+            total = sum(n * (w.end_s - w.start_s) for n, w in zip(sizes, self.windows, strict=True)) / span
             return max(1, math.ceil(total - 1e-9))
-        return Desired(average("prefill"), average("decode"))
+        return Desired(average([w.prefill for w in self.windows]), average([w.decode for w in self.windows]))
 
 
 @dataclass(frozen=True)
@@ -234,6 +235,9 @@ class _WindowSearch:
                                                       Desired(prefill, decode))
             return cache[prefill, decode]
 
+        def decode_meets(prefill: int) -> Callable[[int], bool]:
+            return lambda decode: shares(prefill, decode)[1] >= goal
+
         roomy = 2 * hint.decode + 2
         limit = max(roomy, 4 * hint.decode + 8)
         prefill = _fewest(hint.prefill, lambda p: shares(p, roomy)[0] >= goal, MAX_REPLICAS) or MAX_REPLICAS
@@ -242,7 +246,7 @@ class _WindowSearch:
         best: Desired | None = None
         guess, last = hint.decode, min(MAX_REPLICAS, prefill + 8)
         while prefill <= last and (best is None or prefill + 1 < best.prefill + best.decode):
-            decode = _fewest(guess, lambda d, p=prefill: shares(p, d)[1] >= goal, limit)
+            decode = _fewest(guess, decode_meets(prefill), limit)
             if decode is not None:
                 if best is None or prefill + decode < best.prefill + best.decode:
                     best = Desired(prefill, decode)
