@@ -237,6 +237,15 @@ def test_the_oracle_meets_the_target_on_every_kind_of_workload(name: str) -> Non
     assert max(w.prefill + w.decode for w in schedule.windows) >= 3   # a pool to size, not one pair
 
 
+def test_the_oracle_refuses_what_it_cannot_search() -> None:
+    with pytest.raises(ValueError, match="needs the trace"):
+        oracle_schedule([], PERF, SLO)
+    with pytest.raises(ValueError, match="start at 0 s or later"):
+        oracle_schedule([TraceRequest(-1.0, 100, 10)], PERF, SLO)
+    with pytest.raises(ValueError, match="at least one verifying replay"):
+        oracle_schedule(steady_trace(1.0, 10.0), PERF, SLO, rounds=0)
+
+
 def test_a_window_an_idle_pool_cannot_serve_is_infeasible_at_its_slo() -> None:
     too_long = [TraceRequest(i * 0.5, 60_000 if i % 4 == 0 else 1000, 20) for i in range(100)]
     schedule = oracle_schedule(too_long, PERF, SLO)

@@ -116,6 +116,8 @@ def oracle_schedule(trace: Sequence[TraceRequest], perf: PerfModel, slo: Slo, en
         raise ValueError("the oracle needs the trace's requests")
     if trace[0].arrival_s < 0:
         raise ValueError(f"the trace's arrivals must start at 0 s or later, not {trace[0].arrival_s:g} s")
+    if rounds < 1:
+        raise ValueError(f"the oracle needs at least one verifying replay, not {rounds}")
     engine = engine or EngineConfig()
     model = PoolModel(perf, slo.ttft_s, slo.tpot_s, max_num_batched_tokens=engine.max_num_batched_tokens,
                       max_num_seqs=engine.max_num_seqs)
@@ -131,7 +133,7 @@ def oracle_schedule(trace: Sequence[TraceRequest], perf: PerfModel, slo: Slo, en
         count = stop - first
         if count == 0:
             sizes = Desired(1, 1) if previous is None else previous
-            windows.append(OracleWindow(start_s, end_s, sizes.prefill, sizes.decode, 0, 0.0, 1.0))
+            windows.append(OracleWindow(start_s, end_s, sizes.prefill, sizes.decode, 0, goal=0.0, attained=1.0))
             previous = sizes
             continue
         share = sum(possible[first:stop]) / count
@@ -143,7 +145,6 @@ def oracle_schedule(trace: Sequence[TraceRequest], perf: PerfModel, slo: Slo, en
         windows.append(OracleWindow(start_s, end_s, sizes.prefill, sizes.decode, count, goal, math.nan, feasible))
         previous = sizes
 
-    result = None
     for made in range(1, rounds + 1):
         result = simulate(trace, perf, _replay_config(windows, slo, engine, window_s, seed),
                           SchedulePolicy(tuple(windows)), name="oracle")
@@ -159,7 +160,7 @@ def oracle_schedule(trace: Sequence[TraceRequest], perf: PerfModel, slo: Slo, en
                 windows[i] = replace(w, prefill=w.prefill + 1)
             elif w.decode < MAX_REPLICAS:
                 windows[i] = replace(w, decode=w.decode + 1)
-    raise AssertionError("unreachable")   # rounds >= 1 returns in the loop
+    raise AssertionError("unreachable: the last round returns")
 
 
 def _window_bounds(trace: Sequence[TraceRequest], window_s: float) -> list[tuple[int, int]]:
