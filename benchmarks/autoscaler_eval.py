@@ -100,15 +100,11 @@ def perf_model() -> PerfModel:
     return PerfModel.from_profile(PROFILE).with_kv_transfer(kv_bytes, 100.0)
 
 
-def good_flags(result: SimResult, slo: Slo) -> list[bool]:
-    return [t <= slo.ttft_s and p <= slo.tpot_s for t, p in zip(result.ttft_s, result.tpot_s(), strict=True)]
-
-
 def report_for(result: SimResult, workload: Workload, startup_s: float, extra: dict[str, Any]) -> dict[str, Any]:
     """The `xpyd sim` report plus the attainment of requests arriving after the first start-up delay
     and two decision windows (what a cold start is judged on)."""
     report = build_report(result, trace_name=workload.trace, rate_scale=workload.rate_scale)
-    good = good_flags(result, workload.slo)
+    _, good = result.meets(workload.slo)
     settle_s = startup_s + 2 * WINDOW_S
     later = [g for g, t in zip(good, result.arrival_s, strict=True) if t >= settle_s]
     report["settled_after_s"] = settle_s

@@ -185,17 +185,15 @@ def _replay_config(windows: Sequence[OracleWindow], slo: Slo, engine: EngineConf
 
 def _window_shares(result: SimResult, bounds: Sequence[tuple[int, int]], slo: Slo) -> tuple[list[float], list[float]]:
     """Per window, the share of its requests meeting TTFT, and both SLOs (NaN latencies miss)."""
-    tpot = result.tpot_s()
+    fast, met = result.meets(slo)
     ttft_share, both_share = [], []
     for first, stop in bounds:
         if stop == first:
             ttft_share.append(1.0)
             both_share.append(1.0)
             continue
-        fast = [result.ttft_s[i] <= slo.ttft_s for i in range(first, stop)]
-        good = sum(1 for i, ok in zip(range(first, stop), fast, strict=True) if ok and tpot[i] <= slo.tpot_s)
-        ttft_share.append(sum(fast) / (stop - first))
-        both_share.append(good / (stop - first))
+        ttft_share.append(sum(fast[first:stop]) / (stop - first))
+        both_share.append(sum(met[first:stop]) / (stop - first))
     return ttft_share, both_share
 
 
@@ -224,7 +222,6 @@ class _WindowSearch:
         """The fewest prefill, then decode, meeting `goal` for requests [first, stop) (arrivals from `warm`
         replayed at `previous`)."""
         origin = self.trace[warm].arrival_s if warm < first else start_s
-        origin = min(origin, start_s)
         replay = [TraceRequest(r.arrival_s - origin, r.isl, r.osl) for r in self.trace[warm:stop]]
         inside = range(first - warm, stop - warm)
         switch_s = start_s - origin
@@ -262,10 +259,8 @@ class _WindowSearch:
                            interval_s=switch_s if previous is not None and switch_s > 0 else 1e9,
                            seed=self.seed, engine=self.engine)
         result = simulate(replay, self.perf, config, StaticPolicy(sizes))
-        ttft, tpot = result.ttft_s, result.tpot_s()
-        fast = sum(1 for i in inside if ttft[i] <= self.slo.ttft_s)
-        good = sum(1 for i in inside if ttft[i] <= self.slo.ttft_s and tpot[i] <= self.slo.tpot_s)
-        return fast / len(inside), good / len(inside)
+        fast, met = result.meets(self.slo)
+        return sum(fast[i] for i in inside) / len(inside), sum(met[i] for i in inside) / len(inside)
 
 
 def _fewest(start: int, meets: Callable[[int], bool], limit: int) -> int | None:

@@ -4,7 +4,7 @@
 - `static-peak`, `static-mean`: fixed sizes from t=0, from the oracle's search (`oracle.oracle_schedule`):
   each role's largest size over the windows, and each role's time-weighted mean size rounded up. They
   read the trace from `PolicyContext.trace`, which the simulator fills: sizing for the peak needs
-  hindsight. Give them as the run's starting sizes (`static_sizes`): a fixed pool is there from the start.
+  hindsight. `simulate_policy` starts the run at their sizes: a fixed pool is there from the start.
 - `queue-threshold`: what users configure with KEDA today (`QueueThresholdPolicy`).
 - `dynamo-sla`: NVIDIA Dynamo's throughput planner (`dynamo.DynamoSlaPolicy`).
 - `oracle`: the hindsight bound's windows (`oracle.OraclePolicy`), asked for start-up + interval ahead.
@@ -142,15 +142,10 @@ def _schedule(context: PolicyContext, policy: str) -> OracleSchedule:
     return oracle_schedule(context.trace, _perf(context, policy), context.slo, context.engine)
 
 
-def static_sizes(schedule: OracleSchedule, peak: bool) -> Desired:
-    """`static-peak`'s sizes (each role's largest over the oracle's windows) or `static-mean`'s (each
-    role's time-weighted mean, rounded up)."""
-    return schedule.peak if peak else schedule.mean
-
-
 def _static(peak: bool) -> PolicyFactory:
     def factory(context: PolicyContext) -> Policy:
-        return FixedPolicy(static_sizes(_schedule(context, "static-peak" if peak else "static-mean"), peak))
+        schedule = _schedule(context, "static-peak" if peak else "static-mean")
+        return FixedPolicy(schedule.peak if peak else schedule.mean)
     return factory
 
 

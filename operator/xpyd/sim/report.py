@@ -38,13 +38,14 @@ def timeline(result: SimResult) -> dict[str, Any]:
     tpot: list[list[float]] = [[] for _ in range(count)]
     arrivals = [0] * count
     good = [0] * count
-    for arrival, first, per_token in zip(result.arrival_s, result.ttft_s, result.tpot_s(), strict=True):
+    _, met = result.meets(slo)
+    for arrival, first, per_token, ok in zip(result.arrival_s, result.ttft_s, result.tpot_s(), met, strict=True):
         index = int(arrival // width)
         arrivals[index] += 1
+        good[index] += ok
         if not math.isnan(first):
             ttft[index].append(first * 1000.0)
             tpot[index].append(per_token * 1000.0)
-            good[index] += first <= slo.ttft_s and per_token <= slo.tpot_s
     out: dict[str, Any] = {"bin_s": width, "t_s": [i * width for i in range(count)],
                            "arrivals_rps": [n / width for n in arrivals], "good_rps": [n / width for n in good]}
     for name, series in (("ttft_ms", ttft), ("tpot_ms", tpot)):
@@ -58,9 +59,9 @@ def build_report(result: SimResult, trace_name: str = "", speedup: float = 1.0, 
     slo = result.config.slo
     tpot = result.tpot_s()
     requests = len(result.arrival_s)
-    meets_ttft = [t <= slo.ttft_s for t in result.ttft_s]          # NaN compares False
+    meets_ttft, met = result.meets(slo)
     meets_tpot = [t <= slo.tpot_s for t in tpot]
-    good = sum(1 for a, b in zip(meets_ttft, meets_tpot, strict=True) if a and b)
+    good = sum(met)
     duration_s = result.end_s
     gpu_hours = sum(result.gpu_seconds.values()) / 3600.0
     config = result.config

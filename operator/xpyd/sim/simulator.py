@@ -124,6 +124,12 @@ class SimResult:
         return [(e - t) / (o - 1) if o > 1 else (math.nan if math.isnan(e) else 0.0)
                 for t, e, o in zip(self.ttft_s, self.e2e_s, self.osl, strict=True)]
 
+    def meets(self, slo: Slo) -> tuple[list[bool], list[bool]]:
+        """Per request, whether it met the TTFT SLO, and whether it met both (rejected requests,
+        with NaN latencies, meet neither)."""
+        fast = [t <= slo.ttft_s for t in self.ttft_s]
+        return fast, [ok and p <= slo.tpot_s for ok, p in zip(fast, self.tpot_s(), strict=True)]
+
 
 ProgressCallback = Callable[[int, int, float], None]
 
