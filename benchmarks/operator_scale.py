@@ -1,7 +1,7 @@
 """The operator at scale, on the local control plane: N DisaggregatedServings applied at once, then
 left idle, then drift, then deleted.
 
-    python benchmarks/operator_scale.py [--pools 100 200 1000] [--idle-seconds 60] [--workers 8]
+    python benchmarks/operator_scale.py [--pools 100 200 1000] [--idle-seconds 60] [--workers 8] [--no-floor]
 
 One local cluster (real etcd, kube-apiserver, kube-controller-manager, kube-scheduler, kwok nodes;
 no pod runtime: pods are created and scheduled but never run, so the cluster holds thousands of
@@ -22,6 +22,12 @@ chart's ServiceAccount. Per round (a namespace of its own, the nixl sample copie
   restored each, from the event;
 - delete: the N objects deleted; seconds until their children were garbage-collected.
 
+The floor (first, on a cluster of its own, unless `--no-floor`): the same rounds' create and
+convergence with no operator, the children written by a `FloorWriter` that renders and applies them
+as the operator's reconcile does and does nothing else, and the garbage collector's clean-up. On
+two cores the control plane's own work bounds the convergence: the floor is the time these writes
+take on this machine, and the operator is judged by its ratio to it (printed at the end).
+
 Exits 1 when a pool does not converge, drift is not repaired, or the idle operator wrote anything.
 The figures are for comparison between versions on one machine (the control plane, the operator
 and the benchmark share its cores).
@@ -41,7 +47,8 @@ import tempfile
 import threading
 import time
 import urllib.request
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -57,9 +64,10 @@ from xpyd.cluster.controlplane import ClusterState, ControlPlane, free_port, wri
 from xpyd.common.jsontypes import JSON
 from xpyd.common.stats import percentile
 from xpyd.controller.handlers import CHILD_KINDS
+from xpyd.controller.reconcile import apply_in_waves, desired_children
 from xpyd.kube import Kube
 from xpyd.kube.cache import Cache, Kind
-from xpyd.render import render
+from xpyd.render import RenderOptions, render
 
 ROOT = Path(__file__).resolve().parents[1]
 SAMPLE = ROOT / "manifests" / "samples" / "nixl.yaml"
@@ -228,7 +236,8 @@ class Observer:
     """A watch of the benchmark's own on the pools and their children: when each appeared, changed
     or went."""
 
-    def __init__(self, kube: Kube, namespace: str) -> None:
+    def __init__(self, kube: Kube, namespace: str, on_pool: Callable[[JSON], None] | None = None) -> None:
+        self.on_pool = on_pool  # called with each DisaggregatedServing when it first appears
         self.seen: dict[tuple[str, str, str], float] = {}  # (kind, namespace, name) -> first ADDED
         self.events: list[tuple[float, str, str, str, str, JSON | None]] = []
         self.lock = threading.Lock()
@@ -247,6 +256,8 @@ class Observer:
             if what == "ADDED":
                 self.seen.setdefault((kind.kind, meta.get("namespace", ""), meta.get("name", "")), now)
             self.events.append((now, what, kind.kind, meta.get("namespace", ""), meta.get("name", ""), new))
+        if what == "ADDED" and kind.kind == models.KIND and self.on_pool is not None and new is not None:
+            self.on_pool(new)
 
     def first_seen(self, kind: str, namespace: str, name: str) -> float | None:
         with self.lock:
@@ -262,6 +273,33 @@ class Observer:
 
     def stop(self) -> None:
         self.cache.stop()
+
+
+class FloorWriter:
+    """The floor the operator is judged against: each pool's children rendered and applied exactly
+    as the operator's reconcile does (the same render, two waves of server-side applies sent
+    together, `workers` pools at once), as soon as the benchmark's watch sees the pool, by a writer
+    that does nothing else (no caches to feed, no status, no Events, no pod watch). It writes as the
+    operator's ServiceAccount, so authorisation costs the API server the same."""
+
+    def __init__(self, kube: Kube, workers: int) -> None:
+        self.kube = kube
+        self.executor = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="floor")
+        self.futures: list[Future[None]] = []
+
+    def pool_added(self, body: JSON) -> None:
+        self.futures.append(self.executor.submit(self._write, body))
+
+    def _write(self, body: JSON) -> None:
+        apply_in_waves(self.kube, desired_children(body, parse_serving(body), RenderOptions()))
+
+    def check(self) -> None:
+        """Raise the first failure of a write (after all have finished)."""
+        for future in self.futures:
+            future.result()
+
+    def stop(self) -> None:
+        self.executor.shutdown(wait=True, cancel_futures=True)
 
 
 def pools(count: int, namespace: str) -> list[JSON]:
@@ -288,6 +326,8 @@ def children_of(obj: JSON) -> list[tuple[str, str]]:
 @dataclass
 class Round:
     pools: int
+    #: Who wrote the children: "operator", or "floor" (a FloorWriter, no operator running).
+    writer: str = "operator"
     create_s: float = 0.0
     children_s: list[float] = field(default_factory=list)
     last_after_create_s: float = 0.0
@@ -334,6 +374,33 @@ def quiesce(operator: OperatorProcess, quiet_s: float = 5.0, timeout: float = 60
     raise BenchError("the operator kept writing")
 
 
+def converge(setup: Setup, observer: Observer, namespace: str, result: Round, timeout: float,
+             writer_cpu: Callable[[], float]) -> None:
+    """`kubectl create` of `result.pools` pools in `namespace`, then wait until every child exists;
+    the times and the CPU seconds each process used meanwhile, in `result`."""
+    objects = pools(result.pools, namespace)
+    expected = {obj["metadata"]["name"]: children_of(obj) for obj in objects}
+    cpu_before = {**control_plane_cpu(setup), result.writer: writer_cpu()}
+    started = time.monotonic()
+    setup.kubectl("create", "-f", "-", stdin=yaml.safe_dump_all(objects), timeout=timeout)
+    created = time.monotonic()
+    result.create_s = created - started
+
+    def complete() -> bool:
+        return all(observer.first_seen(kind, namespace, name) is not None
+                   for children in expected.values() for kind, name in children)
+    done = observer.wait_for(complete, timeout, f"the children of {result.pools} pools")
+    cpu_after = {**control_plane_cpu(setup), result.writer: writer_cpu()}
+    result.converge_cpu = {name: cpu_after[name] - cpu_before.get(name, 0.0) for name in cpu_after}
+    for pool, children in expected.items():
+        appeared = observer.first_seen(models.KIND, namespace, pool)
+        assert appeared is not None
+        last = max(observer.first_seen(kind, namespace, name) or done for kind, name in children)
+        result.children_s.append(max(0.0, last - appeared))
+    result.last_after_create_s = max(0.0, max(observer.first_seen(k, namespace, n) or done
+                                              for children in expected.values() for k, n in children) - created)
+
+
 def run_round(setup: Setup, operator: OperatorProcess, count: int, idle_seconds: float,
               converge_timeout: float) -> Round:
     namespace = f"bench-{count}"
@@ -341,29 +408,8 @@ def run_round(setup: Setup, operator: OperatorProcess, count: int, idle_seconds:
     observer = Observer(setup.admin, namespace)
     result = Round(pools=count)
     try:
-        objects = pools(count, namespace)
-        expected = {obj["metadata"]["name"]: children_of(obj) for obj in objects}
         dispatched, requests = apiserver_dispatched(setup), operator.requests()
-        cpu_before = {**control_plane_cpu(setup), "operator": operator.cpu_seconds()}
-        started = time.monotonic()
-        setup.kubectl("create", "-f", "-", stdin=yaml.safe_dump_all(objects), timeout=converge_timeout)
-        created = time.monotonic()
-        result.create_s = created - started
-
-        def complete() -> bool:
-            return all(observer.first_seen(kind, namespace, name) is not None
-                       for children in expected.values() for kind, name in children)
-        done = observer.wait_for(complete, converge_timeout, f"the children of {count} pools")
-        cpu_after = {**control_plane_cpu(setup), "operator": operator.cpu_seconds()}
-        result.converge_cpu = {name: cpu_after[name] - cpu_before.get(name, 0.0) for name in cpu_after}
-        for pool, children in expected.items():
-            appeared = observer.first_seen(models.KIND, namespace, pool)
-            assert appeared is not None
-            last = max(observer.first_seen(kind, namespace, name) or done for kind, name in children)
-            result.children_s.append(max(0.0, last - appeared))
-        result.last_after_create_s = max(0.0, max(observer.first_seen(k, namespace, n) or done
-                                                  for children in expected.values() for k, n in children) - created)
-
+        converge(setup, observer, namespace, result, converge_timeout, operator.cpu_seconds)
         quiesce(operator, timeout=converge_timeout)
         # Both counts of the same requests, the API server's and the operator's: they must agree.
         result.converge_dispatched = apiserver_dispatched(setup) - dispatched
@@ -382,6 +428,26 @@ def run_round(setup: Setup, operator: OperatorProcess, count: int, idle_seconds:
         result.cleanup_s = cleanup(setup, observer, namespace, converge_timeout)
     finally:
         observer.stop()
+        with contextlib.suppress(BenchError, subprocess.TimeoutExpired):
+            setup.kubectl("delete", "namespace", namespace, "--wait=false")
+    return result
+
+
+def run_floor_round(setup: Setup, count: int, workers: int, converge_timeout: float) -> Round:
+    """The same round with a FloorWriter in place of the operator (on a cluster no operator runs on):
+    the convergence and the clean-up (the garbage collector's), nothing the operator alone does."""
+    namespace = f"floor-{count}"
+    setup.kubectl("create", "namespace", namespace)
+    writer = FloorWriter(Kube.from_kubeconfig(setup.operator_kubeconfig), workers)
+    observer = Observer(setup.admin, namespace, on_pool=writer.pool_added)
+    result = Round(pools=count, writer="floor")
+    try:
+        converge(setup, observer, namespace, result, converge_timeout, lambda: cpu_seconds(os.getpid()))
+        writer.check()
+        result.cleanup_s = cleanup(setup, observer, namespace, converge_timeout)
+    finally:
+        observer.stop()
+        writer.stop()
         with contextlib.suppress(BenchError, subprocess.TimeoutExpired):
             setup.kubectl("delete", "namespace", namespace, "--wait=false")
     return result
@@ -431,34 +497,60 @@ def cleanup(setup: Setup, observer: Observer, namespace: str, timeout: float) ->
 # ---- the table ---------------------------------------------------------------------------------------
 
 
-def header(workers: int) -> Iterator[str]:
+def header(workers: int, floor: bool) -> Iterator[str]:
     yield (f"operator: xpyd operator -A --workers {workers}, out of cluster; {os.cpu_count()} cores shared with "
            "the control plane")
-    yield (f"{'pools':>6} {'create s':>9} {'children p50 s':>15} {'p99 s':>6} {'max s':>6} {'last after create s':>20} "
-           f"{'idle req/s':>11} {'non-watch req/s':>16} {'idle writes':>12} {'CPU %':>6} {'RSS MB':>7} "
-           f"{'drift del s':>12} {'drift scale s':>14} {'cleanup s':>10} {'converge req (apiserver/own)':>29}")
+    if floor:
+        yield (f"floor: the same children rendered and applied as the operator does, {workers} pools at once, by a "
+               "writer that does nothing else, on a cluster of its own with no operator")
+    yield (f"{'writer':>8} {'pools':>6} {'create s':>9} {'children p50 s':>15} {'p99 s':>6} {'max s':>6} "
+           f"{'last after create s':>20} {'idle req/s':>11} {'non-watch req/s':>16} {'idle writes':>12} "
+           f"{'CPU %':>6} {'RSS MB':>7} {'drift del s':>12} {'drift scale s':>14} {'cleanup s':>10} "
+           f"{'converge req (apiserver/own)':>29}")
 
 
 def row(r: Round) -> str:
     children = sorted(r.children_s)
-    return (f"{r.pools:>6} {r.create_s:>9.1f} {percentile(children, 0.5):>15.2f} "
-            f"{percentile(children, 0.99):>6.2f} {max(children):>6.2f} {r.last_after_create_s:>20.2f} "
-            f"{r.idle_dispatched / r.idle_s:>11.3f} {r.idle_non_watch / r.idle_s:>16.3f} {r.idle_writes:>12.0f} "
-            f"{100 * r.idle_cpu_s / r.idle_s:>6.2f} {r.rss_mb:>7.0f} {r.drift_delete_s:>12.2f} "
-            f"{r.drift_scale_s:>14.2f} {r.cleanup_s:>10.1f} "
-            f"{f'{r.converge_dispatched:.0f}/{r.converge_requests:.0f}':>29}")
+    line = (f"{r.writer:>8} {r.pools:>6} {r.create_s:>9.1f} {percentile(children, 0.5):>15.2f} "
+            f"{percentile(children, 0.99):>6.2f} {max(children):>6.2f} {r.last_after_create_s:>20.2f} ")
+    if r.writer == "floor":  # what only an operator does is not measured
+        return line + (f"{'-':>11} {'-':>16} {'-':>12} {'-':>6} {'-':>7} {'-':>12} {'-':>14} {r.cleanup_s:>10.1f} "
+                       f"{'-':>29}")
+    return line + (f"{r.idle_dispatched / r.idle_s:>11.3f} {r.idle_non_watch / r.idle_s:>16.3f} "
+                   f"{r.idle_writes:>12.0f} {100 * r.idle_cpu_s / r.idle_s:>6.2f} {r.rss_mb:>7.0f} "
+                   f"{r.drift_delete_s:>12.2f} {r.drift_scale_s:>14.2f} {r.cleanup_s:>10.1f} "
+                   f"{f'{r.converge_dispatched:.0f}/{r.converge_requests:.0f}':>29}")
 
 
 def details(r: Round) -> Iterator[str]:
-    detail = ", ".join(f"{verb} {resource}: {n:.0f}" for (verb, resource), n in sorted(r.converge_by_kind.items()))
-    yield f"  {r.pools} pools, requests until converged by verb and resource: {detail}"
+    if r.converge_by_kind:
+        detail = ", ".join(f"{verb} {resource}: {n:.0f}" for (verb, resource), n in sorted(r.converge_by_kind.items()))
+        yield f"  {r.pools} pools, requests until converged by verb and resource: {detail}"
     cpu = ", ".join(f"{name} {seconds:.1f}" for name, seconds in r.converge_cpu.items())
     total = sum(r.converge_cpu.values())
-    yield (f"  {r.pools} pools, CPU seconds from the create to the last child: {cpu}; together {total:.1f}, "
-           f"{total / (os.cpu_count() or 1):.1f} s of wall time on {os.cpu_count()} cores")
+    yield (f"  {r.writer} {r.pools} pools, CPU seconds from the create to the last child: {cpu}; together "
+           f"{total:.1f}, {total / (os.cpu_count() or 1):.1f} s of wall time on {os.cpu_count()} cores")
     if r.idle_requests:
         detail = ", ".join(f"{verb} {resource}: {n:.0f}" for (verb, resource), n in sorted(r.idle_requests.items()))
         yield f"  {r.pools} pools, idle requests by verb and resource: {detail}"
+
+
+def against_floor(rounds: list[Round]) -> Iterator[str]:
+    """The operator's convergence beside the floor's, per pool count."""
+    floors = {r.pools: r for r in rounds if r.writer == "floor"}
+    for r in rounds:
+        floor = floors.get(r.pools)
+        if r.writer != "operator" or floor is None:
+            continue
+        p50, floor_p50 = percentile(sorted(r.children_s), 0.5), percentile(sorted(floor.children_s), 0.5)
+        yield (f"  {r.pools} pools, operator / floor: last child after the create {r.last_after_create_s:.2f} / "
+               f"{floor.last_after_create_s:.2f} s ({ratio(r.last_after_create_s, floor.last_after_create_s)}), "
+               f"children p50 {p50:.2f} / {floor_p50:.2f} s ({ratio(p50, floor_p50)}), "
+               f"create {r.create_s:.1f} / {floor.create_s:.1f} s")
+
+
+def ratio(value: float, floor: float) -> str:
+    return f"{value / floor:.2f}x" if floor > 0 else "-"
 
 
 def main() -> int:
@@ -466,36 +558,31 @@ def main() -> int:
     parser.add_argument("--pools", type=int, nargs="+", default=[100, 200, 1000])
     parser.add_argument("--idle-seconds", type=float, default=60.0)
     parser.add_argument("--workers", type=int, default=8)
+    parser.add_argument("--no-floor", dest="floor", action="store_false",
+                        help="skip the floor rounds (a cluster of their own, before the operator's)")
     parser.add_argument("--converge-timeout", type=float, default=900.0,
                         help="seconds a step may take before the run fails")
     parser.add_argument("--json", type=Path, help="also write the rounds as JSON here")
     args = parser.parse_args()
     rounds: list[Round] = []
     out = sys.stdout
-    for line in header(args.workers):
+    for line in header(args.workers, args.floor):
         out.write(line + "\n")
     with tempfile.TemporaryDirectory(prefix="xpyd-operator-scale-") as tmp:
-        workdir = Path(tmp)
-        setup = start_cluster(workdir)
-        operator = None
         try:
-            operator = OperatorProcess(setup, args.workers)
-            for count in args.pools:
-                rounds.append(run_round(setup, operator, count, args.idle_seconds, args.converge_timeout))
-                out.write(row(rounds[-1]) + "\n")
-                out.flush()
+            if args.floor:
+                rounds.extend(floor_rounds(Path(tmp) / "floor", args, out))
+            rounds.extend(operator_rounds(Path(tmp) / "operator", args, out))
         except BenchError as error:
             sys.stderr.write(f"operator_scale: {error}\n")
             with contextlib.suppress(OSError):
-                sys.stderr.write((workdir / "operator.log").read_text()[-4000:])
+                sys.stderr.write((Path(tmp) / "operator" / "operator.log").read_text()[-4000:])
             return 1
-        finally:
-            if operator is not None:
-                operator.stop()
-            setup.plane.down(progress=lambda message: None)
     for r in rounds:
         for line in details(r):
             out.write(line + "\n")
+    for line in against_floor(rounds):
+        out.write(line + "\n")
     if args.json:
         args.json.write_text(json.dumps([{**r.__dict__, **{
             name: {f"{verb} {resource}": n for (verb, resource), n in getattr(r, name).items()}
@@ -505,6 +592,36 @@ def main() -> int:
         sys.stderr.write(f"operator_scale: the idle operator wrote ({bad} pools)\n")
         return 1
     return 0
+
+
+def floor_rounds(workdir: Path, args: argparse.Namespace, out: Any) -> Iterator[Round]:
+    workdir.mkdir()
+    setup = start_cluster(workdir)
+    try:
+        for count in args.pools:
+            result = run_floor_round(setup, count, args.workers, args.converge_timeout)
+            out.write(row(result) + "\n")
+            out.flush()
+            yield result
+    finally:
+        setup.plane.down(progress=lambda message: None)
+
+
+def operator_rounds(workdir: Path, args: argparse.Namespace, out: Any) -> Iterator[Round]:
+    workdir.mkdir()
+    setup = start_cluster(workdir)
+    operator = None
+    try:
+        operator = OperatorProcess(setup, args.workers)
+        for count in args.pools:
+            result = run_round(setup, operator, count, args.idle_seconds, args.converge_timeout)
+            out.write(row(result) + "\n")
+            out.flush()
+            yield result
+    finally:
+        if operator is not None:
+            operator.stop()
+        setup.plane.down(progress=lambda message: None)
 
 
 if __name__ == "__main__":

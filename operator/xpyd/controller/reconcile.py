@@ -219,14 +219,21 @@ def _unchanged_deployments(kube: Kube, namespace: str, key: tuple[Any, ...],
     return deployments
 
 
+def desired_children(body: JSON, serving: DisaggregatedServing, options: RenderOptions) -> list[JSON]:
+    """The children of `body` as rendering makes them, owned by it (garbage-collected with it)."""
+    meta = body["metadata"]
+    objects = render(meta["name"], meta["namespace"], serving.spec, options)
+    kopf.adopt(objects, owner=kopf.Body(body))  # type: ignore[arg-type]
+    return objects
+
+
 def _converge(kube: Kube, body: JSON, serving: DisaggregatedServing, options: RenderOptions,
               key: tuple[Any, ...], verified: Verified, outcome: Outcome,
               lws: LeaderWorkerSetCheck) -> dict[str, JSON]:
     """Render, delete children of a shape no longer asked for, apply what differs (recording it in
     `outcome`), remember what was verified; the live workloads."""
-    name, namespace = body["metadata"]["name"], body["metadata"]["namespace"]
-    objects = render(name, namespace, serving.spec, options)
-    kopf.adopt(objects, owner=kopf.Body(body))  # type: ignore[arg-type]
+    namespace = body["metadata"]["namespace"]
+    objects = desired_children(body, serving, options)
     verified.key, verified.children = (), {}  # until every child is known equal
     multi_node = [role for role in ROLES if getattr(serving.spec, role).multi_node]
     lws_problem = lws() if multi_node else None
@@ -250,19 +257,30 @@ def _converge(kube: Kube, body: JSON, serving: DisaggregatedServing, options: Re
         children[(obj["apiVersion"], kind, child)] = (fingerprint(live, obj), _rendered_metadata(obj))
         if kind in WORKLOAD_KINDS:
             live_deployments[child] = live
-    # The applies go out together, in two waves: what the pods need (their ServiceAccount, Role,
-    # Services), then the workloads that create them with the RoleBinding (the API server checks
-    # a binding's Role exists and grants nothing beyond the binder's own rights: it must come after).
-    second = ("RoleBinding", *WORKLOAD_KINDS)
-    for wave in ([o for o in stale if o["kind"] not in second], [o for o in stale if o["kind"] in second]):
-        for obj, live in zip(wave, kube.apply_all(wave), strict=True):
-            children[(obj["apiVersion"], obj["kind"], obj["metadata"]["name"])] = (fingerprint(live, obj),
-                                                                                   _rendered_metadata(obj))
-            if obj["kind"] in WORKLOAD_KINDS:
-                live_deployments[obj["metadata"]["name"]] = live
+    for obj, live in apply_in_waves(kube, stale):
+        children[(obj["apiVersion"], obj["kind"], obj["metadata"]["name"])] = (fingerprint(live, obj),
+                                                                               _rendered_metadata(obj))
+        if obj["kind"] in WORKLOAD_KINDS:
+            live_deployments[obj["metadata"]["name"]] = live
     if outcome.blocked is None:
         verified.key, verified.children = key, children
     return live_deployments
+
+
+#: Applied after the rest of a pool's children (see apply_in_waves).
+_SECOND_WAVE: Final = frozenset({"RoleBinding", *WORKLOAD_KINDS})
+
+
+def apply_in_waves(kube: Kube, objects: list[JSON]) -> list[tuple[JSON, JSON]]:
+    """Server-side apply of a pool's children, together, in two waves: what the pods need (their
+    ServiceAccount, Role, Services), then the workloads that create them with the RoleBinding (the
+    API server checks a binding's Role exists and grants nothing beyond the binder's own rights: it
+    must come after). Each object with what the API server returned."""
+    applied: list[tuple[JSON, JSON]] = []
+    first = [o for o in objects if o["kind"] not in _SECOND_WAVE]
+    for wave in (first, [o for o in objects if o["kind"] in _SECOND_WAVE]):
+        applied.extend(zip(wave, kube.apply_all(wave), strict=True))
+    return applied
 
 
 def _prune(kube: Kube, body: JSON, serving: DisaggregatedServing, lws_usable: bool, outcome: Outcome) -> None:
