@@ -294,9 +294,10 @@ class FloorWriter:
         apply_in_waves(self.kube, desired_children(body, parse_serving(body), RenderOptions()))
 
     def check(self) -> None:
-        """Raise the first failure of a write (after all have finished)."""
-        for future in self.futures:
-            future.result()
+        """Raise the first failure among the writes finished so far (as a BenchError)."""
+        for future in list(self.futures):
+            if future.done() and (error := future.exception()) is not None:
+                raise BenchError(f"the floor writer could not write a pool's children: {error}") from error
 
     def stop(self) -> None:
         self.executor.shutdown(wait=True, cancel_futures=True)
@@ -375,9 +376,10 @@ def quiesce(operator: OperatorProcess, quiet_s: float = 5.0, timeout: float = 60
 
 
 def converge(setup: Setup, observer: Observer, namespace: str, result: Round, timeout: float,
-             writer_cpu: Callable[[], float]) -> None:
-    """`kubectl create` of `result.pools` pools in `namespace`, then wait until every child exists;
-    the times and the CPU seconds each process used meanwhile, in `result`."""
+             writer_cpu: Callable[[], float], check: Callable[[], None] = lambda: None) -> None:
+    """`kubectl create` of `result.pools` pools in `namespace`, then wait until every child exists
+    (`check` raises meanwhile when the writer failed); the times and the CPU seconds each process
+    used meanwhile, in `result`."""
     objects = pools(result.pools, namespace)
     expected = {obj["metadata"]["name"]: children_of(obj) for obj in objects}
     cpu_before = {**control_plane_cpu(setup), result.writer: writer_cpu()}
@@ -387,6 +389,7 @@ def converge(setup: Setup, observer: Observer, namespace: str, result: Round, ti
     result.create_s = created - started
 
     def complete() -> bool:
+        check()
         return all(observer.first_seen(kind, namespace, name) is not None
                    for children in expected.values() for kind, name in children)
     done = observer.wait_for(complete, timeout, f"the children of {result.pools} pools")
@@ -442,8 +445,8 @@ def run_floor_round(setup: Setup, count: int, workers: int, converge_timeout: fl
     observer = Observer(setup.admin, namespace, on_pool=writer.pool_added)
     result = Round(pools=count, writer="floor")
     try:
-        converge(setup, observer, namespace, result, converge_timeout, lambda: cpu_seconds(os.getpid()))
-        writer.check()
+        converge(setup, observer, namespace, result, converge_timeout, lambda: cpu_seconds(os.getpid()),
+                 writer.check)
         result.cleanup_s = cleanup(setup, observer, namespace, converge_timeout)
     finally:
         observer.stop()
@@ -594,34 +597,37 @@ def main() -> int:
     return 0
 
 
-def floor_rounds(workdir: Path, args: argparse.Namespace, out: Any) -> Iterator[Round]:
+@contextlib.contextmanager
+def cluster(workdir: Path) -> Iterator[Setup]:
+    """A cluster of its own in `workdir`, stopped afterwards."""
     workdir.mkdir()
     setup = start_cluster(workdir)
     try:
-        for count in args.pools:
-            result = run_floor_round(setup, count, args.workers, args.converge_timeout)
-            out.write(row(result) + "\n")
-            out.flush()
-            yield result
+        yield setup
     finally:
         setup.plane.down(progress=lambda message: None)
+
+
+def printed(result: Round, out: Any) -> Round:
+    out.write(row(result) + "\n")
+    out.flush()
+    return result
+
+
+def floor_rounds(workdir: Path, args: argparse.Namespace, out: Any) -> Iterator[Round]:
+    with cluster(workdir) as setup:
+        for count in args.pools:
+            yield printed(run_floor_round(setup, count, args.workers, args.converge_timeout), out)
 
 
 def operator_rounds(workdir: Path, args: argparse.Namespace, out: Any) -> Iterator[Round]:
-    workdir.mkdir()
-    setup = start_cluster(workdir)
-    operator = None
-    try:
+    with cluster(workdir) as setup:
         operator = OperatorProcess(setup, args.workers)
-        for count in args.pools:
-            result = run_round(setup, operator, count, args.idle_seconds, args.converge_timeout)
-            out.write(row(result) + "\n")
-            out.flush()
-            yield result
-    finally:
-        if operator is not None:
+        try:
+            for count in args.pools:
+                yield printed(run_round(setup, operator, count, args.idle_seconds, args.converge_timeout), out)
+        finally:
             operator.stop()
-        setup.plane.down(progress=lambda message: None)
 
 
 if __name__ == "__main__":
