@@ -68,6 +68,7 @@ from __future__ import annotations
 import bisect
 import csv
 import dataclasses
+import importlib.resources
 import itertools
 import math
 import statistics
@@ -266,7 +267,8 @@ def _number(row: dict[str, str], column: str, path: Path) -> float:
 
 
 #: Profiles shipped with the package, usable by bare name (e.g. `h200_llama31_8b_fp8_tp1`).
-BUNDLED_PROFILES = Path(__file__).with_name("profiles")
+#: (Found through the package, not this module's `__file__`, which is elsewhere when it is compiled.)
+BUNDLED_PROFILES = Path(str(importlib.resources.files("xpyd.perf") / "profiles"))
 DEFAULT_PROFILE = BUNDLED_PROFILES / "h200_llama31_8b_fp8_tp1"
 
 

@@ -54,7 +54,7 @@ import math
 from bisect import bisect_left
 from collections import deque
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from enum import Enum
 from typing import NamedTuple, Protocol
 
@@ -226,7 +226,7 @@ class EngineMetrics:
         `request_max_num_generation_tokens` is `request_generation_tokens`) and none is preempted
         (`request_num_preemptions` holds one 0 per finished request).
         """
-        out = {name: value for name, value in vars(self).items() if isinstance(value, BucketHistogram)}
+        out = {name: value for name, value in self._fields().items() if isinstance(value, BucketHistogram)}
         out["request_max_num_generation_tokens"] = self.request_generation_tokens.copy()
         finished = self.request_success_total
         for name, buckets, value in (("request_params_n", REQUEST_PARAMS_N_BUCKETS, 1.0),
@@ -239,8 +239,12 @@ class EngineMetrics:
 
     def counters(self) -> dict[str, int]:
         """Every counter by name (without the `vllm:` prefix)."""
-        return {name: value for name, value in vars(self).items()
+        return {name: value for name, value in self._fields().items()
                 if isinstance(value, int) and name != "max_model_len"}
+
+    def _fields(self) -> dict[str, object]:
+        # By the dataclass's fields, not vars(): a class compiled by mypyc has no __dict__.
+        return {f.name: getattr(self, f.name) for f in fields(self)}
 
 
 @dataclass(frozen=True)
