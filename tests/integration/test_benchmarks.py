@@ -42,13 +42,20 @@ def test_engine_sim_bench_prints_each_mode() -> None:
     assert {line.split()[0] for line in out.splitlines()[2:] if line.strip()} >= {"flat", "real", "10x"}, out
 
 
-def test_sim_bench_prints_a_row_per_speedup_rate_scale_and_the_day() -> None:
+def test_sim_bench_prints_a_row_per_speedup_rate_scale_and_the_day_compiled_and_pure() -> None:
     out = run("sim_bench.py", "--speedups", "50", "100", "--rate-scales", "2", "--day", "3000")
-    rows = {line[:14].strip(): line[14:].split() for line in out.splitlines()[2:]}
-    assert list(rows) == ["x50", "x100", "x1 rate x2", "synthetic day"], out
-    assert rows["x1 rate x2"][0] == "4P/8D" and rows["x1 rate x2"][1] == f"{2 * 19_366:,}", out
-    assert rows["synthetic day"][1] == "3,000" and float(rows["synthetic day"][6].replace(",", "")) > 80_000, out
-    assert all(float(cells[4].replace(",", "")) > 0 for cells in rows.values()), out   # requests per second
+    assert "compiled modules from" in out.splitlines()[0], out
+    rows = {(line[:14].strip(), cells[0]): cells[1:]
+            for line in out.splitlines()[2:] if (cells := line[14:].split())}
+    labels = ["x50", "x100", "x1 rate x2", "synthetic day"]
+    assert list(rows) == [(label, build) for label in labels for build in ("compiled", "pure")], out
+    assert rows["x1 rate x2", "compiled"][0] == "4P/8D" and rows["x1 rate x2", "compiled"][1] == f"{2 * 19_366:,}", out
+    assert rows["synthetic day", "pure"][1] == "3,000"
+    assert float(rows["synthetic day", "compiled"][6].replace(",", "")) > 80_000, out   # simulated span
+    for label in labels:
+        compiled, pure = rows[label, "compiled"], rows[label, "pure"]
+        assert compiled[5:8] == pure[5:8], out     # events, span and attainment: the builds agree
+        assert float(compiled[4].replace(",", "")) > 0 and pure[-1].endswith("x"), out   # req/CPU s; speed-up
 
 
 def test_metrics_bench_prints_both_implementations_and_their_ratio() -> None:
