@@ -13,6 +13,12 @@ a build exists but is stale. Both give the same results (a test replays a trace 
     python -m xpyd.common.native status    # which modules load compiled, or why none does
 
 `XPYD_NATIVE=off` forces pure Python; `XPYD_NATIVE=DIR` uses DIR for the build.
+
+What the compiled modules' code must not do (mypyc's rules; the tests run the compiled build, so a
+breach fails there first): read `vars()` or `__dict__` of their classes (they have none), find files
+through their own `__file__` (it names the build), be subclassed or monkeypatched from outside, or
+pickle or deep-copy their frozen dataclasses (a compiled one restores its fields through the
+`__setattr__` that freezing forbids; results cross process boundaries as plain data instead).
 """
 
 from __future__ import annotations
