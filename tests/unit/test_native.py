@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -39,7 +40,9 @@ def with_source(module: str, digest: str) -> dict[str, Any]:
      "it was built for '.cpython-312-x86_64-linux-gnu.so', this interpreter loads"),
     (manifest(sources=None), "its manifest lists no sources"),
     (with_source("xpyd.sim.core", "0" * 64), "xpyd.sim.core changed since it was built"),
-    ({**manifest(), "sources": {}}, "xpyd.perf.model, xpyd.sim.core, xpyd.sim.simulator changed since it was built"),
+    (with_source("xpyd.traces", "1" * 64), "xpyd.traces changed since it was built"),
+    ({**manifest(), "sources": {}}, "xpyd.autoscaler.observation, xpyd.perf.model, xpyd.perf.shapes, xpyd.sim.core, "
+                                    "xpyd.sim.policy, xpyd.sim.simulator, xpyd.traces changed since it was built"),
 ])
 def test_a_build_serves_only_the_sources_and_interpreter_it_was_made_from(built: dict[str, Any],
                                                                           reason: str | None) -> None:
@@ -50,13 +53,26 @@ def test_a_build_serves_only_the_sources_and_interpreter_it_was_made_from(built:
         assert found is not None and found.startswith(reason)
 
 
-def test_the_fingerprint_is_each_compiled_sources_sha256() -> None:
+def test_the_fingerprint_is_each_compiled_and_imported_sources_sha256() -> None:
     import hashlib
 
     sources = native.fingerprint()["sources"]
-    assert sorted(sources) == sorted(native.MODULES)
+    assert sorted(sources) == sorted((*native.MODULES, *native.IMPORTED))
     core = Path(__file__).resolve().parents[2] / "operator" / "xpyd" / "sim" / "core.py"
     assert sources["xpyd.sim.core"] == hashlib.sha256(core.read_bytes()).hexdigest()
+
+
+def test_imported_lists_every_module_of_the_package_the_compiled_ones_import() -> None:
+    import ast
+
+    imported: set[str] = set()
+    for module in native.MODULES:
+        for node in ast.walk(ast.parse(native.source_of(module).read_text())):
+            if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("xpyd."):
+                imported.add(str(node.module))
+            elif isinstance(node, ast.Import):
+                imported |= {alias.name for alias in node.names if alias.name.startswith("xpyd.")}
+    assert imported - set(native.MODULES) == set(native.IMPORTED)
 
 
 @pytest.mark.parametrize(("setting", "expected"), [
@@ -106,14 +122,27 @@ def test_state_says_which_build_loads_and_why_not(monkeypatch: pytest.MonkeyPatc
     assert native.state() == (None, "XPYD_NATIVE turns the compiled modules off")
 
 
-def test_packages_search_the_build_first_only_when_it_is_usable() -> None:
+def test_packages_search_the_build_first_only_when_it_is_usable(monkeypatch: pytest.MonkeyPatch,
+                                                               tmp_path: Path) -> None:
     source = [str(Path(native.__file__).parents[1] / "sim")]
-    path = native.package_path("xpyd.sim", list(source))
-    directory = native.state()[0]
-    if directory is None:
-        assert path == source
-    else:
-        assert path == [str(directory / "xpyd" / "sim"), *source]
+    monkeypatch.setenv("XPYD_NATIVE", str(tmp_path))
+    try:
+        native._active.cache_clear()
+        write_manifest(tmp_path, json.dumps(native.fingerprint()))
+        assert native.package_path("xpyd.sim", list(source)) == [str(tmp_path / "xpyd" / "sim"), *source]
+
+        native._active.cache_clear()
+        write_manifest(tmp_path, json.dumps(with_source("xpyd.perf.model", "e" * 64)))
+        with pytest.warns(RuntimeWarning, match="xpyd.perf.model changed since it was built.*pure-Python"):
+            assert native.package_path("xpyd.perf", list(source)) == source
+
+        native._active.cache_clear()
+        (tmp_path / native.MANIFEST).unlink()
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")   # no build: pure Python, without a warning
+            assert native.package_path("xpyd.sim", list(source)) == source
+    finally:
+        native._active.cache_clear()   # the next caller reads the real build again
 
 
 def test_the_command_line(monkeypatch: pytest.MonkeyPatch, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:

@@ -5,7 +5,8 @@ in three modules (`MODULES`). `build()` compiles them with mypyc into a director
 interpreter (`<sys.prefix>/xpyd-native`, or `$XPYD_NATIVE`), never into the source tree, and writes
 a manifest of the SHA-256 of each source it compiled. The packages `xpyd.sim` and `xpyd.perf` put
 that directory first on their `__path__` (so the compiled modules shadow the sources) only when the
-manifest matches: the same interpreter ABI and every source byte-identical. Otherwise (no build, a
+manifest matches: the same interpreter ABI, and every compiled source and every module of the
+package they import byte-identical. Otherwise (no build, a
 source edited since, another Python) the pure-Python modules load as they are, with one warning when
 a build exists but is stale. Both give the same results (a test replays a trace through each).
 
@@ -39,6 +40,10 @@ from typing import Any
 MODULES = ("xpyd.sim.core", "xpyd.sim.simulator", "xpyd.perf.model")
 """Compiled together (one mypyc group): calls between them stay native."""
 
+IMPORTED = ("xpyd.autoscaler.observation", "xpyd.perf.shapes", "xpyd.sim.policy", "xpyd.traces")
+"""The package's modules that `MODULES` import: mypyc compiles against their types, so a change of
+theirs makes the build stale too (a test keeps this list complete)."""
+
 GROUP = "xpyd.sim.native"   # mypyc's shared library becomes xpyd/sim/native__mypyc.<ext>, inside the build
 FORMAT = 1
 MANIFEST = "manifest.json"
@@ -56,15 +61,16 @@ def build_dir() -> Path | None:
 
 
 def source_of(module: str) -> Path:
-    """The source file of one of `MODULES`."""
+    """The source file of a module of the package (one of `MODULES` or `IMPORTED`)."""
     return _ROOT.joinpath(*module.split(".")).with_suffix(".py")
 
 
 def fingerprint() -> dict[str, Any]:
-    """What a build must have been made from to be used: this interpreter's extension ABI and each
-    compiled source's SHA-256."""
+    """What a build must have been made from to be used: this interpreter's extension ABI and the
+    SHA-256 of each compiled source and of each module they import."""
     return {"format": FORMAT, "ext_suffix": sysconfig.get_config_var("EXT_SUFFIX"),
-            "sources": {module: hashlib.sha256(source_of(module).read_bytes()).hexdigest() for module in MODULES}}
+            "sources": {module: hashlib.sha256(source_of(module).read_bytes()).hexdigest()
+                        for module in (*MODULES, *IMPORTED)}}
 
 
 def mismatch(manifest: Mapping[str, Any], wanted: Mapping[str, Any]) -> str | None:
