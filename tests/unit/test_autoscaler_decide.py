@@ -414,6 +414,19 @@ def test_prefill_correction_learns_the_delivered_rate_when_it_measures_capacity(
     assert learnt.correction_updates == 1
 
 
+def test_prefill_correction_measures_long_prompts_against_their_own_modelled_cost() -> None:
+    """A saturated pool of 24k-token prompts delivers fewer tokens/s than the token budget's rate
+    (each prompt costs its own p(L)); the model knows that, so delivering what it predicts is k = 1."""
+    isl = 24_000.0
+    mix = PromptMix.from_quantiles(isl, Quantiles(22_000.0, 30_000.0, 32_000.0, isl))
+    modelled = MODEL.mix_tokens_per_s(mix)
+    assert modelled < 0.97 * SATURATED
+    long_window = dataclasses.replace(prefill_window(modelled, 40.0, 0.9), isl_mean=isl,
+                                      isl_quantiles=Quantiles(22_000.0, 30_000.0, 32_000.0, isl))
+    learnt = decide(long_window, CONFIG, settled(4, 3, waiting=40.0)).state.prefill
+    assert learnt.correction_updates == 1 and learnt.correction == pytest.approx(1.0)
+
+
 @pytest.mark.parametrize(("window", "waiting_before"), [
     # Moderate load, no queue: the engines deliver what they are asked for, which says nothing about
     # capacity (and slow small-batch TTFTs must not read as lost capacity).

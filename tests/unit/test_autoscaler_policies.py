@@ -48,6 +48,20 @@ def test_prefill_sizing_grows_with_load_and_keeps_queueing_headroom() -> None:
     assert MODEL.saturated_tokens_per_s() == pytest.approx(8192 / PERF.prefill_seconds(8192))
 
 
+def test_a_replicas_prompt_rate_on_a_mix_is_the_budgets_rate_until_prompts_outgrow_the_budget() -> None:
+    short = PromptMix((500.0, 1000.0, 8192.0))
+    assert MODEL.mix_tokens_per_s(short) == pytest.approx(MODEL.saturated_tokens_per_s())
+    assert MODEL.mix_tokens_per_s(short, k=0.8) == pytest.approx(0.8 * MODEL.saturated_tokens_per_s())
+    single = PromptMix((32_000.0,))
+    assert MODEL.mix_tokens_per_s(single) == pytest.approx(32_000.0 / PERF.prefill_seconds(32_000))
+    assert MODEL.mix_tokens_per_s(single) < MODEL.mix_tokens_per_s(PromptMix((1000.0, 32_000.0))) \
+        < MODEL.saturated_tokens_per_s()
+    sizing = MODEL.size_prefill(10.0, single, 0.02)
+    assert sizing.tokens_per_s_per_replica == pytest.approx(MODEL.mix_tokens_per_s(single))
+    assert sizing.utilisation == pytest.approx(sizing.demand_tokens_per_s / (sizing.replicas
+                                                                            * sizing.tokens_per_s_per_replica))
+
+
 def test_prompts_too_long_for_the_target_are_not_sized_for() -> None:
     mix = PromptMix((1000.0, 60_000.0))
     sizing = MODEL.size_prefill(1.0, mix, 0.02)

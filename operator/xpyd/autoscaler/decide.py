@@ -23,10 +23,10 @@ The rules, in order (each named in the decision's CamelCase reason and message):
 3. Capacity correction per role: `k = observed / modelled capacity`, EWMA-smoothed and clamped to
    [0.5, 1.5]; updated only from windows with enough requests and a steady pool (nothing starting or
    draining). Prefill: the prompt-token rate delivered per ready replica over the modelled saturated
-   rate, learnt while the engines stayed saturated (requests waiting at both ends of the window, the
-   median request queueing) and otherwise only when it proves more capacity than `k` assumes (a
-   delivered rate is a lower bound on capacity); decode: modelled ITL at the observed batch /
-   observed ITL.
+   rate for the window's prompt mix (`PoolModel.mix_tokens_per_s`), learnt while the engines stayed
+   saturated (requests waiting at both ends of the window, the median request queueing) and
+   otherwise only when it proves more capacity than `k` assumes (a delivered rate is a lower bound
+   on capacity); decode: modelled ITL at the observed batch / observed ITL.
 4. Demand: prefill replicas from λ·ISL with queueing headroom (`sizing.PoolModel.size_prefill`:
    M/G/c, Allen-Cunneen tail over the prompt-length mix, TTFT target at the SLO percentile,
    including transfer and one decode step); decode replicas from the ITL/KV frontier at
@@ -327,9 +327,10 @@ def metrics_suspicion(observation: Observation) -> str | None:
 # --- corrections -------------------------------------------------------------------------------------
 
 
-def _observed_prefill_correction(observation: Observation, config: AutoscalerConfig,
-                                 state: RoleState) -> float | None:
-    """Prefill capacity seen in this window, as a multiple of the modelled saturated rate, or None.
+def _observed_prefill_correction(observation: Observation, config: AutoscalerConfig, state: RoleState,
+                                 mix: PromptMix) -> float | None:
+    """Prefill capacity seen in this window, as a multiple of the modelled saturated rate for the
+    window's prompt mix (long prompts cost more per token, and the model already knows it), or None.
 
     A replica's prompt-token rate is what it was asked for unless it had a queue; so the delivered
     rate per ready replica measures capacity only while the engines stayed saturated: requests
@@ -343,7 +344,7 @@ def _observed_prefill_correction(observation: Observation, config: AutoscalerCon
     thin = role.requests_per_s * observation.window_s < config.min_requests
     if role.ready < 1 or role.starting or role.draining or thin or not rate > 0:
         return None
-    delivered = rate / (role.ready * config.model.saturated_tokens_per_s())
+    delivered = rate / (role.ready * config.model.mix_tokens_per_s(mix))
     saturated = (role.num_requests_waiting >= role.ready and math.isfinite(state.waiting)
                  and state.waiting >= role.ready
                  and quantile_at(role.request_queue_time_seconds, 50.0) > config.queue_time_floor_s)
@@ -479,7 +480,8 @@ def decide(observation: Observation, config: AutoscalerConfig, state: Autoscaler
         if observation.isl_mean > 0 else mix
 
     # Capacity corrections from this window.
-    prefill_state = _smoothed(state.prefill, _observed_prefill_correction(observation, config, state.prefill), config)
+    prefill_state = _smoothed(state.prefill, _observed_prefill_correction(observation, config, state.prefill, mix_now),
+                              config)
     context_now = (observation.isl_mean + observation.osl_mean / 2.0) if observation.isl_mean > 0 else isl + osl / 2
     decode_state = _smoothed(state.decode, _observed_decode_correction(observation, config, context_now), config)
     k_prefill, k_decode = prefill_state.correction, decode_state.correction
@@ -683,7 +685,7 @@ def _backlog(observation: Observation, config: AutoscalerConfig, plan: _Plan, pr
     queueing until replicas ordered now serve (start-up), within `drain_budget_s`.
 
     Prefill: the queued prompt tokens (requests waiting x ISL) and the excess of the offered prompt
-    rate over the ready replicas' saturated rate until replicas ordered now serve (`_until_serving`),
+    rate over the ready replicas' capacity (on the prompt mix) until replicas ordered now serve (`_until_serving`),
     over the drain budget (`drain_budget_s`), on top of the offered rate, in saturated replicas;
     each decision sizes the whole backlog it foresees, so a queue that grows as foreseen while
     replicas start orders nothing more. Decode: the requests waiting for admission (less those whose
@@ -697,7 +699,7 @@ def _backlog(observation: Observation, config: AutoscalerConfig, plan: _Plan, pr
     out: dict[str, tuple[int, str]] = {}
     prefill = observation.prefill
     isl = observation.isl_mean if observation.isl_mean > 0 else plan.isl
-    per_replica = model.saturated_tokens_per_s(k_prefill)
+    per_replica = model.mix_tokens_per_s(plan.mix, k_prefill)
     offered = max(plan.rate, plan.rate_now) * isl
     queued = prefill.num_requests_waiting * isl
     until_s = _until_serving(prefill, prefill_state, observation.time_s, config)
@@ -762,7 +764,8 @@ def _attribute(observation: Observation, config: AutoscalerConfig, plan: _Plan, 
 
     ready = max(prefill.ready, 1)
     isl = observation.isl_mean if observation.isl_mean > 0 else plan.isl
-    drain_s = prefill.num_requests_waiting * isl / (ready * model.saturated_tokens_per_s(k_prefill))
+    per_replica = model.mix_tokens_per_s(plan.mix, k_prefill)
+    drain_s = prefill.num_requests_waiting * isl / (ready * per_replica)
     backlog = drain_s > config.queue_drain_share * model.ttft_target_s
     growing = (math.isfinite(prefill_state.waiting) and prefill.num_requests_waiting > prefill_state.waiting
                and drain_s > config.queue_drain_share * model.ttft_target_s / 2)
@@ -773,8 +776,7 @@ def _attribute(observation: Observation, config: AutoscalerConfig, plan: _Plan, 
                         f"{what} with prefill waiting {prefill.num_requests_waiting:.0f} ({_ms(drain_s)} of work per "
                         f"replica): P {prefill.replicas}->{max(prefill.replicas + 1, plan.prefill_replicas)} "
                         f"(lambda*ISL {_kilo(plan.rate_now * isl)} tok/s vs {prefill.ready}x"
-                        f"{_kilo(model.saturated_tokens_per_s(k_prefill))} at rho "
-                        f"{plan.rate_now * isl / (ready * model.saturated_tokens_per_s(k_prefill)):.2f})")
+                        f"{_kilo(per_replica)} at rho {plan.rate_now * isl / (ready * per_replica):.2f})")
     elif ttft_breach:
         in_transfer = plan.rate_now * model.perf.kv_transfer_seconds(round(isl))
         kv_full = decode.kv_cache_usage_perc_max >= 0.95
@@ -863,7 +865,7 @@ def _n_minus_one(role_name: str, replicas: int, config: AutoscalerConfig, plan: 
     load = 1.0 + config.down_margin
     if role_name == PREFILL:
         attainment = model.prefill_attainment(replicas, plan.rate * load, plan.mix, plan.decode.itl_s, k_prefill)
-        rho = plan.rate * load * plan.mix.mean / (replicas * model.saturated_tokens_per_s(k_prefill))
+        rho = plan.rate * load * plan.mix.mean / (replicas * model.mix_tokens_per_s(plan.mix, k_prefill))
         safe = attainment >= model.quantile and rho <= model.max_utilisation and replicas >= plan.burst_replicas
         return safe, (f"at {replicas} replicas and {load:.1f}x load predicted TTFT attainment {attainment:.3f} "
                       f"(>= {model.quantile:.2f}) at rho {rho:.2f}, bursts need {plan.burst_replicas}")

@@ -152,6 +152,12 @@ class PoolModel:
         budget = self.max_num_batched_tokens
         return k * budget / self.perf.prefill_seconds(budget)
 
+    def mix_tokens_per_s(self, mix: PromptMix, k: float = 1.0) -> float:
+        """Prompt tokens/s one busy prefill replica delivers on this mix: the saturated rate for
+        prompts within the token budget, each longer prompt at its own `p(L)` (attention over a long
+        context costs more per token)."""
+        return mix.mean / statistics.fmean(self.service_seconds(x, k) for x in mix.isl_tokens)
+
     def service_seconds(self, isl: float, k: float = 1.0) -> float:
         """How long one prompt occupies a busy replica (its share of batched steps)."""
         chunk = max(isl, float(self.max_num_batched_tokens))
@@ -258,7 +264,7 @@ class PoolModel:
                      max_replicas: int = 1024) -> PrefillSizing:
         """Fewest replicas whose predicted attainment meets `quantile` and utilisation stays under
         `max_utilisation` (`max_replicas` if none does)."""
-        per_replica = self.saturated_tokens_per_s(k)
+        per_replica = self.mix_tokens_per_s(mix, k)
         demand = rate * mix.mean
         offered = rate * statistics.fmean(self.service_seconds(x, k) for x in mix.isl_tokens)
         feasible = statistics.fmean(
