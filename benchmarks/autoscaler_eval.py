@@ -14,8 +14,12 @@ Policies: `static-peak`/`static-mean` (the oracle's largest and mean sizes, runn
 `queue-threshold`, `dynamo-sla` and `xpyd`, each from a warm start (the oracle's first-window sizes)
 and a cold one (1 prefill, 1 decode: minReplicas), and the `oracle` itself (`xpyd.sim.oracle`: per
 60 s window the fewest replicas the simulator shows meeting 95% of the window's requests, carried
-queues included, start-up ignored, verified by replaying the whole schedule). The headline is the
-GPU-hours each policy needs among those that meet 95%; goodput per GPU-hour stands beside attainment.
+queues included, start-up ignored, verified by replaying the whole schedule). Beside them, at the
+first start-up delay, a reference no autoscaler can beat without foresight: `nowcast`
+(`xpyd.sim.policies.NowcastPolicy`), each oracle window's sizes asked for the moment the window
+begins, plus a fixed headroom of 0-3 prefill and 0-2 decode replicas; the cheapest headroom that
+meets 95% is reported (the best attainment when none does). The headline is the GPU-hours each
+policy needs among those that meet 95%; goodput per GPU-hour stands beside attainment.
 """
 
 from __future__ import annotations
@@ -36,7 +40,7 @@ from xpyd.autoscaler.observation import Desired, Slo
 from xpyd.perf.model import PerfModel
 from xpyd.perf.shapes import lookup_model
 from xpyd.sim.oracle import OracleSchedule, OracleWindow, oracle_schedule
-from xpyd.sim.policies import POLICIES, XpydPolicy
+from xpyd.sim.policies import POLICIES, NowcastPolicy, XpydPolicy
 from xpyd.sim.policy import PolicyContext
 from xpyd.sim.report import build_report
 from xpyd.sim.simulator import SimConfig, SimResult, Simulator
@@ -50,6 +54,8 @@ AUTOSCALERS = ("queue-threshold", "dynamo-sla", "xpyd")
 RIVALS = ("queue-threshold", "dynamo-sla")
 STARTS = ("warm", "cold")
 COLD = Desired(1, 1)
+NOWCAST = "nowcast"
+NOWCAST_EXTRAS = tuple(Desired(prefill, decode) for prefill in range(4) for decode in range(3))
 TARGET_ATTAINMENT = 0.95
 TARGET_GPU_RATIO = 1.15
 WINDOW_S = 60.0
@@ -113,19 +119,25 @@ def report_for(result: SimResult, workload: Workload, startup_s: float, extra: d
     return report
 
 
-def run_one(workload: Workload, policy: str, startup_s: float, start: str, initial: Desired) -> dict[str, Any]:
-    """One simulated run; returns its report (with the xpyd decisions' reasons when it is xpyd)."""
+def run_one(workload: Workload, policy: str, startup_s: float, start: str, initial: Desired,
+            nowcast: NowcastPolicy | None = None) -> dict[str, Any]:
+    """One simulated run; returns its report (with the xpyd decisions' reasons when it is xpyd).
+    `nowcast` is the policy of a `NOWCAST` run (it starts at its own initial sizes)."""
     perf = perf_model()
     trace = workload.load()
+    if nowcast is not None:
+        initial = nowcast.initial
     config = SimConfig(prefill=initial.prefill, decode=initial.decode, slo=workload.slo, startup_delay_s=startup_s)
     context = PolicyContext(initial=initial, slo=workload.slo, perf=perf, interval_s=config.interval_s,
                             startup_delay_s=startup_s, engine=config.engine)
-    instance = POLICIES["static" if policy in STATIC else policy](context)
+    instance = nowcast or POLICIES["static" if policy in STATIC else policy](context)
     started = time.perf_counter()
     result = Simulator(trace, perf, instance, config, policy).run()
     extra: dict[str, Any] = {"wall_s": round(time.perf_counter() - started, 2), "workload": workload.name,
                              "start": start, "startup_s": startup_s,
                              "initial": {"prefill": initial.prefill, "decode": initial.decode}}
+    if isinstance(instance, NowcastPolicy):
+        extra["nowcast_extra"] = {"prefill": instance.extra.prefill, "decode": instance.extra.decode}
     if isinstance(instance, XpydPolicy):
         extra["autoscaler_decisions"] = [
             {"t_s": d.state.time_s, "prefill": d.prefill.replicas, "decode": d.decode.replicas, "reason": d.reason,
@@ -193,9 +205,24 @@ def windows_of(oracle: dict[str, Any]) -> list[OracleWindow]:
                          w["attained"], w["feasible"]) for w in oracle["oracle_windows"]]
 
 
-def _task(args: tuple[Workload, str, float, str, Desired]) -> tuple[str, str, float, str, dict[str, Any]]:
-    workload, policy, startup, start, initial = args
-    return workload.name, policy, startup, start, run_one(workload, policy, startup, start, initial)
+Task = tuple[Workload, str, float, str, Desired, NowcastPolicy | None]
+
+
+def _task(args: Task) -> tuple[str, str, float, str, dict[str, Any]]:
+    workload, policy, startup, start, initial, nowcast = args
+    return workload.name, policy, startup, start, run_one(workload, policy, startup, start, initial, nowcast)
+
+
+def nowcast_label(extra: Desired) -> str:
+    return f"+{extra.prefill} P, +{extra.decode} D"
+
+
+def cheapest_nowcast(reports: Sequence[dict[str, Any]]) -> dict[str, Any]:
+    """The nowcast run with the fewest GPU-hours among those that meet 95%, else the best attainment."""
+    meeting = [r for r in reports if meets(r)]
+    if meeting:
+        return min(meeting, key=lambda r: (r["gpu_hours"], -r["attainment"]))
+    return max(reports, key=lambda r: (r["attainment"], -r["gpu_hours"]))
 
 
 def _fmt(value: float | None, pattern: str) -> str:
@@ -210,6 +237,10 @@ def rows(workload: Workload, startup: float, runs: dict[tuple[str, float, str], 
          oracle: dict[str, Any]) -> list[tuple[str, str, dict[str, Any]]]:
     out = [(policy, "t=0", runs[(policy, 0.0, "fixed")]) for policy in STATIC]
     out += [(policy, start, runs[(policy, startup, start)]) for policy in AUTOSCALERS for start in STARTS]
+    nowcast = runs.get((NOWCAST, startup, "-"))
+    if nowcast is not None:
+        extra = nowcast["nowcast_extra"]
+        out.append((NOWCAST, nowcast_label(Desired(extra["prefill"], extra["decode"])), nowcast))
     return [*out, ("oracle", "no start-up", oracle)]
 
 
@@ -234,9 +265,13 @@ def verdicts(workload: Workload, startup: float, runs: dict[tuple[str, float, st
     bound = oracle["gpu_hours"]
     warm, cold = runs[("xpyd", startup, "warm")], runs[("xpyd", startup, "cold")]
     ratio = warm["gpu_hours"] / bound
+    nowcast = runs.get((NOWCAST, startup, "-"))
+    reference = "" if nowcast is None else (
+        f"; nowcast {nowcast['gpu_hours'] / bound:.2f}x at {nowcast['attainment']:.1%}" if meets(nowcast)
+        else f"; nowcast misses (best {nowcast['attainment']:.1%})")
     out = [("warm start: >= 95% of requests", meets(warm), f"{warm['attainment']:.1%}"),
            (f"warm start: GPU-hours <= {TARGET_GPU_RATIO:.2f}x the oracle's", ratio <= TARGET_GPU_RATIO,
-            f"{ratio:.2f}x ({warm['gpu_hours']:.3f} vs {bound:.3f})"),
+            f"{ratio:.2f}x ({warm['gpu_hours']:.3f} vs {bound:.3f}){reference}"),
            ("cold start: >= 95% after start-up + 2 windows", (cold["attainment_settled"] or 0.0) >= TARGET_ATTAINMENT,
             f"{_fmt(cold['attainment_settled'], '.1%')} (whole run {cold['attainment']:.1%})")]
     for start in STARTS:
@@ -254,16 +289,24 @@ def verdicts(workload: Workload, startup: float, runs: dict[tuple[str, float, st
 
 def headline(workloads: Sequence[Workload], startup: float, runs: dict[str, dict[tuple[str, float, str], Any]],
              oracles: dict[str, dict[str, Any]]) -> str:
-    """GPU-hours each policy needs to meet 95% (warm starts), or its attainment where it misses."""
-    names = [*STATIC, *AUTOSCALERS]
+    """GPU-hours each policy needs to meet 95% (warm starts), or its attainment where it misses; the
+    nowcast reference with the headroom it needs."""
+    names = [*STATIC, *AUTOSCALERS, NOWCAST]
     lines = [f"| workload | oracle | {' | '.join(names)} |", "|---|---:|" + "---:|" * len(names)]
     for workload in workloads:
         oracle = oracles[workload.name]
         cells = []
         for policy in names:
-            report = runs[workload.name][(policy, 0.0, "fixed") if policy in STATIC else (policy, startup, "warm")]
-            cells.append(f"{report['gpu_hours']:.2f} ({report['gpu_hours'] / oracle['gpu_hours']:.2f}x)"
-                         if meets(report) else f"misses ({report['attainment']:.1%})")
+            start = "fixed" if policy in STATIC else "-" if policy == NOWCAST else "warm"
+            key = (policy, 0.0 if policy in STATIC else startup, start)
+            report = runs[workload.name][key]
+            headroom = ""
+            if policy == NOWCAST:
+                extra = report["nowcast_extra"]
+                headroom = f", {nowcast_label(Desired(extra['prefill'], extra['decode']))}"
+            cells.append(f"{report['gpu_hours']:.2f} ({report['gpu_hours'] / oracle['gpu_hours']:.2f}x{headroom})"
+                         if meets(report) else f"misses ({'best ' if policy == NOWCAST else ''}"
+                                               f"{report['attainment']:.1%})")
         lines.append(f"| {workload.name} | {oracle['gpu_hours']:.2f} | {' | '.join(cells)} |")
     return "\n".join(lines) + "\n"
 
@@ -276,7 +319,7 @@ def plot(workload: Workload, startup: float, runs: dict[tuple[str, float, str], 
     from matplotlib import pyplot
 
     colors = {"static-peak": "#7f7f7f", "static-mean": "#bcbd22", "queue-threshold": "#9467bd",
-              "dynamo-sla": "#1f77b4", "xpyd": "#d62728", "oracle": "#2ca02c"}
+              "dynamo-sla": "#1f77b4", "xpyd": "#d62728", NOWCAST: "#ff7f0e", "oracle": "#2ca02c"}
     figure, axes = pyplot.subplots(4, 1, figsize=(12, 13), gridspec_kw={"height_ratios": [0.8, 1, 1, 1.1]})
     load, prefill_axis, decode_axis, bars = axes
     line = runs[("xpyd", startup, "warm")]["timeline"]
@@ -293,7 +336,7 @@ def plot(workload: Workload, startup: float, runs: dict[tuple[str, float, str], 
             counts = [s[role] + s[f"{role}_starting"] for s in samples]
             axis.stairs(counts, times, baseline=None, color=colors[policy],
                         linewidth=2.4 if policy == "xpyd" else 1.4,
-                        linestyle="--" if policy == "oracle" else (":" if start == "cold" else "-"),
+                        linestyle={"oracle": "--", NOWCAST: "-."}.get(policy, ":" if start == "cold" else "-"),
                         label=f"{policy} ({start})")
     for axis, role in ((prefill_axis, "prefill"), (decode_axis, "decode")):
         axis.set_ylabel(f"{role} replicas\n(ready + starting)")
@@ -359,6 +402,10 @@ code trace's ~28-token outputs need at most {code_decode} decode replicas at x10
 - `dynamo-sla`: NVIDIA Dynamo's throughput planner (180 s interval, ARIMA-like predictor,
   correction factors).
 - `xpyd`: `decide()`, the operator's own code.
+- `nowcast` (at {focus:g} s start-up): not a policy anyone can run but a reference for what the
+  start-up delay costs: each oracle window's sizes asked for the moment the window begins (knowing
+  the present exactly, nothing of the future), plus a fixed headroom of 0-3 prefill and 0-2 decode
+  replicas. The row shows the cheapest headroom that meets 95% (the best attainment if none does).
 - Autoscalers start warm (the oracle's first-window sizes) or cold (1 prefill, 1 decode).
 - `oracle`: per 60 s window the fewest replicas with which the simulator shows 95% of the window's
   requests meeting both SLOs, the queue carried over from the previous window, start-up ignored;
@@ -396,15 +443,24 @@ def main() -> int:
             warm = Desired(oracle["oracle_windows"][0]["prefill"], oracle["oracle_windows"][0]["decode"])
             for policy in STATIC:
                 sizes = oracle["oracle_peak" if policy == "static-peak" else "oracle_mean"]
-                tasks.append((workload, policy, 0.0, "fixed", Desired(sizes["prefill"], sizes["decode"])))
+                tasks.append((workload, policy, 0.0, "fixed", Desired(sizes["prefill"], sizes["decode"]), None))
             for startup in args.startups:
                 for policy in AUTOSCALERS:
-                    tasks.extend((workload, policy, startup, start, warm if start == "warm" else COLD)
+                    tasks.extend((workload, policy, startup, start, warm if start == "warm" else COLD, None)
                                  for start in STARTS)
+            windows = tuple(windows_of(oracle))
+            tasks.extend((workload, NOWCAST, args.startups[0], nowcast_label(extra), warm,
+                          NowcastPolicy(windows, extra)) for extra in NOWCAST_EXTRAS)
         results = list(pool.map(_task, tasks))
     runs: dict[str, dict[tuple[str, float, str], dict[str, Any]]] = {w.name: {} for w in workloads}
+    nowcasts: dict[str, list[dict[str, Any]]] = {w.name: [] for w in workloads}
     for name, policy, startup, start, report in results:
-        runs[name][(policy, startup, start)] = report
+        if policy == NOWCAST:
+            nowcasts[name].append(report)
+        else:
+            runs[name][(policy, startup, start)] = report
+    for name, reports in nowcasts.items():
+        runs[name][(NOWCAST, args.startups[0], "-")] = cheapest_nowcast(reports)
     sections: list[str] = []
     targets: list[str] = []
     workload_rows: list[str] = []
@@ -416,8 +472,11 @@ def main() -> int:
         oracle = oracles[workload.name]
         (directory / "oracle.json").write_text(json.dumps(oracle, indent=1) + "\n")
         for (policy, startup, start), report in runs[workload.name].items():
-            suffix = "" if start == "fixed" else f"_{start}_startup{startup:g}"
+            suffix = {"fixed": "", "-": f"_startup{startup:g}"}.get(start, f"_{start}_startup{startup:g}")
             (directory / f"{policy}{suffix}.json").write_text(json.dumps(report, indent=1) + "\n")
+        tried = [{"extra": r["nowcast_extra"], "attainment": r["attainment"], "gpu_hours": r["gpu_hours"]}
+                 for r in nowcasts[workload.name]]
+        (directory / f"{NOWCAST}_tried_startup{args.startups[0]:g}.json").write_text(json.dumps(tried, indent=1) + "\n")
         windows = windows_of(oracle)
         busy = [w for w in windows if w.requests]
         workload_rows.append(

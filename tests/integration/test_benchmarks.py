@@ -77,10 +77,22 @@ def test_autoscaler_eval_writes_its_tables_reports_and_plots_and_reuses_its_orac
         assert heading in readme, readme
     table = readme[readme.index("#### conv, start-up delay 30 s"):].split("\n\n")[1].splitlines()
     policies = [row.split("|")[1:3] for row in table[2:]]
-    assert [(p.strip(), s.strip()) for p, s in policies] == [
+    rows = [(p.strip(), s.strip()) for p, s in policies]
+    assert rows[:8] + rows[9:] == [
         ("static-peak", "t=0"), ("static-mean", "t=0"), ("queue-threshold", "warm"), ("queue-threshold", "cold"),
         ("dynamo-sla", "warm"), ("dynamo-sla", "cold"), ("xpyd", "warm"), ("xpyd", "cold"),
         ("oracle", "no start-up")], readme
+    assert rows[8][0] == "nowcast" and re.fullmatch(r"\+[0-3] P, \+[0-2] D", rows[8][1]), readme
+    tried = json.loads((tmp_path / "conv" / "nowcast_tried_startup30.json").read_text())
+    assert len(tried) == 12 and {(t["extra"]["prefill"], t["extra"]["decode"]) for t in tried} == {
+        (p, d) for p in range(4) for d in range(3)}
+    chosen = json.loads((tmp_path / "conv" / "nowcast_startup30.json").read_text())
+    meeting = [t["gpu_hours"] for t in tried if t["attainment"] >= 0.95]
+    assert chosen["gpu_hours"] == (min(meeting) if meeting else chosen["gpu_hours"]), (chosen["gpu_hours"], tried)
+    if not meeting:
+        assert chosen["attainment"] == max(t["attainment"] for t in tried)
+    headline = readme[readme.index("## GPU-hours to meet 95%"):readme.index("\n## Targets\n")]
+    assert "| nowcast |" in headline.splitlines()[2], headline
     oracle = json.loads((tmp_path / "conv" / "oracle.json").read_text())
     assert oracle["oracle_met"] and oracle["attainment"] >= 0.95 and oracle["oracle_key"], oracle.keys()
     cold = json.loads((tmp_path / "conv" / "xpyd_cold_startup30.json").read_text())

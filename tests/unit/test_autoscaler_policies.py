@@ -16,6 +16,7 @@ from xpyd.sim.dynamo import ArimaLikePredictor, DynamoSlaPolicy
 from xpyd.sim.oracle import OraclePolicy, SchedulePolicy, _fewest, oracle_schedule
 from xpyd.sim.policies import (
     POLICIES,
+    NowcastPolicy,
     QueueThresholdPolicy,
     XpydPolicy,
     build_policy,
@@ -222,6 +223,33 @@ def test_the_oracle_is_the_fewest_the_simulator_shows_meeting_the_target() -> No
         late = [i for i, t in enumerate(result.arrival_s) if t >= 60.0]
         good = sum(1 for i in late if result.ttft_s[i] <= SLO.ttft_s and tpot[i] <= SLO.tpot_s)
         assert good / len(late) < 0.95, fewer
+
+
+def test_the_nowcast_knows_each_window_once_it_begins_and_pays_the_start_up_delay() -> None:
+    schedule = oracle_schedule(step_trace(), PERF, SLO)
+    quiet, busy = schedule.windows
+    nowcast = NowcastPolicy(schedule.windows, Desired(1, 2))
+    assert nowcast.initial == Desired(quiet.prefill + 1, quiet.decode + 2)
+    assert nowcast.decide(Observation(time_s=59.9, window_s=60.0)) == Desired(quiet.prefill + 1, quiet.decode + 2)
+    assert nowcast.decide(Observation(time_s=60.0, window_s=60.0)) == Desired(busy.prefill + 1, busy.decode + 2)
+    assert nowcast.decide(Observation(time_s=900.0, window_s=60.0)) == Desired(busy.prefill + 1, busy.decode + 2)
+    with pytest.raises(ValueError, match="windows"):
+        NowcastPolicy(())
+    with pytest.raises(ValueError, match="negative"):
+        NowcastPolicy(schedule.windows, Desired(-1, 0))
+
+    def attainment(startup_s: float, extra: Desired) -> float:
+        policy = NowcastPolicy(schedule.windows, extra)
+        config = SimConfig(prefill=policy.initial.prefill, decode=policy.initial.decode, slo=SLO,
+                           startup_delay_s=startup_s)
+        return float(build_report(simulate(step_trace(), PERF, config, policy))["attainment"])
+
+    # Without a start-up delay the nowcast is the oracle's own schedule; with one, the step to the busy
+    # window is served late, and headroom held from the start is what makes up for it.
+    assert attainment(0.0, Desired(0, 0)) >= 0.95
+    late = attainment(60.0, Desired(0, 0))
+    assert late < 0.95
+    assert attainment(60.0, Desired(busy.prefill - quiet.prefill, busy.decode - quiet.decode)) >= 0.95 > late
 
 
 def fixture_workloads() -> dict[str, tuple[list[TraceRequest], Slo]]:

@@ -8,6 +8,9 @@
 - `queue-threshold`: what users configure with KEDA today (`QueueThresholdPolicy`).
 - `dynamo-sla`: NVIDIA Dynamo's throughput planner (`dynamo.DynamoSlaPolicy`).
 - `oracle`: the hindsight bound's windows (`oracle.OraclePolicy`), asked for start-up + interval ahead.
+- `NowcastPolicy` (the evaluation's reference, not a `--policy`): each oracle window's sizes plus a
+  fixed headroom, asked for only once the window has begun: what knowing the present exactly, but
+  not the future, buys under the start-up delay.
 
 - `static`: the sizes it is given (`StaticPolicy`).
 """
@@ -31,7 +34,7 @@ from xpyd.autoscaler.sizing import DEFAULT_MAX_NUM_BATCHED_TOKENS, DEFAULT_MAX_N
 from xpyd.perf.model import PerfModel
 from xpyd.sim.core import EnginePerf
 from xpyd.sim.dynamo import DynamoSlaPolicy
-from xpyd.sim.oracle import OraclePolicy, OracleSchedule, oracle_schedule
+from xpyd.sim.oracle import OraclePolicy, OracleSchedule, OracleWindow, SchedulePolicy, oracle_schedule
 from xpyd.sim.policy import Policy, PolicyContext, PolicyFactory, StaticPolicy
 from xpyd.sim.simulator import ProgressCallback, SimConfig, SimResult, simulate
 from xpyd.traces import TraceRequest
@@ -80,6 +83,33 @@ class XpydPolicy:
         self.state = decision.state
         self.decisions.append(decision)
         return Desired(decision.prefill.replicas, decision.decode.replicas)
+
+
+@dataclass(frozen=True)
+class NowcastPolicy:
+    """The oracle's sizes for the window holding `now` (none ahead of it), plus `extra` replicas of
+    each role: a policy that knows each window's exact needs as soon as the window begins. Its
+    replicas then serve only after the start-up delay, which is the part of the oracle's advantage
+    no causal policy can have; the headroom is what must cover it."""
+
+    windows: tuple[OracleWindow, ...]
+    extra: Desired = field(default_factory=lambda: Desired(0, 0))
+
+    def __post_init__(self) -> None:
+        if not self.windows:
+            raise ValueError("the nowcast needs the oracle's windows")
+        if self.extra.prefill < 0 or self.extra.decode < 0:
+            raise ValueError(f"the nowcast's headroom cannot be negative: {self.extra}")
+
+    def decide(self, observation: Observation) -> Desired:
+        """The sizes of the window holding `observation.time_s` (the last after the trace), plus `extra`."""
+        now = SchedulePolicy(self.windows).decide(observation)
+        return Desired(now.prefill + self.extra.prefill, now.decode + self.extra.decode)
+
+    @property
+    def initial(self) -> Desired:
+        """The first window's sizes with the headroom: what the pool starts with."""
+        return self.decide(Observation(time_s=self.windows[0].start_s, window_s=0.0))
 
 
 @dataclass(frozen=True)
