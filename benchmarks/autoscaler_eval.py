@@ -15,7 +15,8 @@ Policies: `static-peak`/`static-mean` (the oracle's largest and mean sizes, runn
 and a cold one (1 prefill, 1 decode: minReplicas), and the `oracle` itself (`xpyd.sim.oracle`: per
 60 s window the fewest replicas the simulator shows meeting 95% of the window's requests, carried
 queues included, start-up ignored, verified by replaying the whole schedule). Beside them, at the
-first start-up delay, a reference no autoscaler can beat without foresight: `nowcast`
+first start-up delay, a reference for what that delay costs a policy that knows the present exactly
+(a reference, not a bound: one that forecasts well can beat it): `nowcast`
 (`xpyd.sim.policies.NowcastPolicy`), each oracle window's sizes asked for the moment the window
 begins, plus a fixed headroom of 0-3 prefill and 0-2 decode replicas; the cheapest headroom that
 meets 95% is reported (the best attainment when none does). The headline is the GPU-hours each

@@ -685,15 +685,15 @@ def _backlog(observation: Observation, config: AutoscalerConfig, plan: _Plan, pr
     queueing until replicas ordered now serve (start-up), within `drain_budget_s`.
 
     Prefill: the queued prompt tokens (requests waiting x ISL) and the excess of the offered prompt
-    rate over the ready replicas' capacity (on the prompt mix) until replicas ordered now serve (`_until_serving`),
-    over the drain budget (`drain_budget_s`), on top of the offered rate, in saturated replicas;
-    each decision sizes the whole backlog it foresees, so a queue that grows as foreseen while
-    replicas start orders nothing more. Decode: the requests waiting for admission (less those whose
-    KV is in flight), over the drain budget, as extra arrival rate of the decode model (decode's
-    arrivals are what prefill delivers, so its queue is not extrapolated). Only
+    rate over the ready replicas' capacity (on the prompt mix) until replicas ordered now serve
+    (`_until_serving`), over the drain budget (`drain_budget_s`), on top of the offered rate, in
+    saturated replicas; each decision sizes the whole backlog it foresees, so a queue that grows as
+    foreseen while replicas start orders nothing more. Decode: the requests waiting for admission
+    (less those whose KV is in flight), over the drain budget, as extra arrival rate of the decode
+    model (decode's arrivals are what prefill delivers, so its queue is not extrapolated). Only
     roles whose queue needs more than the load alone are returned. They are recommended while the
-    queue lasts, but the stabilisation windows do not remember them: the queue is work to drain,
-    not load to expect again."""
+    queue lasts, but the stabilisation windows do not remember them: the queue is work to drain, not
+    load to expect again."""
     model = config.model
     drain_s = drain_budget_s(config)
     out: dict[str, tuple[int, str]] = {}
