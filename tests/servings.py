@@ -55,6 +55,11 @@ VALID = {
     "nixl prefill pp 0.32": serving({"engine": {"vllmVersion": "0.32"}, "prefill": {"pipelineParallelSize": 2}}),
     "multi-node budget": serving({"prefill": {"nodesPerReplica": 2, "tensorParallelSize": 2},
                                   "autoscaling": {"gpuBudget": 3}}),
+    "cpu pool": serving({"engine": {"device": "cpu", "cpu": {"kvCacheSpaceGiB": 8, "threadsBind": "0-15|16-31"}},
+                         "kvTransfer": {"bufferDevice": "cpu"}, "prefill": {"resources": {"cpu": "16"}}}),
+    "cpu pool push": serving({"engine": {"device": "cpu", "cpu": {"threadsBind": "nobind"}},
+                              "kvTransfer": {"connector": "NixlPushConnector"}}),
+    "gpu pool host buffer": serving({"kvTransfer": {"bufferDevice": "cpu"}}),
 }
 
 # (case, object, message the models and the CRD's CEL rule both give)
@@ -150,6 +155,21 @@ INVALID = [
                                                  "autoscaling": {"gpuBudget": 4}}),
      "autoscaling.gpuBudget is below the GPUs the minimum replicas of both roles need"),
     ("name uppercase", serving(name="Llama"), "metadata.name must be a DNS label of at most 55 characters"),
+    ("cpu pool with a cuda buffer", serving({"engine": {"device": "cpu"}, "kvTransfer": {"bufferDevice": "cuda"}}),
+     "engine.device cpu keeps the KV cache in host memory: kvTransfer.bufferDevice must be cpu"),
+    ("cpu pool with mooncake", serving({"engine": {"device": "cpu"}, "kvTransfer": {"connector": "MooncakeConnector"}}),
+     "engine.device cpu needs kvTransfer.connector NixlConnector or NixlPushConnector"),
+    ("cpu pool with lmcache", serving({"engine": {"device": "cpu"}, "kvTransfer": {
+        "connector": "LMCacheConnectorV1", "lmcache": {"configMapRef": {"name": "lmcache"}}}}),
+     "engine.device cpu needs kvTransfer.connector NixlConnector or NixlPushConnector"),
+    ("cpu pool requesting gpus", serving({"engine": {"device": "cpu"}, "prefill": {"gpu": {"count": 1}}}),
+     "engine.device cpu requests no GPUs: prefill.gpu.count and prefill.gpu.product must be unset"),
+    ("cpu pool on a gpu model", serving({"engine": {"device": "cpu"}, "decode": {"gpu": {"product": "NVIDIA-H200"}}}),
+     "engine.device cpu requests no GPUs: decode.gpu.count and decode.gpu.product must be unset"),
+    ("cpu pool with a gpu budget", serving({"engine": {"device": "cpu"}, "autoscaling": {"gpuBudget": 8}}),
+     "autoscaling.gpuBudget counts GPUs, and engine.device cpu runs on none"),
+    ("cpu settings on a gpu pool", serving({"engine": {"cpu": {"kvCacheSpaceGiB": 4}}}),
+     "engine.cpu applies only to engine.device cpu"),
 ]
 
 
@@ -157,6 +177,11 @@ INVALID = [
 # message naming the field; the API server's schema does the same (e2e).
 SCHEMA_INVALID = [
     ("unknown connector", serving({"kvTransfer": {"connector": "Bogus"}}), "spec.kvTransfer.connector"),
+    ("unknown device", serving({"engine": {"device": "tpu"}}), "spec.engine.device"),
+    ("kv cache below a GiB", serving({"engine": {"device": "cpu", "cpu": {"kvCacheSpaceGiB": 0}}}),
+     "spec.engine.cpu.kvCacheSpaceGiB"),
+    ("threads bind not a cpu list", serving({"engine": {"device": "cpu", "cpu": {"threadsBind": "cores 0-3"}}}),
+     "spec.engine.cpu.threadsBind"),
     ("topology key not a label", serving({"decode": {"nodesPerReplica": 2, "tensorParallelSize": 2,
                                                      "topologyKey": "rack key"}}), "spec.decode.topologyKey"),
     ("nodes per replica zero", serving({"decode": {"nodesPerReplica": 0}}), "spec.decode.nodesPerReplica"),

@@ -216,6 +216,35 @@ class ModelSpec(APIModel):
 # Engine
 
 
+#: What engines compute on, spelled as vLLM spells devices (kv_buffer_device).
+Device = Literal["cuda", "cpu"]
+#: VLLM_CPU_OMP_THREADS_BIND: auto, nobind, or CPU lists (`0-31`, `0,2,4`) one per local rank, split by `|`.
+_CPU_LIST: Final = r"[0-9]+(-[0-9]+)?(,[0-9]+(-[0-9]+)?)*"
+THREADS_BIND_PATTERN: Final = rf"^(auto|nobind|{_CPU_LIST}([|]{_CPU_LIST})*)$"
+
+
+class CPUEngineSpec(APIModel):
+    """Settings of vLLM's CPU backend (engine.device cpu), rendered as its environment variables."""
+
+    kv_cache_space_gib: int = Field(
+        default=4,
+        ge=1,
+        le=65536,
+        alias="kvCacheSpaceGiB",
+        description="VLLM_CPU_KVCACHE_SPACE: host memory for each engine's KV cache, in whole GiB (vLLM takes no "
+        "fractions). Count it in the pod's memory request with the weights.",
+    )
+    threads_bind: str = Field(
+        default="auto",
+        max_length=1024,
+        pattern=THREADS_BIND_PATTERN,
+        description="VLLM_CPU_OMP_THREADS_BIND: auto binds each rank's OpenMP threads to the CPUs the pod may "
+        "use on one NUMA node (with the kubelet's static CPU manager, a pod whose integer CPU request equals "
+        "its limit gets exclusive cores); nobind leaves threads unbound; or CPU lists such as 0-31 or "
+        "0-15|16-31, one per local rank.",
+    )
+
+
 class EngineSpec(APIModel):
     """The vLLM engine image and settings shared by prefill and decode."""
 
@@ -245,7 +274,24 @@ class EngineSpec(APIModel):
         default_factory=list, max_length=128, description="Extra environment variables for both roles."
     )
 
+    device: Device = Field(
+        default="cuda",
+        description="What the engines compute on: cuda (NVIDIA GPUs), or cpu (vLLM's CPU backend on x86 or Arm "
+        "nodes without GPUs; the image must be a vLLM CPU build, e.g. "
+        "public.ecr.aws/q9t5s3a7/vllm-cpu-release-repo). A cpu pool requests no GPUs, stages the KV cache in "
+        "host memory (kvTransfer.bufferDevice cpu) and needs a NIXL connector: docs/cpu.md.",
+    )
+    cpu: CPUEngineSpec | None = Field(
+        default=None, description="vLLM CPU backend settings (device cpu only; defaults apply when unset)."
+    )
+
     rules = (
+        Rule(
+            cel="!has(self.cpu) || self.device == 'cpu'",
+            message="engine.cpu applies only to engine.device cpu",
+            check=lambda e: e.cpu is None or e.device == "cpu",
+            field_path=".cpu",
+        ),
         Rule(
             cel=f"!self.vllmVersion.matches('{vllm.BEFORE_OLDEST_REGEX}')",
             message=f"engine.vllmVersion must be at least {vllm.format_version(vllm.OLDEST_SUPPORTED)}: older "
@@ -444,10 +490,10 @@ class KVTransferSpec(APIModel):
         description="KV connector. NixlConnector (pull) suits most clusters; P2pNcclConnector exists only "
         "up to vLLM 0.23. Immutable: pools of different connectors cannot exchange KV.",
     )
-    buffer_device: Literal["cuda", "cpu"] = Field(
-        default="cuda",
+    buffer_device: Device | None = Field(
+        default=None,
         description="kv_buffer_device: cuda transfers from GPU memory; cpu stages through host memory "
-        "(NIXL host-buffer mode).",
+        "(NIXL host-buffer mode). Defaults to engine.device; a cpu pool takes only cpu.",
     )
     load_failure_policy: Literal["fail", "recompute"] = Field(
         default="fail",
@@ -484,10 +530,10 @@ class KVTransferSpec(APIModel):
             field_path=".lmcache",
         ),
         Rule(
-            cel="self.bufferDevice == 'cuda' || self.connector == 'NixlConnector' "
+            cel="!has(self.bufferDevice) || self.bufferDevice == 'cuda' || self.connector == 'NixlConnector' "
             "|| self.connector == 'NixlPushConnector'",
             message="bufferDevice cpu (host-buffer mode) is supported only by the NIXL connectors",
-            check=lambda k: k.buffer_device == "cuda" or k.connector.is_nixl,
+            check=lambda k: k.buffer_device != "cpu" or k.connector.is_nixl,
             field_path=".bufferDevice",
         ),
         *(_block_rule(block, connectors) for block, connectors in _CONNECTOR_BLOCKS.items()),
@@ -974,6 +1020,17 @@ def _nixl_pipeline_supported(spec: DisaggregatedServingSpec) -> bool:
             or vllm.parse_version(spec.engine.vllm_version) >= vllm.NIXL_PIPELINE_PARALLEL_ADDED)
 
 
+def _cpu_role_rule(role: str) -> Rule:
+    """A cpu pool's engines request no GPUs: neither a count nor a GPU model of `role`."""
+    return Rule(
+        cel=f"self.engine.device != 'cpu' || (!has(self.{role}.gpu.count) && !has(self.{role}.gpu.product))",
+        message=f"engine.device cpu requests no GPUs: {role}.gpu.count and {role}.gpu.product must be unset",
+        check=lambda s: s.engine.device != "cpu" or (getattr(s, role).gpu.count is None
+                                                     and getattr(s, role).gpu.product is None),
+        field_path=f".{role}.gpu",
+    )
+
+
 def _gpu_budget_holds(spec: DisaggregatedServingSpec) -> bool:
     budget = spec.autoscaling.gpu_budget
     if budget is None:
@@ -1077,6 +1134,31 @@ class DisaggregatedServingSpec(APIModel):
             "(older releases key the hand-off by tensor rank alone)",
             check=_nixl_pipeline_supported,
         ),
+        # vLLM's CPU backend: the KV cache lives in host memory, and only NIXL has a host-buffer mode.
+        Rule(
+            cel="self.engine.device != 'cpu' || !has(self.kvTransfer.bufferDevice) || "
+            "self.kvTransfer.bufferDevice == 'cpu'",
+            message="engine.device cpu keeps the KV cache in host memory: kvTransfer.bufferDevice must be cpu "
+            "(or unset)",
+            check=lambda s: s.engine.device != "cpu" or s.kv_transfer.buffer_device in (None, "cpu"),
+            field_path=".kvTransfer.bufferDevice",
+        ),
+        Rule(
+            cel="self.engine.device != 'cpu' || self.kvTransfer.connector == 'NixlConnector' || "
+            "self.kvTransfer.connector == 'NixlPushConnector'",
+            message="engine.device cpu needs kvTransfer.connector NixlConnector or NixlPushConnector: only NIXL "
+            "hands the KV over from host memory (Mooncake, LMCache and P2pNccl move GPU memory)",
+            check=lambda s: s.engine.device != "cpu" or s.kv_transfer.connector.is_nixl,
+            field_path=".kvTransfer.connector",
+        ),
+        _cpu_role_rule("prefill"),
+        _cpu_role_rule("decode"),
+        Rule(
+            cel="self.engine.device != 'cpu' || !has(self.autoscaling.gpuBudget)",
+            message="autoscaling.gpuBudget counts GPUs, and engine.device cpu runs on none: leave it unset",
+            check=lambda s: s.engine.device != "cpu" or s.autoscaling.gpu_budget is None,
+            field_path=".autoscaling.gpuBudget",
+        ),
         Rule(
             cel="!has(self.autoscaling.gpuBudget) || self.autoscaling.prefill.minReplicas * "
             + _GPUS_CEL.format(role="prefill")
@@ -1087,6 +1169,20 @@ class DisaggregatedServingSpec(APIModel):
             check=_gpu_budget_holds,
         ),
     )
+
+    @property
+    def on_cpu(self) -> bool:
+        """The engines run vLLM's CPU backend (no GPUs)."""
+        return self.engine.device == "cpu"
+
+    @property
+    def kv_buffer_device(self) -> Device:
+        """kv_buffer_device as rendered: the user's, else the engines' own device."""
+        return self.kv_transfer.buffer_device or self.engine.device
+
+    @property
+    def cpu_settings(self) -> CPUEngineSpec:
+        return self.engine.cpu or CPUEngineSpec()
 
 
 # ---------------------------------------------------------------------------------------------

@@ -45,9 +45,9 @@ def merge_conditions(old: Sequence[JSON], new: Sequence[ConditionValue], generat
     return result
 
 
-def role_status(deployment: JSON | None, desired: int, role: RoleSpec | None = None) -> JSON:
+def role_status(deployment: JSON | None, desired: int, role: RoleSpec | None = None, on_cpu: bool = False) -> JSON:
     """A pool's replicas from its workload's status (a Deployment's pods, a LeaderWorkerSet's groups:
-    the same fields), with the shape of a replica."""
+    the same fields), with the shape of a replica (a CPU pool's replicas hold no GPUs)."""
     st = (deployment or {}).get("status", {})
     ready = st.get("readyReplicas", 0)
     role = role or RoleSpec()
@@ -58,7 +58,7 @@ def role_status(deployment: JSON | None, desired: int, role: RoleSpec | None = N
         "updatedReplicas": st.get("updatedReplicas", 0),
         "ready": f"{ready}/{desired}",
         "nodesPerReplica": role.nodes_per_replica,
-        "gpus": desired * role.gpus_per_replica,
+        "gpus": 0 if on_cpu else desired * role.gpus_per_replica,
     }
 
 
@@ -136,7 +136,7 @@ class Observed:
 def compute_status(spec: DisaggregatedServingSpec, observed: Observed, old_status: JSON,
                    generation: int | None, endpoint: str, transport: str, now: str) -> JSON:
     """The status fields the reconciler owns (the autoscaler block is written elsewhere)."""
-    roles = {c: role_status(observed.deployments.get(c), observed.desired[c], getattr(spec, c))
+    roles = {c: role_status(observed.deployments.get(c), observed.desired[c], getattr(spec, c), spec.on_cpu)
              for c in ("prefill", "decode")}
     proxy = observed.deployments.get("proxy")
     proxy_status = {"replicas": (proxy or {}).get("status", {}).get("replicas", 0),

@@ -77,7 +77,7 @@ def _connector_settings(spec: DisaggregatedServingSpec) -> JSON:
     kv = spec.kv_transfer
     settings: JSON = {
         "connector": kv.connector.value,
-        "buffer_device": kv.buffer_device,
+        "buffer_device": spec.kv_buffer_device,
         "extra_config": {k: v for k, v in kv.extra_config.items() if k not in ROLE_LOCAL_EXTRA_KEYS},
     }
     if kv.connector.is_nixl:

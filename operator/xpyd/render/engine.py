@@ -84,10 +84,12 @@ def transport(spec: DisaggregatedServingSpec) -> str:
 
 def ucx_tls(spec: DisaggregatedServingSpec) -> str:
     """UCX_TLS: RDMA transports when RDMA is requested, so a missing device fails instead of
-    silently falling back to TCP (which is orders of magnitude slower)."""
+    silently falling back to TCP (which is orders of magnitude slower). GPU pools add UCX's CUDA
+    transports; a CPU pool's KV is in host memory and its nodes have no CUDA driver."""
     if spec.kv_transfer.ucx.tls:
         return spec.kv_transfer.ucx.tls
-    return "rc,cuda_copy,cuda_ipc" if spec.kv_transfer.rdma else "tcp,cuda_copy,cuda_ipc"
+    network = "rc" if spec.kv_transfer.rdma else "tcp"
+    return network if spec.on_cpu else f"{network},cuda_copy,cuda_ipc"
 
 
 def _env_value(spec: DisaggregatedServingSpec, role: Role, name: str) -> str | None:
@@ -223,6 +225,12 @@ def env(spec: DisaggregatedServingSpec, role: Role, proxy_host: str = "") -> lis
                        _env("LMCACHE_PD_PROXY_PORT", str(LMCACHE_PD_PROXY_PORT))]
         else:
             result.append(_field_env("LMCACHE_PD_PEER_HOST", "status.podIP"))
+    if spec.on_cpu:
+        # vLLM's CPU backend (vllm/envs.py): the KV cache's host memory in GiB, and where each rank's
+        # OpenMP threads run.
+        cpu = spec.cpu_settings
+        result += [_env("VLLM_CPU_KVCACHE_SPACE", str(cpu.kv_cache_space_gib)),
+                   _env("VLLM_CPU_OMP_THREADS_BIND", cpu.threads_bind)]
     if spec.model.source.hub is not None:
         result.append(_env("HF_HOME", HF_HOME))
     if spec.model.hf_token_secret_ref is not None:
@@ -263,14 +271,19 @@ def ports(spec: DisaggregatedServingSpec, role: Role, node: NodeRole | None = No
 
 
 def resources(spec: DisaggregatedServingSpec, role: Role) -> JSON:
-    """GPU (and RDMA) requests equal to limits, as extended resources require."""
+    """GPU (and RDMA) requests equal to limits, as extended resources require. A CPU pool requests no
+    GPU, and its CPU limit equals its request: with an integer count that makes the pod Guaranteed,
+    and the kubelet's static CPU manager gives it exclusive cores, which vLLM's `auto` thread binding
+    then uses (a CPU engine's threads spin; shared cores would be taken from its neighbours)."""
     role_spec: RoleSpec = getattr(spec, role)
-    limits: dict[str, Any] = {role_spec.gpu.resource_name: role_spec.gpus}
+    limits: dict[str, Any] = {} if spec.on_cpu else {role_spec.gpu.resource_name: role_spec.gpus}
     if spec.kv_transfer.rdma:
         limits[spec.kv_transfer.rdma.resource_name] = spec.kv_transfer.rdma.per_replica
     requests = dict(limits)
     if role_spec.resources.cpu:
         requests["cpu"] = role_spec.resources.cpu
+        if spec.on_cpu:
+            limits["cpu"] = role_spec.resources.cpu
     if role_spec.resources.memory:
         requests["memory"] = limits["memory"] = role_spec.resources.memory
     return {"requests": requests, "limits": limits}
@@ -299,10 +312,25 @@ def volumes(spec: DisaggregatedServingSpec, role: Role) -> tuple[list[JSON], lis
     return vols, mounts
 
 
-def tolerations(role_spec: RoleSpec) -> list[JSON]:
-    """The user's tolerations, plus one for the taint GPU nodes carry under the GPU resource's
-    name (the ExtendedResourceToleration convention)."""
+def capabilities(spec: DisaggregatedServingSpec) -> list[str]:
+    """Linux capabilities the engine container adds to none: IPC_LOCK when RDMA registers (pins)
+    memory; SYS_NICE on CPU, where vLLM binds its threads and memory to NUMA nodes (mbind and
+    set_mempolicy, which the runtime's default seccomp profile allows only with CAP_SYS_NICE; vLLM's
+    CPU guide runs its image with --cap-add SYS_NICE)."""
+    result = []
+    if spec.kv_transfer.rdma is not None:
+        result.append("IPC_LOCK")
+    if spec.on_cpu:
+        result.append("SYS_NICE")
+    return result
+
+
+def tolerations(spec: DisaggregatedServingSpec, role_spec: RoleSpec) -> list[JSON]:
+    """The user's tolerations, plus (on GPU pools) one for the taint GPU nodes carry under the GPU
+    resource's name (the ExtendedResourceToleration convention)."""
     result = [t.to_wire() for t in role_spec.tolerations]
+    if spec.on_cpu:
+        return result
     gpu_taint = {"key": role_spec.gpu.resource_name, "operator": "Exists", "effect": "NoSchedule"}
     if gpu_taint not in result:
         result.append(gpu_taint)

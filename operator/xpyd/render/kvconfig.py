@@ -127,7 +127,7 @@ def kv_transfer_config(spec: DisaggregatedServingSpec, role: Role, proxy_host: s
         version=version,
         kv_connector=kv.connector.value,
         kv_role=KV_ROLE[role],
-        kv_buffer_device=kv.buffer_device,
+        kv_buffer_device=spec.kv_buffer_device,
         kv_load_failure_policy=kv.load_failure_policy if version >= vllm.LOAD_FAILURE_POLICY_ADDED else None,
         kv_connector_extra_config=_without_unknown_keys(
             {**_extra_config(spec, role, proxy_host), **kv.extra_config}, version),
