@@ -176,7 +176,7 @@ async def test_completions_non_stream_counts_exactly() -> None:
         assert status == 200
         assert body["id"] == "cmpl-abc" and body["object"] == "text_completion" and body["model"] == NAME
         assert body["usage"] == {"prompt_tokens": 37, "completion_tokens": 9, "total_tokens": 46,
-                                 "prompt_tokens_details": None}
+                                 "prompt_tokens_details": None, "completion_tokens_details": None}
         choice = body["choices"][0]
         assert choice["text"] == " tok" * 9 and choice["finish_reason"] == "length"
         assert body["kv_transfer_params"] is None
@@ -186,7 +186,7 @@ async def test_completions_non_stream_counts_exactly() -> None:
         # The OpenAI default for completions: 16 tokens.
         status, body = await post(session, f"{server.url}/v1/completions", {"prompt": [[5, 6, 7]]})
         assert body["usage"] == {"prompt_tokens": 3, "completion_tokens": 16, "total_tokens": 19,
-                                 "prompt_tokens_details": None}
+                                 "prompt_tokens_details": None, "completion_tokens_details": None}
 
 
 async def test_completions_stream_with_and_without_usage() -> None:
@@ -199,7 +199,8 @@ async def test_completions_stream_with_and_without_usage() -> None:
         finishes = [e["choices"][0]["finish_reason"] for e in result.events if e["choices"]]
         assert finishes == [None] * 11 + ["length"]
         assert result.events[-1]["choices"] == [] and result.usage == {
-            "prompt_tokens": 20, "completion_tokens": 12, "total_tokens": 32, "prompt_tokens_details": None}
+            "prompt_tokens": 20, "completion_tokens": 12, "total_tokens": 32}
+        assert result.events[-1]["system_fingerprint"].startswith("vllm-0.33.0-")
         result = await stream(session, url, {"prompt": token_prompt(20), "max_tokens": 3})
         assert result.done and len(result.token_times) == 3 and result.usage is None
         result = await stream(session, url, {"prompt": token_prompt(5), "max_tokens": 3,
@@ -264,43 +265,55 @@ async def test_health_is_503_while_loading_then_200() -> None:
 
 # --- errors -----------------------------------------------------------------------------------------
 
-BAD_REQUESTS: list[tuple[str, str, Any, int, str]] = [
-    ("not JSON", "completions", b"{nope", 400, "Invalid JSON"),
-    ("not an object", "completions", [1, 2], 400, "JSON object"),
-    ("unknown model", "completions", {"model": "gpt-4", "prompt": "x"}, 404, "The model `gpt-4` does not exist."),
-    ("max_tokens 0", "completions", {"prompt": "x", "max_tokens": 0}, 400, "at least 1"),
-    ("max_tokens text", "completions", {"prompt": "x", "max_tokens": "5"}, 400, "must be an integer"),
+#: (what, endpoint, body, status, part of the message, `param`): vLLM's protocol errors, then its
+#: model, max_tokens and prompt-length checks with their messages and parameters (vLLM 0.33).
+BAD_REQUESTS: list[tuple[str, str, Any, int, str, str | None]] = [
+    ("not JSON", "completions", b"{nope", 400, "Invalid JSON", None),
+    ("not an object", "completions", [1, 2], 400, "JSON object", None),
+    ("unknown model", "completions", {"model": "gpt-4", "prompt": "x"}, 404,
+     "The model `gpt-4` does not exist. Valid aliases: llama-8b.", "model"),
+    ("max_tokens 0", "completions", {"prompt": "x", "max_tokens": 0}, 400, "at least 1", None),
+    ("max_tokens text", "completions", {"prompt": "x", "max_tokens": "5"}, 400, "must be an integer", None),
     ("max_tokens bool", "chat/completions", {"messages": [{"role": "user", "content": "x"}], "max_tokens": True},
-     400, "must be an integer"),
-    ("no prompt", "completions", {"max_tokens": 3}, 400, "prompt"),
-    ("empty token list", "completions", {"prompt": []}, 400, "prompt"),
-    ("batched prompts", "completions", {"prompt": ["a", "b"]}, 400, "batched"),
-    ("no messages", "chat/completions", {"messages": []}, 400, "messages"),
+     400, "must be an integer", None),
+    ("no prompt", "completions", {"max_tokens": 3}, 400, "prompt", None),
+    ("empty token list", "completions", {"prompt": []}, 400, "prompt", None),
+    ("batched prompts", "completions", {"prompt": ["a", "b"]}, 400, "batched", None),
+    ("no messages", "chat/completions", {"messages": []}, 400, "messages", None),
     ("image content", "chat/completions", {"messages": [{"role": "user", "content": [
-        {"type": "image_url", "image_url": {"url": "x"}}]}]}, 400, "text"),
+        {"type": "image_url", "image_url": {"url": "x"}}]}]}, 400, "text", None),
     ("stream_options without stream", "completions", {"prompt": "x", "stream_options": {"include_usage": True}},
-     400, "Stream options can only be defined when `stream=True`."),
-    ("stream not bool", "completions", {"prompt": "x", "stream": "yes"}, 400, "stream"),
-    ("n=2", "completions", {"prompt": "x", "n": 2}, 400, "n "),
-    ("prompt over max-model-len", "completions", {"prompt": token_prompt(1000)}, 400,
-     "maximum context length is 1000 tokens"),
-    ("max_tokens over max-model-len", "completions", {"prompt": token_prompt(900), "max_tokens": 101}, 400,
-     "'max_tokens' or 'max_completion_tokens' is too large: 101"),
+     400, "Stream options can only be defined when `stream=True`.", None),
+    ("stream not bool", "completions", {"prompt": "x", "stream": "yes"}, 400, "stream", None),
+    ("n=2", "completions", {"prompt": "x", "n": 2}, 400, "n ", None),
+    ("prompt over max-model-len", "completions", {"prompt": token_prompt(1001)}, 400,
+     "This model's maximum context length is 1000 tokens. However, your prompt contains 1001 input tokens, which "
+     "exceeds this limit even without any output tokens. Please reduce the length of the input prompt. "
+     "(parameter=input_tokens, value=1001)", "input_tokens"),
+    ("prompt at max-model-len", "completions", {"prompt": token_prompt(1000)}, 400,
+     "The decoder prompt (length 1000) plus the number of requested output tokens (at least 1) is longer than the "
+     "maximum model length of 1000.", None),
+    ("max_tokens over max-model-len", "completions", {"prompt": token_prompt(9), "max_tokens": 1001}, 400,
+     "max_tokens=1001 cannot be greater than max_model_len=1000. Please request fewer output tokens. "
+     "(parameter=max_tokens, value=1001)", "max_tokens"),
+    ("max_completion_tokens over max-model-len", "chat/completions", {
+        "messages": [{"role": "user", "content": "x"}], "max_tokens": 5, "max_completion_tokens": 1001}, 400,
+     "max_completion_tokens=1001 cannot be greater than max_model_len=1000.", "max_completion_tokens"),
     ("kv_transfer_params not an object", "completions", {"prompt": "x", "kv_transfer_params": "yes"}, 400,
-     "kv_transfer_params"),
+     "kv_transfer_params", None),
 ]
 
 
 async def test_bad_requests_get_vllm_error_envelopes() -> None:
     async with engine(max_model_len=1000, max_kv_tokens=10_000) as server, client_session() as session:
-        for what, path, body, status, message in BAD_REQUESTS:
+        for what, path, body, status, message, param in BAD_REQUESTS:
             data = body if isinstance(body, bytes) else json.dumps(body).encode()
             async with session.post(f"{server.url}/v1/{path}", data=data,
                                     headers={"Content-Type": "application/json"}) as response:
                 assert response.status == status, what
                 error = (await response.json())["error"]
             assert set(error) == {"message", "type", "param", "code"}, what
-            assert error["code"] == status and error["param"] is None, what
+            assert error["code"] == status and error["param"] == param, (what, error["param"])
             assert error["type"] == ("NotFoundError" if status == 404 else "BadRequestError"), what
             assert message in error["message"], (what, error["message"])
         async with session.post(f"{server.url}/v1/completions", data=b'{"prompt": "x"}',
@@ -310,14 +323,27 @@ async def test_bad_requests_get_vllm_error_envelopes() -> None:
         # The engine is unharmed.
         status, _ = await post(session, f"{server.url}/v1/completions", {"prompt": "x", "max_tokens": 2})
         assert status == 200
+        # A max_tokens within the context but not beside the prompt is lowered to what is left, as vLLM's
+        # get_max_tokens does; so is a chat's default (no max_tokens).
+        status, body = await post(session, f"{server.url}/v1/completions",
+                                  {"prompt": token_prompt(900), "max_tokens": 101})
+        assert status == 200 and body["usage"]["completion_tokens"] == 100
+        status, body = await post(session, f"{server.url}/v1/chat/completions",   # 1 + (5 + 980) + 4 tokens
+                                  {"messages": [{"role": "user", "content": "x" * 3920}]})
+        assert status == 200 and body["usage"] == {"prompt_tokens": 990, "total_tokens": 1000, "completion_tokens": 10,
+                                                   "prompt_tokens_details": None, "completion_tokens_details": None}
 
 
 # --- metrics ----------------------------------------------------------------------------------------
 
+# What an engine with a KV connector (kv_both) exposes; tests/conformance/test_emulator_vs_real.py holds
+# them against real vLLM's.
 GAUGES = ("vllm:num_requests_running", "vllm:num_requests_waiting", "vllm:kv_cache_usage_perc",
-          "vllm:num_requests_waiting_by_reason")
+          "vllm:num_requests_waiting_by_reason", "vllm:num_requests_kv_fetch_by_stage", "vllm:engine_sleep_state")
 COUNTERS = ("vllm:prompt_tokens_total", "vllm:generation_tokens_total", "vllm:request_success_total",
             "vllm:prompt_tokens_by_source_total", "vllm:prompt_tokens_cached_total", "vllm:num_preemptions_total",
+            "vllm:prompt_tokens_cached_by_source_total", "vllm:external_prefix_cache_queries_total",
+            "vllm:external_prefix_cache_hits_total",
             "vllm:nixl_num_failed_transfers_total", "vllm:nixl_num_kv_expired_reqs_total",
             "vllm:nixl_num_failed_notifications_total", "vllm:nixl_num_notifications_after_expiry_total")
 HISTOGRAMS: dict[str, Sequence[float]] = {
@@ -344,16 +370,23 @@ HISTOGRAMS: dict[str, Sequence[float]] = {
 
 
 async def test_metrics_names_types_labels_and_buckets() -> None:
-    async with engine() as server, client_session() as session:
+    started = time.time()
+    async with engine(kv_role="kv_both") as server, engine() as plain, client_session() as session:
         for _ in range(3):
             await post(session, f"{server.url}/v1/completions", {"prompt": token_prompt(100), "max_tokens": 10})
         metrics = await scrape(session, server)
+        without_connector = await scrape(session, plain)
     for name in GAUGES:
         assert metrics.types[name] == "gauge"
     for name in COUNTERS:
         assert metrics.types[name] == "counter"
+        # prometheus_client's `_created` gauge beside every counter and histogram: when its series began.
+        created = name.removesuffix("_total") + "_created"
+        assert metrics.types[created] == "gauge"
+        times = [value for n, _, value in metrics.samples if n == created]
+        assert times and all(started - 1 < value < time.time() for value in times), (created, times)
     for name, buckets in HISTOGRAMS.items():
-        assert metrics.types[name] == "histogram"
+        assert metrics.types[name] == "histogram" and metrics.types[f"{name}_created"] == "gauge"
         series = metrics.buckets(name)
         assert [le for le, _ in series] == [*buckets, math.inf], name
         counts = [count for _, count in series]
@@ -387,6 +420,17 @@ async def test_metrics_names_types_labels_and_buckets() -> None:
     ttft = metrics.value("vllm:time_to_first_token_seconds_sum") / 3
     assert PERF.prefill_seconds(100) / 10 - 1e-9 <= ttft < PERF.prefill_seconds(100) / 10 + 0.01
     assert metrics.value("vllm:num_requests_running") == 0 and metrics.value("vllm:kv_cache_usage_perc") == 0
+    # The connector is asked about every prompt; nothing came from another engine; the engine is awake.
+    assert metrics.value("vllm:external_prefix_cache_queries_total") == 300
+    assert metrics.value("vllm:external_prefix_cache_hits_total") == 0
+    assert sum(v for n, _, v in metrics.samples if n == "vllm:prompt_tokens_cached_by_source_total") == 0
+    assert sum(v for n, _, v in metrics.samples if n == "vllm:num_requests_kv_fetch_by_stage") == 0
+    assert {lab["sleep_state"]: v for n, lab, v in metrics.samples if n == "vllm:engine_sleep_state"} == {
+        "awake": 1, "weights_offloaded": 0, "discard_all": 0}
+    # As vLLM, an engine without a KV connector has no NIXL families, and no KV fetches to count.
+    assert not [name for name in without_connector.types if name.startswith("vllm:nixl_")]
+    assert "vllm:num_requests_kv_fetch_by_stage" not in without_connector.types
+    assert without_connector.value("vllm:external_prefix_cache_queries_total") == 0
 
 
 async def test_kv_capacity_makes_requests_wait() -> None:
@@ -432,11 +476,13 @@ async def test_prefill_leg_returns_kv_transfer_params_and_holds_kv() -> None:
         assert params["do_remote_prefill"] is True and params["do_remote_decode"] is False
         assert params["remote_engine_id"] == prefill.engine.engine_id
         assert params["remote_host"] == side_host == HOST and params["remote_port"] == side_port != prefill.http_port
-        # NixlConnector's (pull) answer in 0.33: exactly these fields.
+        # NixlConnector's (pull) answer in 0.33, with the scheduler's remote_prefill_cached_tokens: exactly
+        # these fields (tests/conformance/test_emulator_vs_real.py holds them against real vLLM's).
         assert set(params) == {"do_remote_prefill", "do_remote_decode", "remote_block_ids", "remote_engine_id",
                                "remote_request_id", "remote_host", "remote_port", "tp_size", "dcp_size", "pp_size",
                                "remote_num_tokens", "remote_blocks_expiry_time", "transfer_mode",
-                               "remote_registration_generation"}
+                               "remote_registration_generation", "remote_prefill_cached_tokens"}
+        assert params["remote_prefill_cached_tokens"] == 0   # no prefix cache on the prefill engine
         assert params["tp_size"] == 2 and params["dcp_size"] == params["pp_size"] == 1
         # vLLM's internal id: cmpl-{X-Request-Id}-{prompt index}-{8 random hex digits}.
         assert re.fullmatch(r"cmpl-r1-0-[0-9a-f]{8}", params["remote_request_id"]), params["remote_request_id"]
@@ -488,6 +534,9 @@ async def test_decode_leg_waits_for_the_transfer_and_decodes_only() -> None:
         assert decode_metrics.value("vllm:prompt_tokens_by_source_total", source="external_kv_transfer") == 400
         assert decode_metrics.value("vllm:prompt_tokens_by_source_total", source="local_compute") == 0
         assert decode_metrics.value("vllm:prompt_tokens_cached_total") == 400
+        assert decode_metrics.value("vllm:prompt_tokens_cached_by_source_total", source="p2p") == 400
+        assert decode_metrics.value("vllm:external_prefix_cache_queries_total") == 400
+        assert decode_metrics.value("vllm:external_prefix_cache_hits_total") == 400
         assert decode_metrics.value("vllm:request_prefill_kv_computed_tokens_sum") == 0
         assert decode_metrics.value("vllm:nixl_xfer_time_seconds_sum") == pytest.approx(transfer_s)
         assert decode_metrics.value("vllm:nixl_bytes_transferred_sum") == 400 * KV_BYTES
@@ -500,6 +549,42 @@ async def test_decode_leg_waits_for_the_transfer_and_decodes_only() -> None:
         prefill_metrics = await scrape(session, prefill)
         assert prefill_metrics.value("vllm:kv_cache_usage_perc") == 0
         assert prefill_metrics.value("vllm:nixl_num_kv_expired_reqs_total") == 0
+
+
+async def test_decode_legs_waiting_for_their_kv_are_counted_by_stage() -> None:
+    # 400 tokens x 128 KiB at 1 Gb/s: a 419 ms pull at 1x, long enough to be seen.
+    slow = PerfModel.from_profile(DEFAULT_PROFILE).with_kv_transfer(KV_BYTES, 1.0)
+    async with engine(kv_role="kv_producer", perf=slow, time_scale=1.0) as prefill, \
+            engine(kv_role="kv_consumer", perf=slow, time_scale=1.0) as decode, client_session() as session:
+        body = {"model": NAME, "prompt": token_prompt(400), "max_tokens": 2}
+        params = await prefill_leg(session, prefill.url, body, "stages")
+        leg = asyncio.create_task(post(session, f"{decode.url}/v1/completions", {**body, "kv_transfer_params": params}))
+        seen: dict[str, float] = {}
+        while not leg.done() and not seen.get("in_progress"):
+            metrics = await scrape(session, decode)
+            seen = {lab["stage"]: v for n, lab, v in metrics.samples if n == "vllm:num_requests_kv_fetch_by_stage"}
+            await asyncio.sleep(0.005)
+        assert seen == {"waiting_to_start": 0, "in_progress": 1, "completed_waiting": 0}
+        # A pulling request waits for a transfer: vLLM's "deferred" reason.
+        assert metrics.value("vllm:num_requests_waiting_by_reason", reason="deferred") == 1
+        status, _ = await leg
+        assert status == 200
+        metrics = await scrape(session, decode)
+        assert sum(v for n, _, v in metrics.samples if n == "vllm:num_requests_kv_fetch_by_stage") == 0
+
+
+async def test_a_streamed_prefill_leg_hands_off_on_its_final_event() -> None:
+    async with engine(kv_role="kv_producer") as prefill, engine(kv_role="kv_consumer") as decode, \
+            client_session() as session:
+        body = {"model": NAME, "prompt": token_prompt(40), "max_tokens": 1}
+        result = await stream(session, f"{prefill.url}/v1/completions", {**body, "kv_transfer_params": PREFILL_KV})
+        assert result.done and [e["kv_transfer_params"] is None for e in result.events] == [False]
+        params = result.events[-1]["kv_transfer_params"]
+        assert result.events[-1]["choices"][0]["finish_reason"] == "length" and params["do_remote_prefill"] is True
+        answer = await stream(session, f"{decode.url}/v1/completions", {**body, "max_tokens": 3,
+                                                                        "kv_transfer_params": params})
+        assert answer.done and len(answer.token_times) == 3
+        assert all(event["kv_transfer_params"] is None for event in answer.events)
 
 
 async def test_decode_leg_takes_block_ids_per_group_or_flat_and_rejects_other_shapes() -> None:

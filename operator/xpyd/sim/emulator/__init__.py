@@ -4,7 +4,9 @@ The engine is an `EngineCore` (the continuous-batching model the cluster simulat
 the wall clock: the loop asks the core for the next step, sleeps through it, applies it and hands
 the tokens to the HTTP handlers. Behind it is an aiohttp server with vLLM 0.33's OpenAI-compatible
 surface: `/v1/completions`, `/v1/chat/completions` (streamed or not), `/v1/models`, `/health`,
-`/ping`, `/version` and `/metrics`.
+`/ping`, `/version` and `/metrics` (the `vllm:*` families the engine model drives: see `exposition`).
+tests/conformance/test_emulator_vs_real.py holds the answers, the `kv_transfer_params` and the
+metric families against recordings of real vLLM.
 
 Time
 ====
@@ -28,18 +30,27 @@ process cannot keep up with), the schedule is reset to the wall clock and a warn
 Wire behaviour (vLLM 0.33 unless noted)
 =======================================
 
-- Every request generates exactly its `max_tokens` (`max_completion_tokens` wins when both are
-  set) and finishes with `finish_reason: "length"`, as if `ignore_eos` were set. Defaults: 16 for
-  completions, `max_model_len - prompt` for chat. Each token's text is `" tok"`. A streamed response
-  sends one SSE event per token; tokens that are ready together go out in one write.
+- Every request generates exactly its `max_tokens` (for chat, `max_completion_tokens` wins when both
+  are set; completions ignore it, as vLLM does) and finishes with `finish_reason: "length"`, as if
+  `ignore_eos` were set. Defaults: 16 for completions, `max_model_len - prompt` for chat; a
+  `max_tokens` that fits `--max-model-len` but not beside the prompt is lowered to what is left
+  (vLLM's `get_max_tokens`). Each token's text is `" tok"`. A streamed response sends one SSE event
+  per token; tokens that are ready together go out in one write.
+- Answers have vLLM's fields, null where the emulator has nothing to say (`token_ids`,
+  `routed_experts`, `weight_versions`, `ec_transfer_params`, `metrics`, ...), and its
+  `system_fingerprint` (`vllm-0.33.0[-tp<n>]-<hash of the engine's configuration>`); SSE events carry
+  the fields vLLM's serving code sets (`kv_transfer_params` among them, a prefill leg's on its final
+  event), the usage event only its non-null ones. Random ids are vLLM's 16 hex digits.
 - Prompt tokens: a prompt of token ids (`[1, 2, 3]`, or a one-element batch of it) counts exactly;
   text counts `ceil(characters / 4)` (at least 1); a chat prompt counts like Llama 3's chat template:
   1 (BOS) + per message (5 framing tokens + its text) + 4 (the assistant header). Batched prompts,
   `n > 1` and non-text chat content are rejected with 400 (not emulated).
 - Errors use vLLM's envelope `{"error": {"message", "type", "param", "code"}}`: 400
-  `BadRequestError` for bad JSON, bad types, `max_tokens < 1`, prompt + max_tokens over
-  `--max-model-len`, `stream_options` without `stream`; 404 `NotFoundError` ("The model `x` does not
-  exist.") for an unknown model (an absent `model` is the served model, as in vLLM); 503 while loading;
+  `BadRequestError` for bad JSON, bad types, `max_tokens < 1`, `stream_options` without `stream`,
+  and with vLLM's messages and `param` for `max_tokens` (or `max_completion_tokens`) over
+  `--max-model-len` (`param: "max_tokens"`), a prompt over it (`"input_tokens"`) or filling it (no
+  room for one token); 404 `NotFoundError` ("The model `x` does not exist. Valid aliases: ...",
+  `param: "model"`) for an unknown model (an absent `model` is the served model, as in vLLM); 503 while loading;
   500 `InternalServerError` when a KV load fails under `kv_load_failure_policy: fail` (in a
   stream: an error event, then `data: [DONE]`).
 - `/health` and `/ping` answer 200 when ready, draining too (vLLM's handler answers 503 only for a
@@ -69,8 +80,9 @@ Roles follow the request, as in vLLM; `kv_role` only names the engine's intent.
   `[[...]]`), remote_engine_id, remote_request_id (the internal id), remote_host, remote_port, tp_size,
   dcp_size: 1, pp_size: 1, remote_num_tokens (the prompt's tokens), remote_blocks_expiry_time: null (vLLM
   sets it only for blocks pinned on a decode engine), transfer_mode: "pull",
-  remote_registration_generation (tp_size: one handshake payload published per rank)}`. The decode leg
-  takes `remote_block_ids` per group or flat (before 0.18), and ignores the ids.
+  remote_registration_generation (new in 0.33; tp_size: one handshake payload published per rank),
+  remote_prefill_cached_tokens: 0 (the prompt tokens the prefill engine had cached: no prefix cache)}`.
+  The decode leg takes `remote_block_ids` per group or flat (before 0.18), and ignores the ids.
   `remote_host`/`remote_port` are the NIXL side channel:
   `VLLM_NIXL_SIDE_CHANNEL_HOST` (default `--host`) and `VLLM_NIXL_SIDE_CHANNEL_PORT` (default 5600; 0
   picks a free port). The engine serves its HTTP API on that address too and holds the request's KV

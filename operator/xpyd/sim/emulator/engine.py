@@ -29,9 +29,14 @@ from xpyd.sim.emulator.config import (
     EmulatorConfig,
     ScaledPerf,
 )
-from xpyd.sim.emulator.exposition import ConnectorMetrics, render_metrics
+from xpyd.sim.emulator.exposition import KV_FETCH_STAGES, ConnectorMetrics, render_metrics
+from xpyd.sim.emulator.wire import system_fingerprint
 
 log = logging.getLogger(__name__)
+
+_KV_FETCH_STAGE_OF_PHASE = {Phase.WAITING: "waiting_to_start", Phase.TRANSFERRING: "in_progress",
+                            Phase.READY: "completed_waiting"}
+"""A decode leg's `vllm:num_requests_kv_fetch_by_stage` stage by its phase in the core."""
 
 
 @dataclass(frozen=True)
@@ -96,7 +101,8 @@ class Engine:
             raise ValueError(f"the model's max seq len ({config.max_model_len}) is larger than the maximum number "
                              f"of tokens that can be stored in KV cache ({self.core.capacity}): lower "
                              "--max-model-len or raise --max-kv-tokens")
-        self.connector = ConnectorMetrics()
+        self.connector = ConnectorMetrics(kv_connector=config.kv_role is not None)
+        self.system_fingerprint = system_fingerprint(config)
         self._rng = random.Random(config.seed)
         self.engine_id = config.engine_id or str(uuid.UUID(int=self._rng.getrandbits(128), version=4))
         self.side_channel: tuple[str, int] = (config.side_channel_host or config.host, config.side_channel_port)
@@ -300,18 +306,33 @@ class Engine:
         host, port = self.side_channel
         tp_size = self.config.tensor_parallel_size
         # One block list per KV-cache group (a dense model has one). A prefill engine sends no expiry time
-        # (vLLM sets it only for blocks pinned on a decode engine); its registration generation counts the
-        # handshake payloads published, one per (pp, tp) rank at start-up.
+        # (vLLM sets it only for blocks pinned on a decode engine); its registration generation (0.33; 0.32
+        # has none) counts the handshake payloads published, one per (pp, tp) rank at start-up. The
+        # scheduler adds the prompt tokens the prefill engine found cached: none, without a prefix cache.
         return {"do_remote_prefill": True, "do_remote_decode": False,
                 "remote_block_ids": [[(first + i) % pool for i in range(blocks)]],
                 "remote_engine_id": self.engine_id, "remote_request_id": stream.request.request_id,
                 "remote_host": host, "remote_port": port, "tp_size": tp_size, "dcp_size": 1, "pp_size": 1,
                 "remote_num_tokens": stream.request.prompt_tokens, "remote_blocks_expiry_time": None,
-                "remote_registration_generation": tp_size, "transfer_mode": "pull"}
+                "remote_registration_generation": tp_size, "transfer_mode": "pull",
+                "remote_prefill_cached_tokens": 0}
 
     def metrics_text(self) -> str:
         """The `/metrics` exposition."""
-        return render_metrics(self.core, self.connector, self.config.model_name)
+        kv_fetch = self.kv_fetch_stages() if self.config.kv_role in ("kv_consumer", "kv_both") else None
+        return render_metrics(self.core, self.connector, self.config.model_name, kv_fetch=kv_fetch)
+
+    def kv_fetch_stages(self) -> dict[str, int]:
+        """Decode legs waiting for their KV, by vLLM's `KV_FETCH_STAGES`: queued (`waiting_to_start`),
+        admitted while the KV is pulled (`in_progress`), pulled and waiting for a running slot
+        (`completed_waiting`)."""
+        stages = dict.fromkeys(KV_FETCH_STAGES, 0)
+        for request in self._streams:
+            if request.do_remote_prefill:
+                stage = _KV_FETCH_STAGE_OF_PHASE.get(request.phase)
+                if stage is not None:
+                    stages[stage] += 1
+        return stages
 
     # --- the loop ---
 

@@ -1,22 +1,33 @@
 """Prometheus text exposition (format 0.0.4) of one emulated engine's `vllm:*` metrics.
 
-The output is what vLLM 0.33 serves on `/metrics` through `prometheus_client`: the same metric
-names, types, label names (`model_name`, `engine`; `finished_reason`, `source` where vLLM has them),
-bucket bounds and number formatting (`floatToGoString`: `1.0`, `+Inf`, `1e+06`), so a Prometheus
-scrape or a parser written against vLLM reads the emulator unchanged. As `prometheus_client` does
-in this format, a counter's `# TYPE` line carries its `_total` name.
+The output is what vLLM 0.33 serves on `/metrics` (through `prometheus_client` 0.26, the version its
+lock pins): the same metric names, types, HELP texts, label names (`model_name`, `engine`;
+`finished_reason`, `source`, `reason`, `stage`, `sleep_state` where vLLM has them), bucket bounds and
+number formatting (`floatToGoString`: `1.0`, `+Inf`, `1e+06`), so a Prometheus scrape or a parser
+written against vLLM reads the emulator unchanged. As `prometheus_client` does in this format, a
+counter's `# TYPE` line carries its `_total` name, the labels of a sample are sorted by name, and
+every counter and histogram family is followed by its `_created` gauge family (the Unix time its
+series were created: vLLM creates them all at start-up, the emulator when its engine is built).
+tests/conformance/test_emulator_vs_real.py pins all of this against recordings of real vLLM.
 
-Families vLLM 0.33 has and the emulator leaves out: `vllm:nixl_post_time_seconds` and
-`vllm:nixl_num_descriptors` (NIXL's posting and descriptor lists are not modelled: any value would be
-invented), prefix-cache families (`vllm:prefix_cache_*`, `vllm:external_prefix_cache_*`,
-`vllm:prompt_tokens_cached_by_source`; there is no prefix cache), `vllm:num_requests_kv_fetch_by_stage`,
-`vllm:engine_sleep_state`, `vllm:admission_rejections`, the KV-block residency histograms, LoRA,
-multi-modal, spec-decode and cache-config info families.
+As in vLLM, the `vllm:nixl_*` families exist only on an engine with a KV connector (`kv_role` set),
+and `vllm:num_requests_kv_fetch_by_stage` only on a KV consumer (`kv_consumer`, `kv_both`).
+
+Families vLLM 0.33 has and the emulator leaves out, because it does not model what they count (any
+value would be invented): `vllm:nixl_post_time_seconds` and `vllm:nixl_num_descriptors` (NIXL's
+posting and descriptor lists), `vllm:prefix_cache_queries`/`_hits` (there is no local prefix cache;
+vLLM reports 0 only when prefix caching is off, which the emulated engine's flags need not say),
+`vllm:mm_cache_*` (text only), `vllm:estimated_*_per_gpu` (no FLOP or byte model),
+`vllm:admission_rejections` (no `--max-num-queued-*` limits), `vllm:cache_config_info` (CacheConfig's
+fields: most are not modelled), the KV-block residency histograms, LoRA, spec-decode and sleep-mode
+transitions; and the non-vLLM families of vLLM's process: `python_*`, `process_*` (prometheus_client's
+default collectors) and `http_*` (prometheus-fastapi-instrumentator).
 """
 
 from __future__ import annotations
 
 import math
+import time
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 
@@ -26,6 +37,15 @@ CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 
 FINISHED_REASONS = ("stop", "length", "abort", "error", "repetition")
 """vLLM 0.33's `FINISH_REASON_STRINGS`: one `vllm:request_success_total` series each."""
+
+KV_FETCH_STAGES = ("waiting_to_start", "in_progress", "completed_waiting")
+"""vLLM 0.33's `KV_FETCH_STAGES`: one `vllm:num_requests_kv_fetch_by_stage` series each."""
+
+SLEEP_STATES = ("awake", "weights_offloaded", "discard_all")
+"""The `sleep_state` series of `vllm:engine_sleep_state`."""
+
+CACHE_HIT_SOURCES = ("device", "host", "p2p", "disk", "external_unspecified")
+"""vLLM 0.33's `CacheHitSource`: one `vllm:prompt_tokens_cached_by_source_total` series each."""
 
 NIXL_XFER_TIME_BUCKETS: tuple[float, ...] = (0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.2, 0.3, 0.5, 0.75, 1.0, 5.0)
 """`vllm:nixl_xfer_time_seconds` buckets (vLLM's NixlPromMetrics)."""
@@ -37,6 +57,18 @@ NIXL_BYTES_BUCKETS: tuple[float, ...] = tuple(float(2 ** (10 + i)) for i in rang
 WAITING_BY_REASON_HELP = ("Number of waiting requests by reason. Reason labels: 'capacity' = waiting for scheduling "
                           "capacity; 'deferred' = deferred by transient constraints (LoRA budget, KV transfer, "
                           "blocked status). Sum of all reasons equals vllm:num_requests_waiting.")
+
+KV_FETCH_BY_STAGE_HELP = ("Number of waiting requests by async KV load stage. Stage labels: 'waiting_to_start' = "
+                          "needs an async KV load that has not started; 'in_progress' = load started and not yet "
+                          "reported finished; 'completed_waiting' = load finished, request not running yet.")
+
+SLEEP_STATE_HELP = ("Engine sleep state; awake = 0 means engine is sleeping; awake = 1 means engine is awake; "
+                    "weights_offloaded = 1 means sleep level 1; discard_all = 1 means sleep level 2.")
+
+CACHED_BY_SOURCE_HELP = ("Prefix-cache hit tokens by the cache tier that supplied them: device (local HBM), host "
+                         "(offloaded to DRAM), disk, p2p (transferred from another vLLM instance) or "
+                         "external_unspecified. Counted at admission; sums to vllm:prefix_cache_hits + "
+                         "vllm:external_prefix_cache_hits.")
 
 NIXL_HELP = {
     "nixl_num_failed_transfers": "Number of failed NIXL KV Cache transfers, including handshake and notification "
@@ -56,8 +88,14 @@ NIXL_HELP = {
 @dataclass
 class ConnectorMetrics:
     """What the emulator adds to the core's metrics: request outcomes the core does not see (client
-    aborts, KV-load errors) and the NIXL connector's series."""
+    aborts, KV-load errors) and the NIXL connector's series.
 
+    `kv_connector`: whether the engine has a KV connector (vLLM registers the `vllm:nixl_*` families
+    and counts external prefix-cache queries only then). `created`: the Unix time the series were
+    created, which the `_created` gauges report."""
+
+    kv_connector: bool = True
+    created: float = field(default_factory=time.time)
     aborted_total: int = 0
     errored_total: int = 0
     nixl_num_failed_transfers_total: int = 0
@@ -89,46 +127,63 @@ def _escape(value: str) -> str:
 
 
 def _labels(labels: Mapping[str, str]) -> str:
-    return "{" + ",".join(f'{key}="{_escape(value)}"' for key, value in labels.items()) + "}"
+    """A sample's label set, sorted by name as `prometheus_client` writes it."""
+    return "{" + ",".join(f'{key}="{_escape(labels[key])}"' for key in sorted(labels)) + "}"
+
+
+Series = Iterable[tuple[Mapping[str, str], float]]
+"""A family's series: (labels beyond the engine's, value)."""
 
 
 class Exposition:
-    """Builds one exposition text, family by family."""
+    """Builds one exposition text, family by family. `created` is the Unix time every series was
+    created: counters and histograms are followed by a `_created` gauge family, as `prometheus_client`
+    writes them in this format."""
 
-    def __init__(self, labels: Mapping[str, str]) -> None:
+    def __init__(self, labels: Mapping[str, str], created: float) -> None:
         self.labels = dict(labels)
+        self.created = created
         self.lines: list[str] = []
 
     def _header(self, name: str, kind: str, help_text: str) -> None:
         self.lines.append(f"# HELP {name} {help_text}")
         self.lines.append(f"# TYPE {name} {kind}")
 
+    def _created(self, name: str, help_text: str, label_sets: Iterable[Mapping[str, str]]) -> None:
+        self._header(f"{name}_created", "gauge", help_text)
+        created = format_value(self.created)
+        for extra in label_sets:
+            self.lines.append(f"{name}_created{_labels({**self.labels, **extra})} {created}")
+
     def gauge(self, name: str, help_text: str, value: float) -> None:
         """One gauge series with the engine's labels."""
-        self._header(name, "gauge", help_text)
-        self.lines.append(f"{name}{_labels(self.labels)} {format_value(value)}")
+        self.gauges(name, help_text, [({}, value)])
 
-    def gauges(self, name: str, help_text: str, series: Iterable[tuple[Mapping[str, str], float]]) -> None:
+    def gauges(self, name: str, help_text: str, series: Series) -> None:
         """A gauge family: one series per (extra labels, value)."""
         self._header(name, "gauge", help_text)
         for extra, value in series:
             self.lines.append(f"{name}{_labels({**self.labels, **extra})} {format_value(value)}")
 
-    def counter(self, name: str, help_text: str, series: Iterable[tuple[Mapping[str, str], float]]) -> None:
-        """A counter family (`name` ends in `_total`): one series per (extra labels, value)."""
-        self._header(name, "counter", help_text)
+    def counter(self, name: str, help_text: str, series: Series) -> None:
+        """A counter family (`name` without `_total`): its `_total` series, one per (extra labels,
+        value), then their `_created` gauges."""
+        series = list(series)
+        self._header(f"{name}_total", "counter", help_text)
         for extra, value in series:
-            self.lines.append(f"{name}{_labels({**self.labels, **extra})} {format_value(value)}")
+            self.lines.append(f"{name}_total{_labels({**self.labels, **extra})} {format_value(value)}")
+        self._created(name, help_text, [extra for extra, _ in series])
 
     def histogram(self, name: str, help_text: str, histogram: BucketHistogram) -> None:
-        """A histogram family: cumulative `_bucket` series up to `+Inf`, then `_count` and `_sum`."""
+        """A histogram family: cumulative `_bucket` series up to `+Inf`, `_count`, `_sum`, then `_created`."""
         self._header(name, "histogram", help_text)
-        labels = _labels(self.labels)
-        prefix = labels[:-1] + ","
+        labels = self.labels
         for bound, count in zip((*histogram.buckets, math.inf), histogram.cumulative(), strict=True):
-            self.lines.append(f'{name}_bucket{prefix}le="{format_value(bound)}"}} {format_value(count)}')
-        self.lines.append(f"{name}_count{labels} {format_value(histogram.count)}")
-        self.lines.append(f"{name}_sum{labels} {format_value(histogram.sum)}")
+            self.lines.append(f"{name}_bucket{_labels({**labels, 'le': format_value(bound)})} {format_value(count)}")
+        plain = _labels(labels)
+        self.lines.append(f"{name}_count{plain} {format_value(histogram.count)}")
+        self.lines.append(f"{name}_sum{plain} {format_value(histogram.sum)}")
+        self._created(name, help_text, [{}])
 
     def text(self) -> str:
         """The exposition, newline-terminated."""
@@ -136,6 +191,12 @@ class Exposition:
 
 
 _HISTOGRAMS: tuple[tuple[str, str], ...] = (
+    ("request_prompt_tokens", "Number of prefill tokens processed."),
+    ("request_generation_tokens", "Number of generation tokens processed."),
+    ("iteration_tokens_total", "Histogram of number of tokens per engine_step."),
+    ("request_max_num_generation_tokens", "Histogram of maximum number of requested generation tokens."),
+    ("request_params_n", "Histogram of the n request parameter."),
+    ("request_params_max_tokens", "Histogram of the max_tokens request parameter."),
     ("time_to_first_token_seconds", "Histogram of time to first token in seconds."),
     ("inter_token_latency_seconds", "Histogram of inter-token latency in seconds."),
     ("request_time_per_output_token_seconds", "Histogram of time_per_output_token_seconds per request."),
@@ -144,60 +205,74 @@ _HISTOGRAMS: tuple[tuple[str, str], ...] = (
     ("request_inference_time_seconds", "Histogram of time spent in RUNNING phase for request."),
     ("request_prefill_time_seconds", "Histogram of time spent in PREFILL phase for request."),
     ("request_decode_time_seconds", "Histogram of time spent in DECODE phase for request."),
-    ("request_prompt_tokens", "Number of prefill tokens processed."),
-    ("request_generation_tokens", "Number of generation tokens processed."),
-    ("iteration_tokens_total", "Histogram of number of tokens per engine_step."),
-    ("request_max_num_generation_tokens", "Histogram of maximum number of requested generation tokens."),
-    ("request_params_n", "Histogram of the n request parameter."),
-    ("request_params_max_tokens", "Histogram of the max_tokens request parameter."),
     ("request_num_preemptions", "Histogram of the number of times a request was preempted."),
     ("request_prefill_kv_computed_tokens",
      "Histogram of new KV tokens computed during prefill (excluding cached tokens)."),
 )
+"""The core's histograms, in vLLM's order of registration."""
 
 
-def render_metrics(core: EngineCore, connector: ConnectorMetrics, model_name: str, engine: str = "0") -> str:
-    """The `/metrics` text of one engine: the core's gauges, counters and histograms, plus the
-    emulator's request outcomes and NIXL series, labelled `model_name` and `engine` as vLLM does."""
+def render_metrics(core: EngineCore, connector: ConnectorMetrics, model_name: str, engine: str = "0",
+                   kv_fetch: Mapping[str, int] | None = None) -> str:
+    """The `/metrics` text of one engine, its families in vLLM's order: the NIXL connector's (with a
+    KV connector), the core's gauges and counters, the emulator's request outcomes, the core's
+    histograms; labelled `model_name` and `engine` as vLLM does. `kv_fetch` (a KV consumer's
+    requests waiting for their KV, by `KV_FETCH_STAGES`) adds `vllm:num_requests_kv_fetch_by_stage`."""
     metrics = core.metrics
-    out = Exposition({"model_name": model_name, "engine": engine})
+    out = Exposition({"model_name": model_name, "engine": engine}, connector.created)
+    if connector.kv_connector:
+        out.histogram("vllm:nixl_xfer_time_seconds", "Histogram of transfer duration for NIXL KV Cache transfers.",
+                      connector.nixl_xfer_time_seconds)
+        out.histogram("vllm:nixl_bytes_transferred", "Histogram of bytes transferred per NIXL KV Cache transfers.",
+                      connector.nixl_bytes_transferred)
+        out.counter("vllm:nixl_num_failed_transfers", NIXL_HELP["nixl_num_failed_transfers"],
+                    [({}, connector.nixl_num_failed_transfers_total + metrics.kv_transfer_failures_total)])
+        out.counter("vllm:nixl_num_failed_notifications", NIXL_HELP["nixl_num_failed_notifications"], [({}, 0)])
+        out.counter("vllm:nixl_num_kv_expired_reqs", NIXL_HELP["nixl_num_kv_expired_reqs"],
+                    [({}, connector.nixl_num_kv_expired_reqs_total)])
+        out.counter("vllm:nixl_num_notifications_after_expiry", NIXL_HELP["nixl_num_notifications_after_expiry"],
+                    [({}, connector.nixl_num_notifications_after_expiry_total)])
     out.gauge("vllm:num_requests_running", "Number of requests in model execution batches.",
               core.num_requests_running)
     out.gauge("vllm:num_requests_waiting", "Number of requests waiting to be processed.", core.num_requests_waiting)
     deferred = core.num_requests_waiting_deferred
     out.gauges("vllm:num_requests_waiting_by_reason", WAITING_BY_REASON_HELP, [
         ({"reason": "capacity"}, core.num_requests_waiting - deferred), ({"reason": "deferred"}, deferred)])
+    if kv_fetch is not None:
+        out.gauges("vllm:num_requests_kv_fetch_by_stage", KV_FETCH_BY_STAGE_HELP,
+                   [({"stage": stage}, kv_fetch.get(stage, 0)) for stage in KV_FETCH_STAGES])
+    # The emulated engine never sleeps (no sleep mode): awake, as vLLM reports an engine without one.
+    out.gauges("vllm:engine_sleep_state", SLEEP_STATE_HELP,
+               [({"sleep_state": state}, 1.0 if state == "awake" else 0.0) for state in SLEEP_STATES])
     out.gauge("vllm:kv_cache_usage_perc", "KV-cache usage. 1 means 100 percent usage.", core.kv_cache_usage_perc)
-    out.counter("vllm:num_preemptions_total", "Cumulative number of preemption from the engine.",
+    # The connector is asked about every prompt (no local prefix cache takes a share first); its hits
+    # are the KV pulled from a prefill engine. Both count when the prompt is done, not at admission.
+    external = metrics.prompt_tokens_external_kv_transfer
+    out.counter("vllm:external_prefix_cache_queries", "External prefix cache queries from KV connector "
+                "cross-instance cache sharing, in terms of number of queried tokens.",
+                [({}, metrics.prompt_tokens_total if connector.kv_connector else 0)])
+    out.counter("vllm:external_prefix_cache_hits", "External prefix cache hits from KV connector cross-instance "
+                "cache sharing, in terms of number of cached tokens.", [({}, external)])
+    out.counter("vllm:num_preemptions", "Cumulative number of preemption from the engine.",
                 [({}, metrics.num_preemptions_total)])
-    out.counter("vllm:prompt_tokens_total", "Number of prefill tokens processed.", [({}, metrics.prompt_tokens_total)])
-    out.counter("vllm:prompt_tokens_by_source_total", "Number of prompt tokens by source.", [
+    out.counter("vllm:prompt_tokens", "Number of prefill tokens processed.", [({}, metrics.prompt_tokens_total)])
+    out.counter("vllm:prompt_tokens_by_source", "Number of prompt tokens by source.", [
         ({"source": "local_compute"}, metrics.prompt_tokens_local_compute),
         ({"source": "local_cache_hit"}, 0),
-        ({"source": "external_kv_transfer"}, metrics.prompt_tokens_external_kv_transfer),
+        ({"source": "external_kv_transfer"}, external),
     ])
-    out.counter("vllm:prompt_tokens_cached_total", "Number of cached prompt tokens (local + external).",
-                [({}, metrics.prompt_tokens_external_kv_transfer)])
-    out.counter("vllm:generation_tokens_total", "Number of generation tokens processed.",
+    out.counter("vllm:prompt_tokens_cached", "Number of cached prompt tokens (local + external).", [({}, external)])
+    # NIXL's hits come from another vLLM instance: p2p. No device (prefix cache) or offloading tier.
+    out.counter("vllm:prompt_tokens_cached_by_source", CACHED_BY_SOURCE_HELP,
+                [({"source": source}, external if source == "p2p" else 0) for source in CACHE_HIT_SOURCES])
+    out.counter("vllm:generation_tokens", "Number of generation tokens processed.",
                 [({}, metrics.generation_tokens_total)])
     # Every emulated request generates exactly max_tokens tokens, so it finishes by length.
     outcomes = {"stop": 0, "length": metrics.request_success_total, "abort": connector.aborted_total,
                 "error": connector.errored_total, "repetition": 0}
-    out.counter("vllm:request_success_total", "Count of successfully processed requests.",
+    out.counter("vllm:request_success", "Count of successfully processed requests.",
                 [({"finished_reason": reason}, outcomes[reason]) for reason in FINISHED_REASONS])
     histograms = metrics.histograms()
     for name, help_text in _HISTOGRAMS:
         out.histogram(f"vllm:{name}", help_text, histograms[name])
-    out.histogram("vllm:nixl_xfer_time_seconds", "Histogram of transfer duration for NIXL KV Cache transfers.",
-                  connector.nixl_xfer_time_seconds)
-    out.histogram("vllm:nixl_bytes_transferred", "Histogram of bytes transferred per NIXL KV Cache transfers.",
-                  connector.nixl_bytes_transferred)
-    out.counter("vllm:nixl_num_failed_transfers_total", NIXL_HELP["nixl_num_failed_transfers"],
-                [({}, connector.nixl_num_failed_transfers_total + metrics.kv_transfer_failures_total)])
-    out.counter("vllm:nixl_num_failed_notifications_total", NIXL_HELP["nixl_num_failed_notifications"],
-                [({}, 0)])
-    out.counter("vllm:nixl_num_kv_expired_reqs_total", NIXL_HELP["nixl_num_kv_expired_reqs"],
-                [({}, connector.nixl_num_kv_expired_reqs_total)])
-    out.counter("vllm:nixl_num_notifications_after_expiry_total", NIXL_HELP["nixl_num_notifications_after_expiry"],
-                [({}, connector.nixl_num_notifications_after_expiry_total)])
     return out.text()

@@ -6,13 +6,12 @@ import asyncio
 import json
 import logging
 import time
-import uuid
 from typing import Any
 
 from aiohttp import web
 
 from xpyd.sim.core import EnginePerf
-from xpyd.sim.emulator.config import EMULATED_VLLM_VERSION, KEEPALIVE_TIMEOUT_S, TOKEN_TEXT, EmulatorConfig
+from xpyd.sim.emulator.config import EMULATED_VLLM_VERSION, KEEPALIVE_TIMEOUT_S, EmulatorConfig
 from xpyd.sim.emulator.engine import Engine, Stream
 from xpyd.sim.emulator.exposition import CONTENT_TYPE
 from xpyd.sim.emulator.wire import (
@@ -21,9 +20,10 @@ from xpyd.sim.emulator.wire import (
     Generation,
     error_body,
     error_response,
+    full_response,
     parse_generation,
+    random_uuid,
     sse_event,
-    usage_body,
 )
 
 log = logging.getLogger(__name__)
@@ -55,8 +55,8 @@ async def _generate(request: web.Request, chat: bool) -> web.StreamResponse:
             raise ApiError(400, f"Invalid JSON body: {error}") from None
         generation = parse_generation(body, chat, config)
     except ApiError as error:
-        return error_response(error.status, error.message, error.error_type)
-    base = request.headers.get("X-Request-Id") or uuid.uuid4().hex
+        return error_response(error.status, error.message, error.error_type, error.param)
+    base = request.headers.get("X-Request-Id") or random_uuid()
     response_id = f"{'chatcmpl' if chat else 'cmpl'}-{base}"
     # The engine's request id: a completion's prompt i is `{response_id}-{i}` (one prompt here).
     internal_id = response_id if chat else f"{response_id}-0"
@@ -91,8 +91,8 @@ async def _rejected(request: web.Request, engine: Engine, generation: Generation
         return web.json_response(_full_response(engine, generation, response_id, 0, "abort", None))
     response = web.StreamResponse(headers={"Content-Type": "text/event-stream; charset=utf-8"})
     await response.prepare(request)
-    chunks = Chunks(response_id, engine.config.model_name, int(time.time()), generation)
-    events = [sse_event(chunks.event(None, role=True))] if generation.chat else []
+    chunks = Chunks(response_id, engine.config.model_name, int(time.time()), generation, engine.system_fingerprint)
+    events = [chunks.role()] if generation.chat else []
     events.append(chunks.aborted())
     if generation.include_usage:
         events.append(chunks.usage(0))
@@ -107,30 +107,17 @@ async def _rejected(request: web.Request, engine: Engine, generation: Generation
 
 def _full_response(engine: Engine, generation: Generation, response_id: str, tokens: int, finish_reason: str,
                    params: dict[str, Any] | None) -> dict[str, Any]:
-    text = TOKEN_TEXT * tokens
-    head = {"id": response_id, "created": int(time.time()), "model": engine.config.model_name}
-    usage = usage_body(generation.prompt_tokens, tokens)
-    if generation.chat:
-        message: dict[str, Any] = {"role": "assistant", "content": text, "refusal": None, "annotations": None,
-                                   "audio": None, "function_call": None, "tool_calls": [], "reasoning_content": None}
-        return {**head, "object": "chat.completion",
-                "choices": [{"index": 0, "message": message, "logprobs": None, "finish_reason": finish_reason,
-                             "stop_reason": None}],
-                "service_tier": None, "system_fingerprint": None, "usage": usage, "prompt_logprobs": None,
-                "kv_transfer_params": params}
-    return {**head, "object": "text_completion",
-            "choices": [{"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason,
-                         "stop_reason": None, "prompt_logprobs": None}],
-            "service_tier": None, "system_fingerprint": None, "usage": usage, "kv_transfer_params": params}
+    return full_response(generation, response_id, engine.config.model_name, int(time.time()), tokens, finish_reason,
+                         params, engine.system_fingerprint)
 
 
 async def _stream(request: web.Request, engine: Engine, generation: Generation,
                   response_id: str, internal_id: str) -> web.StreamResponse:
     response = web.StreamResponse(headers={"Content-Type": "text/event-stream; charset=utf-8"})
     await response.prepare(request)
-    chunks = Chunks(response_id, engine.config.model_name, int(time.time()), generation)
+    chunks = Chunks(response_id, engine.config.model_name, int(time.time()), generation, engine.system_fingerprint)
     if generation.chat:
-        await response.write(sse_event(chunks.event(None, role=True)).encode())
+        await response.write(chunks.role().encode())
     stream = engine.submit(internal_id, generation.prompt_tokens, generation.max_tokens,
                            generation.kv_transfer_params)
     try:
@@ -143,6 +130,8 @@ async def _stream(request: web.Request, engine: Engine, generation: Generation,
                 await response.write(sse_event(error_body(stream.error, "InternalServerError", 500)).encode())
                 break
             count = stream.tokens - sent
+            if count and sent + count == total and stream.request.do_remote_decode:
+                chunks.kv_transfer_params = engine.kv_transfer_params(stream)   # on the final event
             if count:
                 await response.write(chunks.tokens(sent, count, total).encode())
                 sent += count
@@ -179,7 +168,7 @@ async def models(request: web.Request) -> web.Response:
     created = int(time.time())
     cards = [{"id": name, "object": "model", "created": created, "owned_by": "vllm", "root": config.model,
               "parent": None, "max_model_len": config.max_model_len,
-              "permission": [{"id": f"modelperm-{uuid.uuid4().hex}", "object": "model_permission",
+              "permission": [{"id": f"modelperm-{random_uuid()}", "object": "model_permission",
                               "created": created, "allow_create_engine": False, "allow_sampling": True,
                               "allow_logprobs": True, "allow_search_indices": False, "allow_view": True,
                               "allow_fine_tuning": False, "organization": "*", "group": None,

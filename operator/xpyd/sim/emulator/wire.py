@@ -3,7 +3,9 @@ response bodies and SSE events."""
 
 from __future__ import annotations
 
+import hashlib
 import json
+import uuid
 from dataclasses import dataclass
 from typing import Any
 
@@ -13,28 +15,55 @@ from xpyd.sim.emulator.config import (
     CHAT_ASSISTANT_HEADER_TOKENS,
     CHAT_MESSAGE_FRAMING_TOKENS,
     COMPLETION_DEFAULT_MAX_TOKENS,
+    EMULATED_VLLM_VERSION,
     TOKEN_TEXT,
     EmulatorConfig,
 )
 
 
-class ApiError(Exception):
-    """An error answered in vLLM's envelope."""
+def random_uuid() -> str:
+    """vLLM's `random_uuid()`: 16 hex digits (the random part of `cmpl-...` ids and `modelperm-...`)."""
+    return f"{uuid.uuid4().int & (2**64 - 1):016x}"
 
-    def __init__(self, status: int, message: str, error_type: str = "BadRequestError") -> None:
+
+def system_fingerprint(config: EmulatorConfig) -> str:
+    """vLLM's default (`--fingerprint-mode full`) `system_fingerprint`: `vllm-<version>[-tp<n>]-<hash8>`,
+    the hash being of the engine's configuration (here the emulated engine's: what it is and how it
+    schedules, not where it listens)."""
+    identity = (EMULATED_VLLM_VERSION, config.model, config.max_model_len, config.tensor_parallel_size,
+                config.kv_role, config.kv_load_failure_policy, config.max_num_batched_tokens, config.max_num_seqs,
+                config.max_kv_tokens)
+    hash8 = hashlib.sha256(repr(identity).encode()).hexdigest()[:8]
+    tp = f"-tp{config.tensor_parallel_size}" if config.tensor_parallel_size > 1 else ""
+    return f"vllm-{EMULATED_VLLM_VERSION}{tp}-{hash8}"
+
+
+class ApiError(Exception):
+    """An error answered in vLLM's envelope; `param` names the request field at fault (vLLM's
+    `VLLMValidationError.parameter`), if any."""
+
+    def __init__(self, status: int, message: str, error_type: str = "BadRequestError",
+                 param: str | None = None) -> None:
         super().__init__(message)
         self.status = status
         self.message = message
         self.error_type = error_type
+        self.param = param
 
 
-def error_response(status: int, message: str, error_type: str) -> web.Response:
+def validation_error(message: str, param: str, value: object) -> ApiError:
+    """vLLM's `VLLMValidationError` as the API answers it: 400, its `param`, and the message with
+    `(parameter=..., value=...)` appended."""
+    return ApiError(400, f"{message} (parameter={param}, value={value})", param=param)
+
+
+def error_response(status: int, message: str, error_type: str, param: str | None = None) -> web.Response:
     """vLLM's `ErrorResponse`: `{"error": {"message", "type", "param", "code"}}`."""
-    return web.json_response(error_body(message, error_type, status), status=status)
+    return web.json_response(error_body(message, error_type, status, param), status=status)
 
 
-def error_body(message: str, error_type: str, status: int) -> dict[str, Any]:
-    return {"error": {"message": message, "type": error_type, "param": None, "code": status}}
+def error_body(message: str, error_type: str, status: int, param: str | None = None) -> dict[str, Any]:
+    return {"error": {"message": message, "type": error_type, "param": param, "code": status}}
 
 
 def text_tokens(text: str) -> int:
@@ -104,13 +133,13 @@ class Generation:
 
 
 def parse_generation(body: Any, chat: bool, config: EmulatorConfig) -> Generation:
-    """Validate a request body like vLLM's protocol models and `_validate_input` do; raises ApiError."""
+    """Validate a request body in vLLM's order; raises ApiError. First the body's shape (vLLM's protocol
+    models); then the model (404, naming the served names); then `max_tokens` against `--max-model-len`
+    (`TokenizeParams`); then the prompt's length (the renderer: longer than the context; the engine's
+    input processor: no room for one output token). A `max_tokens` that fits the context but not beside
+    the prompt is lowered to what is left, as vLLM's `get_max_tokens` does."""
     if not isinstance(body, dict):
         raise ApiError(400, "the request body must be a JSON object")
-    model = body.get("model")
-    if model is not None and (not isinstance(model, str) or model not in (config.served_model_names or
-                                                                          (config.model,))):
-        raise ApiError(404, f"The model `{model}` does not exist.", "NotFoundError")
     prompt_tokens = _chat_prompt_tokens(body.get("messages")) if chat else _prompt_tokens(body.get("prompt"))
     stream = body.get("stream")
     if stream is not None and not isinstance(stream, bool):
@@ -127,27 +156,75 @@ def parse_generation(body: Any, chat: bool, config: EmulatorConfig) -> Generatio
     kv_transfer_params = body.get("kv_transfer_params")
     if kv_transfer_params is not None and not isinstance(kv_transfer_params, dict):
         raise ApiError(400, "kv_transfer_params must be an object")
+    # Chat takes max_completion_tokens over max_tokens; completions have no max_completion_tokens (vLLM
+    # ignores it) and default max_tokens to 16.
+    max_completion_tokens = _optional_int(body, "max_completion_tokens") if chat else None
+    requested = _optional_int(body, "max_tokens")
+    model = body.get("model")
+    names = config.served_model_names or (config.model,)
+    if model is not None and (not isinstance(model, str) or model not in names):
+        raise ApiError(404, f"The model `{model}` does not exist. Valid aliases: {', '.join(names)}.",
+                       "NotFoundError", param="model")
+    param = "max_tokens"
+    if max_completion_tokens is not None:
+        param, requested = "max_completion_tokens", max_completion_tokens
+    elif not chat and "max_tokens" not in body:
+        requested = COMPLETION_DEFAULT_MAX_TOKENS
     max_len = config.max_model_len
-    if prompt_tokens >= max_len:
-        raise ApiError(400, f"This model's maximum context length is {max_len} tokens. However, your request has "
-                       f"{prompt_tokens} input tokens. Please reduce the length of the input messages.")
-    max_tokens = _optional_int(body, "max_completion_tokens") or _optional_int(body, "max_tokens")
-    if max_tokens is None:
-        max_tokens = max_len - prompt_tokens if chat else COMPLETION_DEFAULT_MAX_TOKENS
-    if prompt_tokens + max_tokens > max_len:
-        raise ApiError(400, f"'max_tokens' or 'max_completion_tokens' is too large: {max_tokens}. This model's "
-                       f"maximum context length is {max_len} tokens and your request has {prompt_tokens} input "
-                       f"tokens ({max_tokens} > {max_len} - {prompt_tokens}).")
+    if requested is not None and requested > max_len:
+        raise validation_error(f"{param}={requested} cannot be greater than max_model_len={max_len}. Please request "
+                               "fewer output tokens.", param, requested)
+    if prompt_tokens > max_len:
+        raise validation_error(f"This model's maximum context length is {max_len} tokens. However, your prompt "
+                               f"contains {prompt_tokens} input tokens, which exceeds this limit even without any "
+                               "output tokens. Please reduce the length of the input prompt.", "input_tokens",
+                               prompt_tokens)
+    if prompt_tokens == max_len:
+        raise ApiError(400, f"The decoder prompt (length {prompt_tokens}) plus the number of requested output tokens "
+                       f"(at least 1) is longer than the maximum model length of {max_len}. Make sure that "
+                       "`max_model_len` is no smaller than the number of text tokens (prompt + requested output "
+                       "tokens).")
+    max_tokens = max_len - prompt_tokens if requested is None else min(requested, max_len - prompt_tokens)
     include_usage = bool(options is not None and options.get("include_usage", True))
     continuous = bool(options is not None and options.get("continuous_usage_stats", False))
     return Generation(chat, prompt_tokens, max_tokens, bool(stream), include_usage, continuous, kv_transfer_params)
 
 
-
-
 def usage_body(prompt_tokens: int, completion_tokens: int) -> dict[str, Any]:
+    """vLLM's `UsageInfo` in a response body (every field)."""
     return {"prompt_tokens": prompt_tokens, "total_tokens": prompt_tokens + completion_tokens,
-            "completion_tokens": completion_tokens, "prompt_tokens_details": None}
+            "completion_tokens": completion_tokens, "prompt_tokens_details": None, "completion_tokens_details": None}
+
+
+def _stream_usage(prompt_tokens: int, completion_tokens: int) -> dict[str, Any]:
+    """`UsageInfo` in an SSE event: only the fields vLLM sets (its events drop unset fields)."""
+    return {"prompt_tokens": prompt_tokens, "total_tokens": prompt_tokens + completion_tokens,
+            "completion_tokens": completion_tokens}
+
+
+def full_response(generation: Generation, response_id: str, model: str, created: int, tokens: int,
+                  finish_reason: str, params: dict[str, Any] | None, fingerprint: str) -> dict[str, Any]:
+    """A non-streamed answer: vLLM's `CompletionResponse` or `ChatCompletionResponse`, every field
+    (vLLM writes the whole model), with `tokens` tokens of text."""
+    text = TOKEN_TEXT * tokens
+    usage = usage_body(generation.prompt_tokens, tokens)
+    if generation.chat:
+        # ChatMessage drops `tool_calls` when it is empty.
+        message = {"role": "assistant", "content": text, "refusal": None, "annotations": None, "audio": None,
+                   "function_call": None, "reasoning": None}
+        return {"id": response_id, "object": "chat.completion", "created": created, "model": model,
+                "choices": [{"index": 0, "message": message, "logprobs": None, "finish_reason": finish_reason,
+                             "stop_reason": None, "token_ids": None, "routed_experts": None,
+                             "weight_versions": None}],
+                "service_tier": None, "system_fingerprint": fingerprint, "usage": usage, "prompt_logprobs": None,
+                "prompt_token_ids": None, "prompt_text": None, "kv_transfer_params": params,
+                "ec_transfer_params": None, "metrics": None}
+    return {"id": response_id, "object": "text_completion", "created": created, "model": model,
+            "choices": [{"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason,
+                         "stop_reason": None, "token_ids": None, "prompt_logprobs": None, "prompt_token_ids": None,
+                         "routed_experts": None, "weight_versions": None}],
+            "service_tier": None, "system_fingerprint": fingerprint, "usage": usage, "kv_transfer_params": params,
+            "ec_transfer_params": None, "metrics": None}
 
 
 def sse_event(payload: dict[str, Any]) -> str:
@@ -155,33 +232,66 @@ def sse_event(payload: dict[str, Any]) -> str:
 
 
 class Chunks:
-    """The SSE events of one streamed response (pre-rendered: most events are the same token)."""
+    """The SSE events of one streamed response (pre-rendered: most events are the same token), shaped
+    as vLLM 0.33 writes them: the fields its serving code sets, `null` included (an event drops only
+    fields left unset), `kv_transfer_params` on every token event (the hand-off's on the final one),
+    `system_fingerprint` on the final event -- or, with `include_usage`, on the usage event after it,
+    which drops null fields."""
 
-    def __init__(self, response_id: str, model: str, created: int, generation: Generation) -> None:
+    def __init__(self, response_id: str, model: str, created: int, generation: Generation,
+                 fingerprint: str) -> None:
         self.generation = generation
+        self.fingerprint = fingerprint
+        #: What the final event hands off (a prefill leg's `kv_transfer_params`); set before it is written.
+        self.kv_transfer_params: dict[str, Any] | None = None
         self.head = {"id": response_id, "object": "chat.completion.chunk" if generation.chat else "text_completion",
                      "created": created, "model": model}
         self.token = sse_event(self.event(None))
 
-    def event(self, finish_reason: str | None, usage: dict[str, Any] | None = None,
-              role: bool = False, text: str = TOKEN_TEXT) -> dict[str, Any]:
+    def _usage(self, completion_tokens: int) -> dict[str, Any]:
+        usage = _stream_usage(self.generation.prompt_tokens, completion_tokens)
         if self.generation.chat:
-            delta = {"role": "assistant", "content": ""} if role else {"content": text}
-            choice: dict[str, Any] = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish_reason}
+            usage["completion_tokens_details"] = None   # set (to None without a reasoning parser) for chat
+        return usage
+
+    def role(self) -> str:
+        """A chat stream's first event: the assistant's role, before any token."""
+        payload: dict[str, Any] = {
+            **self.head, "choices": [{"index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
+                                      "finish_reason": None}]}
+        if self.generation.continuous_usage:
+            payload["usage"] = self._usage(0)
+        payload.update(prompt_token_ids=None, prompt_text=None)
+        return sse_event(payload)
+
+    def event(self, finish_reason: str | None, usage: dict[str, Any] | None = None,
+              text: str = TOKEN_TEXT) -> dict[str, Any]:
+        """A token event (the final one when `finish_reason` is set)."""
+        final = finish_reason is not None
+        choice: dict[str, Any]
+        if self.generation.chat:
+            choice = {"index": 0, "delta": {"content": text}, "logprobs": None, "finish_reason": finish_reason}
+            if final:
+                choice["stop_reason"] = None
+            choice["token_ids"] = None
+            if final:
+                choice["weight_versions"] = None
         else:
             choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason,
-                      "stop_reason": None}
+                      "stop_reason": None, "prompt_token_ids": None, "token_ids": None, "weight_versions": None}
         payload: dict[str, Any] = {**self.head, "choices": [choice]}
         if usage is not None:
             payload["usage"] = usage
+        if final and not self.generation.include_usage:
+            payload["system_fingerprint"] = self.fingerprint
+        payload["kv_transfer_params"] = self.kv_transfer_params if final else None
         return payload
 
     def tokens(self, first: int, count: int, total: int) -> str:
         """Events for tokens first+1 .. first+count of `total`."""
         generation = self.generation
         if generation.continuous_usage:
-            return "".join(sse_event(self.event("length" if i == total else None,
-                                                usage_body(generation.prompt_tokens, i)))
+            return "".join(sse_event(self.event("length" if i == total else None, self._usage(i)))
                            for i in range(first + 1, first + count + 1))
         if first + count < total:
             return self.token * count
@@ -189,12 +299,10 @@ class Chunks:
 
     def aborted(self) -> str:
         """The event of a request the engine aborted before its first token: no text, `abort`."""
-        generation = self.generation
-        usage = usage_body(generation.prompt_tokens, 0) if generation.continuous_usage else None
+        usage = self._usage(0) if self.generation.continuous_usage else None
         return sse_event(self.event("abort", usage, text=""))
 
     def usage(self, completion_tokens: int) -> str:
-        usage = usage_body(self.generation.prompt_tokens, completion_tokens)
-        return sse_event({**self.head, "choices": [], "usage": usage})
-
-
+        """The usage event after the last token (`include_usage`): null fields dropped."""
+        usage = _stream_usage(self.generation.prompt_tokens, completion_tokens)
+        return sse_event({**self.head, "choices": [], "usage": usage, "system_fingerprint": self.fingerprint})
