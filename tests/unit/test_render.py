@@ -652,3 +652,29 @@ def test_the_proxy_routes_only_to_group_leaders() -> None:
     assert "--decode-selector=xpyd.io/serving=llama,xpyd.io/role=decode,leaderworkerset.sigs.k8s.io/worker-index=0" \
         in args
     assert "--prefill-selector=xpyd.io/serving=llama,xpyd.io/role=prefill" in args
+
+
+def test_the_users_env_replaces_a_rendered_variable_of_its_name_once() -> None:
+    """Server-side apply refuses a container env naming a variable twice: the user's value takes the
+    rendered one's place, and the role's wins over the engine's."""
+    spec = {"engine": {"env": [{"name": "UCX_TLS", "value": "tcp,sm"}, {"name": "A", "value": "1"}]},
+            "prefill": {"env": [{"name": "UCX_TLS", "value": "tcp"}, {"name": "A", "value": "2"}]}}
+    names = [e["name"] for e in container(spec)["env"]]
+    assert len(names) == len(set(names)), names
+    assert env_of(spec)["UCX_TLS"] == "tcp" and env_of(spec)["A"] == "2"
+    assert env_of(spec, "decode")["UCX_TLS"] == "tcp,sm" and env_of(spec, "decode")["A"] == "1"
+    assert names.index("UCX_TLS") < names.index("A")  # in the rendered variable's place
+
+
+def test_cpu_pool_renders_no_gpu_and_the_cpu_backend_settings() -> None:
+    spec = {"engine": {"device": "cpu", "cpu": {"kvCacheSpaceGiB": 2, "threadsBind": "0-3"}},
+            "prefill": {"resources": {"cpu": "4"}}}
+    c = container(spec)
+    assert c["resources"] == {"requests": {"cpu": "4"}, "limits": {"cpu": "4"}}
+    assert c["securityContext"]["capabilities"]["add"] == ["SYS_NICE"]
+    assert kv_config(spec)["kv_buffer_device"] == "cpu"
+    env = env_of(spec)
+    assert (env["UCX_TLS"], env["VLLM_CPU_KVCACHE_SPACE"], env["VLLM_CPU_OMP_THREADS_BIND"]) == ("tcp", "2", "0-3")
+    pod_spec = engine(spec)["spec"]["template"]["spec"]
+    assert pod_spec["tolerations"] == [] and "nodeSelector" not in pod_spec or not pod_spec.get("nodeSelector")
+    assert "nvidia.com/gpu" not in container(spec, "decode")["resources"].get("limits", {})

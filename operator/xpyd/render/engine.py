@@ -236,7 +236,21 @@ def env(spec: DisaggregatedServingSpec, role: Role, proxy_host: str = "") -> lis
     if spec.model.hf_token_secret_ref is not None:
         ref = spec.model.hf_token_secret_ref
         result.append({"name": "HF_TOKEN", "valueFrom": {"secretKeyRef": {"name": ref.name, "key": ref.key}}})
-    return result + _user_env(spec.engine.env) + _user_env(role_spec.env)
+    return _override(result, _user_env(spec.engine.env) + _user_env(role_spec.env))
+
+
+def _override(rendered: list[JSON], user: list[JSON]) -> list[JSON]:
+    """`rendered` with each of the user's variables in place of the rendered one of its name (the last
+    of a name wins), the others appended in order: a container's env must not name a variable twice
+    (server-side apply refuses duplicate keys)."""
+    result = list(rendered)
+    for var in user:
+        names = [v["name"] for v in result]
+        if var["name"] in names:
+            result[names.index(var["name"])] = var
+        else:
+            result.append(var)
+    return result
 
 
 def ports(spec: DisaggregatedServingSpec, role: Role, node: NodeRole | None = None) -> list[JSON]:
