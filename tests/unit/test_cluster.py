@@ -14,17 +14,22 @@ from cryptography import x509
 
 from xpyd.cli import build_parser
 from xpyd.cluster import lws, pki
+from xpyd.cluster.binaries import VllmCpu
 from xpyd.cluster.controlplane import ClusterState
 from xpyd.cluster.nodes import DEFAULT_NODES, node_object
 from xpyd.cluster.runtime import (
     POD_SUBCOMMANDS,
+    VLLM_CLI_MODULE,
     PodProcess,
     PodRuntime,
     ProcessPlan,
     Unresolved,
+    Unrunnable,
     expand,
     hook_argv,
+    image_release,
     pod_dns_name,
+    remap_paths,
 )
 from xpyd.common.netguard import NonLoopbackAddress, require_loopback, require_loopback_url
 
@@ -51,10 +56,16 @@ def test_urls_are_checked_by_host() -> None:
 
 
 class FakeKube:
-    """Only what planning calls: the token request."""
+    """Only what planning calls: the token request, and reads of the objects in `objects`."""
+
+    def __init__(self) -> None:
+        self.objects: dict[tuple[str, str | None, str], dict[str, Any]] = {}
 
     def service_account_token(self, namespace: str, account: str, seconds: int = 3600) -> str:
         return f"token-of-{namespace}-{account}"
+
+    def get(self, api_version: str, kind: str, namespace: str | None, name: str) -> dict[str, Any] | None:
+        return self.objects.get((kind, namespace, name))
 
 
 @pytest.fixture
@@ -274,3 +285,90 @@ def test_a_deleted_pod_runs_its_pre_stop_hook_to_the_end_before_sigterm(tmp_path
     runner.pre_stop(budget=0.5)
     assert time.monotonic() - started < 5
     runner.stop(grace=5)
+
+
+CPU_IMAGE = "public.ecr.aws/q9t5s3a7/vllm-cpu-release-repo:v0.32.0"
+
+
+def vllm_cpu(tmp_path: Path) -> VllmCpu:
+    return VllmCpu(version="0.32.0", python=tmp_path / "venv" / "bin" / "python",
+                   preload=tmp_path / "venv" / "lib" / "libiomp5.so", tiny_model=tmp_path / "model")
+
+
+def engine_pod(image: str = CPU_IMAGE, command: list[str] | None = None, claim: str = "weights") -> dict[str, Any]:
+    obj = pod(image, ["vllm", "serve"] if command is None else command,
+              ["/models/tiny", "--port=8000", '--kv-transfer-config={"kv_role":"kv_producer"}'],
+              env=[{"name": "VLLM_NIXL_SIDE_CHANNEL_HOST", "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}},
+                   {"name": "HF_HOME", "value": "/cache/huggingface"}],
+              volumes=[{"name": "model", "persistentVolumeClaim": {"claimName": claim}},
+                       {"name": "model-cache", "emptyDir": {}},
+                       {"name": "dshm", "emptyDir": {"medium": "Memory"}}])
+    obj["spec"]["containers"][0]["volumeMounts"] = [
+        {"name": "model", "mountPath": "/models"}, {"name": "model-cache", "mountPath": "/cache/huggingface"},
+        {"name": "dshm", "mountPath": "/dev/shm"}]
+    return obj
+
+
+def bind_claim(kube: FakeKube, path: Path, claim: str = "weights") -> None:
+    kube.objects[("PersistentVolumeClaim", "ns", claim)] = {"spec": {"volumeName": "pv-1"},
+                                                             "status": {"phase": "Bound"}}
+    kube.objects[("PersistentVolume", None, "pv-1")] = {"spec": {"hostPath": {"path": str(path)}}}
+
+
+@pytest.mark.parametrize(("image", "release"), [
+    (CPU_IMAGE, "0.32"), ("repo:0.33", "0.33"), ("repo:v1.0.2", "1.0"), ("repo:latest", None), ("repo", None)])
+def test_image_tags_name_a_release(image: str, release: str | None) -> None:
+    assert image_release(image) == release
+
+
+def test_paths_under_a_mount_are_remapped_alone_or_after_an_equals_sign() -> None:
+    mounts = {"/models": "/data/w", "/models/big": "/data/big"}
+    assert remap_paths("/models/tiny", mounts) == "/data/w/tiny"
+    assert remap_paths("--model=/models/big/x", mounts) == "--model=/data/big/x"  # the longer mount wins
+    assert remap_paths("/models", mounts) == "/data/w"
+    assert remap_paths("/modelsx/y", mounts) == "/modelsx/y" and remap_paths("a/models/b", mounts) == "a/models/b"
+
+
+def test_the_cpu_image_runs_the_installed_vllm_with_the_pods_own_command(runtime: PodRuntime, tmp_path: Path) -> None:
+    runtime.vllm = vllm_cpu(tmp_path)
+    (tmp_path / "weights").mkdir()
+    bind_claim(runtime.kube, tmp_path / "weights")  # type: ignore[arg-type]
+    plan = runtime.vllm_plan(engine_pod(), engine_pod()["spec"]["containers"][0], "127.77.8.5", tmp_path / "pod")
+    assert plan.argv == [str(runtime.vllm.python), "-m", VLLM_CLI_MODULE, "serve", f"{tmp_path}/weights/tiny",
+                         "--port=8000", '--kv-transfer-config={"kv_role":"kv_producer"}', "--host=127.77.8.5"]
+    assert plan.env["VLLM_NIXL_SIDE_CHANNEL_HOST"] == plan.env["VLLM_HOST_IP"] == "127.77.8.5"
+    assert plan.env["UCX_NET_DEVICES"] == "lo"
+    assert plan.env["LD_PRELOAD"] == str(runtime.vllm.preload)
+    assert plan.env["HF_HOME"] == str(tmp_path / "pod" / "volumes" / "model-cache")
+    assert plan.env["PATH"].startswith(f"{runtime.vllm.python.parent}:")
+    assert plan.readiness == ("/healthz", 8080)
+
+
+@pytest.mark.parametrize(("change", "message"), [
+    ({"image": "public.ecr.aws/q9t5s3a7/vllm-cpu-release-repo:v0.33.0"}, "vLLM 0.33 is not installed here"),
+    ({"command": ["bash", "-c", "vllm serve"]}, "command 'bash' is not one the image has"),
+    ({"vllm": None}, "no vLLM CPU build is installed here"),
+    ({"claim_path": "missing"}, "does not exist on this machine"),
+])
+def test_a_cpu_image_this_machine_cannot_run_says_why(runtime: PodRuntime, tmp_path: Path, change: dict[str, Any],
+                                                      message: str) -> None:
+    runtime.vllm = None if "vllm" in change else vllm_cpu(tmp_path)
+    (tmp_path / "weights").mkdir()
+    bind_claim(runtime.kube, tmp_path / change.get("claim_path", "weights"))  # type: ignore[arg-type]
+    obj = engine_pod(image=change.get("image", CPU_IMAGE), command=change.get("command"))
+    with pytest.raises(Unrunnable, match=message):
+        runtime.vllm_plan(obj, obj["spec"]["containers"][0], "127.77.8.5", tmp_path / "pod")
+
+
+def test_an_unbound_claim_waits_and_an_unrunnable_pod_is_never_ready(runtime: PodRuntime, tmp_path: Path) -> None:
+    runtime.vllm = vllm_cpu(tmp_path)
+    obj = engine_pod()
+    with pytest.raises(Unresolved, match="not bound yet"):
+        runtime.vllm_plan(obj, obj["spec"]["containers"][0], "127.77.8.5", tmp_path / "pod")
+    runner = PodProcess(uid="u", namespace="ns", name="p", ip="127.77.8.5", plan=None, directory=tmp_path,
+                        unrunnable="no vLLM")
+    assert not runner.probe()
+    status = runtime._status(obj, runner)
+    assert status["phase"] == "Pending"
+    assert status["containerStatuses"][0]["state"] == {"waiting": {"reason": "ErrImageNeverPull",
+                                                                   "message": "no vLLM"}}

