@@ -18,6 +18,7 @@ import contextlib
 import logging
 import threading
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -211,3 +212,29 @@ class SteadyLoad:
             self._thread.join(timeout=60)
             assert not self._thread.is_alive(), "the load did not stop"
         return self.results
+
+
+@contextlib.contextmanager
+def forwarded(kube: Kube, namespace: str, service: str) -> Iterator[str]:
+    """A ServiceForwarder for `service` on its own event loop thread, for synchronous clients: yields
+    the loopback URL that reaches the Service's ready pods, and closes it on exit."""
+    loop = asyncio.new_event_loop()
+    thread = threading.Thread(target=loop.run_forever, name=f"forward-{service}", daemon=True)
+    thread.start()
+    forwarder = ServiceForwarder(kube, namespace, service)
+    try:
+        asyncio.run_coroutine_threadsafe(forwarder.start(), loop).result(timeout=30)
+        yield forwarder.url
+    finally:
+        asyncio.run_coroutine_threadsafe(forwarder.close(), loop).result(timeout=30)
+        asyncio.run_coroutine_threadsafe(_cancel_others(), loop).result(timeout=30)  # its endpoint refresh
+        loop.call_soon_threadsafe(loop.stop)
+        thread.join(timeout=10)
+        loop.close()
+
+
+async def _cancel_others() -> None:
+    tasks = [t for t in asyncio.all_tasks() if t is not asyncio.current_task()]
+    for task in tasks:
+        task.cancel()
+    await asyncio.gather(*tasks, return_exceptions=True)
