@@ -39,6 +39,8 @@ from xpyd.controller.main import LEASE_NAME
 pytestmark = pytest.mark.e2e
 
 SAMPLES = sorted((ROOT / "manifests" / "samples").glob("*.yaml"))
+#: The GPU samples; the CPU one runs as real vLLM in e2e/test_real_vllm.py (its engines are heavy here).
+GPU_SAMPLES = [s for s in SAMPLES if yaml.safe_load(s.read_text())["spec"].get("engine", {}).get("device") != "cpu"]
 OPERATOR_SA = f"system:serviceaccount:{OPERATOR_NAMESPACE}:{RELEASE}"
 
 # The reviewed RBAC of the operator: resource -> verbs (kubectl auth can-i --list, cluster-wide).
@@ -103,7 +105,7 @@ def test_operator_rbac_is_exactly_what_it_needs(operator: Cluster) -> None:
 # Samples
 
 
-@pytest.mark.parametrize("sample", SAMPLES, ids=[s.stem for s in SAMPLES])
+@pytest.mark.parametrize("sample", GPU_SAMPLES, ids=[s.stem for s in GPU_SAMPLES])
 def test_sample_becomes_ready_on_matching_gpu_nodes(operator: Cluster, namespace: str, sample: Path) -> None:
     (spec_obj,) = load_servings(sample.read_text())
     name = spec_obj.metadata.name

@@ -242,12 +242,14 @@ def test_every_series_the_autoscaler_reads_is_in_real_vllm(pool: Pool) -> None:
 @pytest.mark.parametrize("role", ["prefill", "decode"])
 def test_the_recordings_the_emulator_is_held_to_are_what_real_vllm_exposes(pool: Pool, role: str) -> None:
     """tests/conformance/test_emulator_vs_real.py holds the emulator to recordings of real vLLM; a live
-    engine keeps the recordings honest: each of its families is recorded with its type and label
-    names, and each family the project reads is live."""
+    engine keeps the recordings honest: each of its families is recorded with its type, and the label
+    names of its samples (none before a family's first sample: this pool has served few requests)
+    are recorded ones; each family the project reads is live."""
     live, recorded = families(pool.metrics(role)), families(recorded_metrics(role))
     for name, family in live.items():
         assert name in recorded, f"{name} ({role}) is not in the recording"
-        assert (family.kind, family.labels) == (recorded[name].kind, recorded[name].labels), name
+        assert family.kind == recorded[name].kind, name
+        assert family.labels <= recorded[name].labels, (name, family.labels, recorded[name].labels)
     missing = {name for name in project_reads() if resolve(name, live) is None}
     assert not missing, f"read by the project, not exposed by real vLLM's {role}: {missing}"
 
