@@ -40,7 +40,7 @@ pytestmark = pytest.mark.e2e
 
 SAMPLES = sorted((ROOT / "manifests" / "samples").glob("*.yaml"))
 #: The GPU samples; the CPU one runs as real vLLM in e2e/test_real_vllm.py (its engines are heavy here).
-GPU_SAMPLES = [s for s in SAMPLES if yaml.safe_load(s.read_text())["spec"].get("engine", {}).get("device") != "cpu"]
+GPU_SAMPLES = [s for s in SAMPLES if not any(obj.spec.on_cpu for obj in load_servings(s.read_text(), str(s)))]
 OPERATOR_SA = f"system:serviceaccount:{OPERATOR_NAMESPACE}:{RELEASE}"
 
 # The reviewed RBAC of the operator: resource -> verbs (kubectl auth can-i --list, cluster-wide).
