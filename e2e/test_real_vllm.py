@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import os
+import random
 import re
 import time
 import urllib.error
@@ -23,6 +24,7 @@ from typing import Any
 
 import pytest
 import yaml
+from prometheus_client.parser import text_string_to_metric_families
 
 from e2e.cluster import Cluster, delete_namespace, eventually, pods_of, wait_ready
 from e2e.service import SteadyLoad, forwarded
@@ -101,7 +103,6 @@ def post(url: str, body: dict[str, Any], timeout: float = 120.0) -> tuple[int, b
 
 def prompt(seed: int, tokens: int = PROMPT_TOKENS) -> str:
     """`tokens` one-token words (the tiny model's tokenizer makes each of `xpyd bench`'s words one token)."""
-    import random
     return "".join(random.Random(seed).choices(PROMPT_WORDS, k=tokens))
 
 
@@ -127,13 +128,8 @@ def pool(operator: Cluster) -> Iterator[Pool]:
 
 def sample_values(exposition: str, name: str) -> list[tuple[dict[str, str], float]]:
     """(labels, value) of every sample of `name` in a Prometheus text exposition."""
-    result = []
-    for line in exposition.splitlines():
-        match = re.match(rf"^{re.escape(name)}(\{{(.*)\}})? (\S+)$", line)
-        if match:
-            labels = dict(re.findall(r'([a-zA-Z_]+)="((?:[^"\\]|\\.)*)"', match.group(2) or ""))
-            result.append((labels, float(match.group(3))))
-    return result
+    return [(sample.labels, sample.value) for family in text_string_to_metric_families(exposition)
+            for sample in family.samples if sample.name == name]
 
 
 def total(exposition: str, name: str) -> float:

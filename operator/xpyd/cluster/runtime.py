@@ -189,7 +189,7 @@ def remap_paths(value: str, mounts: dict[str, str]) -> str:
     replaced by the mount's directory on this machine; longer mount paths first."""
     for inside in sorted(mounts, key=len, reverse=True):
         pattern = rf"(^|=){re.escape(inside.rstrip('/'))}(?=/|$)"
-        value = re.sub(pattern, lambda m, host=mounts[inside]: str(m.group(1)) + host, value)  # type: ignore[misc]
+        value = re.sub(pattern, r"\g<1>" + mounts[inside].replace("\\", "\\\\"), value)
     return value
 
 
