@@ -117,12 +117,13 @@ def test_blocks_of_generated_tokens_take_a_place_in_the_lru_order() -> None:
 
 
 @pytest.mark.parametrize(("hash_ids", "tokens", "block_size", "expected"), [
-    # 512-token trace blocks split into 32 blocks of 16: (chain, index) as chain * 512 + last offset.
-    ([5, 9], 600, 16, [0 * 512 + 16 * i + 15 for i in range(32)] + [1 * 512 + 16 * i + 15 for i in range(5)]),
-    # A block size that does not divide 512: block 5 (tokens 480-575) ends in trace block 1 at offset 63.
-    ([5, 9], 600, 96, [95, 191, 287, 383, 479, 512 + 63]),
+    # 512-token trace blocks split into 32 blocks of 16: chain * 32 + index.
+    ([5, 9], 600, 16, list(range(32)) + [32 + i for i in range(5)]),
+    # A block size that does not divide 512 (gcd 32: 16 units a trace block): block 5, tokens 480-575,
+    # ends in trace block 1 at offset 63, its second unit.
+    ([5, 9], 600, 96, [2, 5, 8, 11, 14, 16 + 1]),
     # Only full blocks: 40 tokens are two blocks of 16 and a partial one.
-    ([5], 40, 16, [15, 31]),
+    ([5], 40, 16, [0, 1]),
     ([], 600, 16, []),
 ])
 def test_trace_blocks_become_engine_block_keys(hash_ids: list[int], tokens: int, block_size: int,

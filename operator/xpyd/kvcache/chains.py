@@ -9,12 +9,15 @@ block's end". The mapping:
    first block's parent being none. Equal ids along equal paths give equal chains, whether or not the
    trace's ids already encode their prefix (Mooncake's do: each id follows one parent only).
    A prompt longer than its ids cover continues in trace blocks of its own (fresh chain ids).
-2. Engine block `j` holds tokens `[j * block_size, (j + 1) * block_size)`. Its key is
-   `chain * 512 + offset`, where `chain` is the chain id of the trace block holding the block's last
+2. Engine block `j` holds tokens `[j * block_size, (j + 1) * block_size)`. Its key is the pair
+   (`chain`, `offset`), where `chain` is the chain id of the trace block holding the block's last
    token and `offset` that token's position in it: the prefix up to the block's end is that trace
    block's chain (everything before it) and its first `offset + 1` tokens. So with a block size that
    divides 512 each trace block splits into `512 / block_size` engine blocks keyed (chain, index); any
-   other block size works the same way across trace-block edges.
+   other block size works the same way across trace-block edges. The pair is one integer,
+   `chain * (512 / g) + (offset + 1) / g - 1` with `g = gcd(block_size, 512)` (every block ends one
+   token short of a multiple of `g`): consecutive blocks get consecutive keys, which a dict (finding
+   an integer by its low bits) holds without collisions.
 3. Only full engine blocks get keys (`tokens // block_size` of them); a partial last block is never
    cached. A trace block's tokens are the same whether it is whole or the partial last block of a
    prompt (its text is a prefix of the whole block's, as `xpyd bench` writes prompts), so a partial
@@ -25,6 +28,7 @@ A trace without prefix blocks (the Azure traces) gives no keys: nothing is share
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterable, Sequence
 
 TRACE_BLOCK_TOKENS = 512
@@ -71,12 +75,15 @@ class TraceChains:
         if not hash_ids:
             return []
         size = self.trace_block_tokens
+        unit = math.gcd(block_size, size)
+        per_chain = size // unit
         chains = self.chain_ids(hash_ids, tokens)
         keys: list[int] = []
-        last = block_size - 1
+        end = block_size        # one past the block's last token
         for _ in range(tokens // block_size):
-            keys.append(chains[last // size] * size + last % size)
-            last += block_size
+            last = end - 1
+            keys.append(chains[last // size] * per_chain + (last % size + 1) // unit - 1)
+            end += block_size
         return keys
 
 
