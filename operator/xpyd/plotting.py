@@ -1,6 +1,6 @@
 """The one figure the simulator's reports and the demo both draw: load (and the part of it that met
-the SLOs), P and D replicas, and TTFT and TPOT against their SLO lines, over one time axis
-(matplotlib, Agg backend, written as a PNG)."""
+the SLOs), P and D replicas, TTFT and TPOT against their SLO lines and, when given, the prefix-cache
+hit rate per role, over one time axis (matplotlib, Agg backend, written as a PNG)."""
 
 from __future__ import annotations
 
@@ -35,8 +35,9 @@ class LatencyPanel:
 
 @dataclass(frozen=True)
 class TimelinePlot:
-    """What the four panels show. `edges` bound the load and latency bins; the replica series step
-    at `replica_times` (one more entry than each series: where the last step ends)."""
+    """What the panels show. `edges` bound the load, latency and hit-rate bins; the replica series step
+    at `replica_times` (one more entry than each series: where the last step ends). `hit_rate` (shares
+    0-1 per bin) adds a fifth panel, `height_ratios` then taking a fifth entry (0.8 when it has four)."""
 
     title: str
     edges: Sequence[float]
@@ -48,9 +49,10 @@ class TimelinePlot:
     xlabel: str
     x_end: float
     log_latency: bool = False
-    height_ratios: tuple[float, float, float, float] = (1, 1, 1, 1)
+    height_ratios: tuple[float, ...] = (1, 1, 1, 1)
     size: tuple[float, float] = (11, 9)
     dpi: int = 100
+    hit_rate: Sequence[Series] = ()
 
 
 def _finite(values: Sequence[float | None]) -> list[float]:
@@ -64,9 +66,12 @@ def write_timeline_plot(plot: TimelinePlot, path: str | Path) -> None:
     matplotlib.use("Agg")
     from matplotlib import pyplot, ticker
 
-    figure, axes = pyplot.subplots(4, 1, figsize=plot.size, sharex=True,
-                                   gridspec_kw={"height_ratios": list(plot.height_ratios)})
-    load_axis, replica_axis, *latency_axes = axes
+    ratios = list(plot.height_ratios)
+    if plot.hit_rate and len(ratios) == 4:
+        ratios.append(0.8)
+    figure, axes = pyplot.subplots(len(ratios), 1, figsize=plot.size, sharex=True,
+                                   gridspec_kw={"height_ratios": ratios})
+    load_axis, replica_axis, *latency_axes = axes[:4]
     for series in (plot.sent, plot.good):
         load_axis.stairs(_finite(series.values), plot.edges, fill=True, color=series.color, label=series.label)
     load_axis.set_ylabel("load (req/s)")
@@ -102,6 +107,13 @@ def write_timeline_plot(plot: TimelinePlot, path: str | Path) -> None:
         else:
             axis.set_ylim(0, max(seen) * 1.15)
             axis.set_ylabel(f"{panel.label} (ms)")
+    if plot.hit_rate:
+        hit_axis = axes[4]
+        for series in plot.hit_rate:
+            hit_axis.stairs([100.0 * v for v in _finite(series.values)], plot.edges, color=series.color,
+                            linewidth=series.width, baseline=None, label=series.label)
+        hit_axis.set_ylim(0, 100)
+        hit_axis.set_ylabel("prefix-cache hits (%)")
     for axis in axes:
         axis.grid(True, which="major", alpha=0.3)
         axis.legend(loc="upper left", bbox_to_anchor=(1.005, 1.0), fontsize=8, frameon=False)

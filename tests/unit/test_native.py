@@ -41,8 +41,9 @@ def with_source(module: str, digest: str) -> dict[str, Any]:
     (manifest(sources=None), "its manifest lists no sources"),
     (with_source("xpyd.sim.core", "0" * 64), "xpyd.sim.core changed since it was built"),
     (with_source("xpyd.traces", "1" * 64), "xpyd.traces changed since it was built"),
-    ({**manifest(), "sources": {}}, "xpyd.autoscaler.observation, xpyd.perf.model, xpyd.perf.shapes, xpyd.sim.core, "
-                                    "xpyd.sim.policy, xpyd.sim.simulator, xpyd.traces changed since it was built"),
+    ({**manifest(), "sources": {}}, "xpyd.autoscaler.observation, xpyd.kvcache.chains, xpyd.kvcache.pool, "
+                                    "xpyd.perf.model, xpyd.perf.shapes, xpyd.sim.core, xpyd.sim.policy, "
+                                    "xpyd.sim.simulator, xpyd.traces changed since it was built"),
 ])
 def test_a_build_serves_only_the_sources_and_interpreter_it_was_made_from(built: dict[str, Any],
                                                                           reason: str | None) -> None:
@@ -152,7 +153,8 @@ def test_the_command_line(monkeypatch: pytest.MonkeyPatch, tmp_path: Path, capsy
 
     write_manifest(tmp_path, json.dumps(native.fingerprint()))
     assert native.main(["build"]) == 0     # up to date: compiles nothing
-    assert capsys.readouterr().out == f"up to date: xpyd.sim.core, xpyd.sim.simulator, xpyd.perf.model in {tmp_path}\n"
+    assert capsys.readouterr().out == (f"up to date: xpyd.sim.core, xpyd.sim.simulator, xpyd.perf.model, "
+                                       f"xpyd.kvcache.pool, xpyd.kvcache.chains in {tmp_path}\n")
 
     for bad in ([], ["build", "--fast"], ["status", "extra"], ["compile"]):
         assert native.main(bad) == 2

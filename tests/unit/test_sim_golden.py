@@ -17,13 +17,13 @@ from typing import Any
 
 import pytest
 
-from tests.paths import FIXTURE_TRACES, H200_PROFILE, ROOT
+from tests.paths import FIXTURE_TRACES, H200_PROFILE, ROOT, TRACES
 from xpyd.autoscaler.observation import Desired, Observation, Slo
 from xpyd.perf.model import PerfModel
 from xpyd.sim.policies import build_policy
 from xpyd.sim.policy import Policy, PolicyContext
 from xpyd.sim.simulator import SimConfig, Simulator
-from xpyd.traces import TraceRequest, read_trace
+from xpyd.traces import TraceRequest, load_trace, read_trace
 
 pytestmark = pytest.mark.unit
 
@@ -40,6 +40,7 @@ class Case:
     prefill: int
     decode: int
     startup_delay_s: float = 120.0
+    duration_s: float | None = None   # a window of data/traces/<trace>, prefix blocks kept, instead of a slice
 
 
 CASES = {
@@ -51,6 +52,8 @@ CASES = {
                                  startup_delay_s=30.0),
     # very long prompts: chunked prefill, KV transfers, lease timers
     "mooncake-static": Case("mooncake_synthetic_head50.jsonl", 1.0, "static", 1, 1),
+    # the prefix caches hit, evict (at the H200's KV capacity) and shorten transfers
+    "mooncake-prefix-cache": Case("mooncake_synthetic.jsonl", 1.0, "static", 2, 1, duration_s=150.0),
 }
 
 
@@ -71,7 +74,11 @@ def digest(values: Any) -> str:
 
 
 def replay(case: Case) -> dict[str, Any]:
-    trace = [TraceRequest(r.arrival_s / case.speedup, r.isl, r.osl) for r in read_trace(FIXTURE_TRACES / case.trace)]
+    if case.duration_s is None:
+        trace = [TraceRequest(r.arrival_s / case.speedup, r.isl, r.osl)
+                 for r in read_trace(FIXTURE_TRACES / case.trace)]
+    else:
+        trace = load_trace(TRACES / case.trace, speedup=case.speedup, duration_s=case.duration_s)
     perf = PerfModel.from_profile(H200_PROFILE).with_kv_transfer(KV_BYTES_LLAMA_8B_BF16, 100.0)
     config = SimConfig(prefill=case.prefill, decode=case.decode, slo=SLO, startup_delay_s=case.startup_delay_s)
     context = PolicyContext(initial=Desired(case.prefill, case.decode), slo=SLO, perf=perf,
@@ -80,7 +87,10 @@ def replay(case: Case) -> dict[str, Any]:
     policy = Recording(build_policy(case.policy, context))
     result = Simulator(trace, perf, policy, config, case.policy).run()
     finite = [t for t in result.ttft_s if not math.isnan(t)]
-    return {
+    cache = {"cached_tokens": {role: sum(result.cached_tokens[role]) for role in sorted(result.cached_tokens)},
+             "busy_seconds": result.busy_seconds,
+             "cache_sha256": digest((result.cached_tokens, result.computed_tokens))} if case.duration_s else {}
+    return {**cache,
         "requests": len(trace),
         "events": result.events,
         "end_s": result.end_s,
@@ -112,3 +122,4 @@ def test_golden_cases_exercise_the_simulator(golden: dict[str, Any]) -> None:
     # The pins are only worth having if the cases queue, scale and fuse: check they still do.
     assert golden["code-xpyd"]["scaling_actions"] > 0 and golden["code-queue-threshold"]["scaling_actions"] > 0
     assert all(case["events"] > case["requests"] for case in golden.values())
+    assert min(golden["mooncake-prefix-cache"]["cached_tokens"].values()) > 0

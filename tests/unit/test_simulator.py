@@ -255,6 +255,7 @@ def test_cli_rate_scale_multiplies_the_requests(tmp_path: Path, capsys: pytest.C
     (["--speedup", "0"], "speedup"),
     (["--rate-scale", "0"], "rate scale"),
     (["--prefill", "0"], "at least 1"),
+    (["--block-size", "0"], "block_size"),
     (["--slo-ttft-ms", "-5"], "slo-ttft-ms"),
     (["--start", "99999"], "no requests in the window"),
     (["--profile", "/nonexistent/profile"], "No such file"),

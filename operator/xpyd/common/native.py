@@ -1,14 +1,15 @@
 """The simulator's hot loop compiled with mypyc, used only while it matches its source.
 
 `xpyd sim`, the oracle's search, the evaluation and the engine emulator spend nearly all their time
-in three modules (`MODULES`). `build()` compiles them with mypyc into a directory beside the
+in a few modules (`MODULES`: the engine model, the replay loop, the performance model, the prefix
+cache's block pool and trace keys). `build()` compiles them with mypyc into a directory beside the
 interpreter (`<sys.prefix>/xpyd-native`, or `$XPYD_NATIVE`), never into the source tree, and writes
-a manifest of the SHA-256 of each source it compiled. The packages `xpyd.sim` and `xpyd.perf` put
-that directory first on their `__path__` (so the compiled modules shadow the sources) only when the
-manifest matches: the same interpreter ABI, and every compiled source and every module of the
-package they import byte-identical. Otherwise (no build, a
-source edited since, another Python) the pure-Python modules load as they are, with one warning when
-a build exists but is stale. Both give the same results (a test replays a trace through each).
+a manifest of the SHA-256 of each source it compiled. The packages `xpyd.sim`, `xpyd.perf` and
+`xpyd.kvcache` put that directory first on their `__path__` (so the compiled modules shadow the
+sources) only when the manifest matches: the same interpreter ABI, and every compiled source and
+every module of the package they import byte-identical. Otherwise (no build, a source edited since,
+another Python) the pure-Python modules load as they are, with one warning when a build exists but
+is stale. Both give the same results (a test replays a trace through each).
 
     python -m xpyd.common.native build     # compile (what `make native` runs; quick when up to date)
     python -m xpyd.common.native status    # which modules load compiled, or why none does
@@ -37,7 +38,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-MODULES = ("xpyd.sim.core", "xpyd.sim.simulator", "xpyd.perf.model")
+MODULES = ("xpyd.sim.core", "xpyd.sim.simulator", "xpyd.perf.model", "xpyd.kvcache.pool", "xpyd.kvcache.chains")
 """Compiled together (one mypyc group): calls between them stay native."""
 
 IMPORTED = ("xpyd.autoscaler.observation", "xpyd.perf.shapes", "xpyd.sim.policy", "xpyd.traces")
@@ -123,8 +124,8 @@ def _active() -> Path | None:
 
 
 def package_path(package: str, path: list[str]) -> list[str]:
-    """The `__path__` for `package` (`xpyd.sim` or `xpyd.perf`): the compiled build's directory of it
-    first when the build is usable, else `path` unchanged."""
+    """The `__path__` for `package` (`xpyd.sim`, `xpyd.perf` or `xpyd.kvcache`): the compiled build's
+    directory of it first when the build is usable, else `path` unchanged."""
     directory = _active()
     if directory is None:
         return path

@@ -38,7 +38,7 @@ def add_parser(subparsers: Any) -> None:
     sim = subparsers.add_parser("sim", help="replay a request trace through a simulated P/D cluster under an "
                                 "autoscaling policy")
     sim.add_argument("--trace", required=True, help="trace file: CSV (TIMESTAMP,ContextTokens,GeneratedTokens) or "
-                     "Mooncake JSONL (timestamp ms, input_length, output_length)")
+                     "Mooncake JSONL (timestamp ms, input_length, output_length, hash_ids)")
     sim.add_argument("--profile", required=True, help="performance profile prefix: PREFIX_prefill.csv and "
                      "PREFIX_decode.csv")
     sim.add_argument("--model", default="llama-3.1-8b", help="model whose KV shape sizes the P->D transfer "
@@ -61,6 +61,10 @@ def add_parser(subparsers: Any) -> None:
     sim.add_argument("--window-s", type=float, default=60.0, help="metrics window the policy sees")
     sim.add_argument("--max-num-batched-tokens", type=int, default=8192, help="engine token budget per step")
     sim.add_argument("--max-num-seqs", type=int, default=256, help="engine running-request limit")
+    sim.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True,
+                     help="the engines' prefix caches (vLLM's default: on); a trace's prefix blocks (Mooncake's "
+                     "hash_ids) say which prompts share blocks, a trace without them shares nothing")
+    sim.add_argument("--block-size", type=int, default=16, help="engine KV block size in tokens (default 16)")
     sim.add_argument("--report", help="write the report JSON here")
     sim.add_argument("--plot", help="write a PNG of load, replicas, TTFT and TPOT over time here")
     sim.add_argument("--seed", type=int, default=0, help="seed of the routing tie-breaks and the --rate-scale "
@@ -89,7 +93,9 @@ def run(args: argparse.Namespace) -> int:
             slo=Slo(ttft_s=args.slo_ttft_ms / 1000.0, tpot_s=args.slo_tpot_ms / 1000.0),
             startup_delay_s=args.startup_delay_s, interval_s=args.interval_s, window_s=args.window_s,
             seed=args.seed, engine=EngineConfig(max_num_batched_tokens=args.max_num_batched_tokens,
-                                                max_num_seqs=args.max_num_seqs))
+                                                max_num_seqs=args.max_num_seqs,
+                                                enable_prefix_caching=args.enable_prefix_caching,
+                                                block_size=args.block_size))
         trace = load_trace(args.trace, speedup=args.speedup, start_s=args.start, duration_s=args.duration,
                            rate_scale=args.rate_scale, seed=args.seed)
         perf = _load_profile(args.profile, args.model, args.kv_dtype, args.link_gbps)

@@ -45,6 +45,20 @@ Scheduling rules (vLLM V1's scheduler, simplified where noted):
   WAITING_FOR_REMOTE_KVS is), then decodes only: its first decode step produces its first token. If
   its `remote_kv_deadline` passed before admission (the producer's lease expired), or it has no KV
   parameters at all, the prompt is prefilled locally (counted as `local_compute`).
+- Prefix caching (`enable_prefix_caching`, on by default as in vLLM): the engine's KV is a
+  `kvcache.BlockPool` of `capacity // block_size` blocks. A request's `block_keys` key its full prompt
+  blocks. At admission it takes its longest cached prefix (at most `prompt - 1` tokens: a prompt that
+  hits entirely still recomputes its last block) and `(prompt + limit) // block_size` blocks in all
+  (its partial last block is never cached, so the pool counts only full ones); the KV rule above still
+  reserves its whole prompt and output in tokens, hits included. A prefill computes only the tokens
+  past the hit: its first chunk is a continued chunk at the hit's offset (its marginal cost in
+  context), and a step that starts a prompt, hit or not, costs at least `p(N)` of all its prompt
+  tokens. A decode leg loads only the tokens past its local hit (`kv_transfer_seconds(prompt - hit)`),
+  as NIXL asks for the prompt less the local hits. Blocks are cached when their tokens are
+  scheduled, or when the transfer has landed; a finished request frees its blocks into the pool, those
+  of its generated tokens as blocks no other request can hit. Requests without keys (a trace without
+  prefix blocks) share nothing. Each admission counts `prefix_cache_queries` (prompt tokens) and
+  `prefix_cache_hits` (hit tokens) as vLLM does.
 """
 
 from __future__ import annotations
@@ -53,10 +67,12 @@ import heapq
 import math
 from bisect import bisect_left
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Hashable, Sequence
 from dataclasses import dataclass, field, fields
 from enum import Enum
 from typing import NamedTuple, Protocol
+
+from xpyd.kvcache.pool import BlockPool, RequestBlocks
 
 
 class EnginePerf(Protocol):
@@ -190,7 +206,10 @@ class EngineMetrics:
     generation_tokens_total: int = 0
     request_success_total: int = 0
     prompt_tokens_local_compute: int = 0         # vllm:prompt_tokens_by_source_total{source="local_compute"}
+    prompt_tokens_local_cache_hit: int = 0       # ...{source="local_cache_hit"}
     prompt_tokens_external_kv_transfer: int = 0  # ...{source="external_kv_transfer"}
+    prefix_cache_queries: int = 0                # vllm:prefix_cache_queries_total: prompt tokens looked up
+    prefix_cache_hits: int = 0                   # vllm:prefix_cache_hits_total: of them, found cached
     num_preemptions_total: int = 0
     kv_transfer_failures_total: int = 0          # remote KV gone (lease expired): recomputed locally
     time_to_first_token_seconds: BucketHistogram = field(default_factory=lambda: BucketHistogram(TTFT_BUCKETS))
@@ -256,10 +275,12 @@ class EngineConfig:
     max_kv_tokens: int | None = None   # None: the performance model's `max_kv_tokens`
     kv_lease_seconds: float = 30.0     # NIXL `kv_lease_duration`: a producer frees unclaimed KV after it
     max_model_len: int = 131072        # only sizes the token-count histograms
+    enable_prefix_caching: bool = True  # vLLM's --enable-prefix-caching (its default)
+    block_size: int = 16               # vLLM's --block-size (its default on GPUs)
 
     def __post_init__(self) -> None:
-        if self.max_num_batched_tokens < 1 or self.max_num_seqs < 1:
-            raise ValueError("max_num_batched_tokens and max_num_seqs must be at least 1")
+        if self.max_num_batched_tokens < 1 or self.max_num_seqs < 1 or self.block_size < 1:
+            raise ValueError("max_num_batched_tokens, max_num_seqs and block_size must be at least 1")
         if self.max_kv_tokens is not None and self.max_kv_tokens < 1:
             raise ValueError("max_kv_tokens must be at least 1")
 
@@ -292,6 +313,7 @@ class EngineRequest:
     do_remote_prefill: bool = False
     remote_kv_deadline: float = math.inf
     tag: int = -1
+    block_keys: Sequence[Hashable] = ()  # keys of its full prompt blocks (prefix caching); () shares nothing
     phase: Phase = Phase.WAITING
     arrival_time: float = math.nan
     scheduled_time: float = math.nan     # first admitted
@@ -300,6 +322,8 @@ class EngineRequest:
     computed_tokens: int = 0             # prompt tokens whose KV is present
     generated_tokens: int = 0            # final once finished; while decoding see EngineCore.generated_tokens
     local_prefill: bool = False          # the prompt was computed here
+    cached_tokens: int = 0               # prompt tokens found in this engine's prefix cache at admission
+    blocks: RequestBlocks | None = None  # its blocks in the engine's pool (prefix caching)
     limit: int = 0                       # tokens this engine generates (1 for do_remote_decode)
     reserved: int = 0                    # KV tokens reserved at admission
     join_step: int = 0                   # decode step index when it joined the batch
@@ -361,8 +385,12 @@ class EngineCore:
         self.perf = perf
         self.config = config or EngineConfig()
         self.capacity = self.config.max_kv_tokens or perf.max_kv_tokens
+        self.block_size = self.config.block_size
+        self.pool: BlockPool | None = (BlockPool(max(1, self.capacity // self.block_size))
+                                       if self.config.enable_prefix_caching else None)
         self.metrics = EngineMetrics(max_model_len=self.config.max_model_len)
         self._all_metrics = all_metrics
+        self.busy_seconds = 0.0   # time its steps took (the engine's GPU time at work)
         self._seq = 0
         self._waiting: deque[EngineRequest] = deque()
         self._transferring: list[tuple[float, int, EngineRequest]] = []
@@ -442,6 +470,8 @@ class EngineCore:
                 continue
             request.phase = Phase.READY
             request.computed_tokens = request.prompt_tokens
+            if request.block_keys:
+                self._cache_blocks(request, request.prompt_tokens)
             self._ready.append(request)
             events.append(Event(EventKind.KV_LOADED, request, done))
         while leases and leases[0][0] <= now:
@@ -517,10 +547,13 @@ class EngineCore:
             chunk = min(request.prompt_tokens - request.computed_tokens, budget)
             offset = request.computed_tokens
             continued_seconds += perf.prefill_seconds(offset + chunk) - perf.prefill_seconds(offset)
+            if request.block_keys:
+                self._cache_blocks(request, offset + chunk)
             chunks.append((request, chunk))
             chunk_tokens += chunk
             budget -= chunk
         first_tokens = 0
+        started = False
         joiners: list[EngineRequest] = []
         ready = self._ready
         while ready and running < max_num_seqs and budget > 0:
@@ -542,26 +575,33 @@ class EngineCore:
             self._reserved_kv += need
             request.reserved = need
             request.scheduled_time = now
+            hit = self._take_blocks(request) if self.pool is not None else 0
             if remote:
                 request.phase = Phase.TRANSFERRING
                 self._seq += 1
                 heapq.heappush(self._transferring,
-                               (now + perf.kv_transfer_seconds(request.prompt_tokens), self._seq, request))
+                               (now + perf.kv_transfer_seconds(request.prompt_tokens - hit), self._seq, request))
                 continue
             if request.do_remote_prefill:
                 self.metrics.kv_transfer_failures_total += 1
             request.phase = Phase.PREFILLING
             request.local_prefill = True
-            request.computed_tokens = 0
-            chunk = min(request.prompt_tokens, budget)
+            request.computed_tokens = hit
+            chunk = min(request.prompt_tokens - hit, budget)
+            if hit:   # a prompt continued from its cached prefix: its chunk's marginal cost in context
+                continued_seconds += perf.prefill_seconds(hit + chunk) - perf.prefill_seconds(hit)
+            else:
+                first_tokens += chunk
+            started = True
+            if request.block_keys:
+                self._cache_blocks(request, hit + chunk)
             self._prefilling.append(request)
             chunks.append((request, chunk))
             chunk_tokens += chunk
-            first_tokens += chunk
             budget -= chunk
             running += 1
         prefill_seconds = continued_seconds
-        if first_tokens:
+        if started:
             prefill_seconds = max(perf.prefill_seconds(chunk_tokens),
                                   perf.prefill_seconds(first_tokens) + continued_seconds)
         return chunks, joiners, prefill_seconds
@@ -598,6 +638,7 @@ class EngineCore:
         if step is not self._step:
             raise RuntimeError("complete() of a step that is not in flight")
         self._step = None
+        self.busy_seconds += step.duration
         metrics = self.metrics
         events: list[Event] = []
         batch = len(step.decode)
@@ -721,8 +762,9 @@ class EngineCore:
         metrics = self.metrics
         metrics.time_to_first_token_seconds.observe(time - request.arrival_time)
         metrics.prompt_tokens_total += request.prompt_tokens
+        metrics.prompt_tokens_local_cache_hit += request.cached_tokens
         if not request.local_prefill:
-            metrics.prompt_tokens_external_kv_transfer += request.prompt_tokens
+            metrics.prompt_tokens_external_kv_transfer += request.prompt_tokens - request.cached_tokens
         events.append(Event(EventKind.FIRST_TOKEN, request, time))
 
     def _finish(self, request: EngineRequest, now: float, events: list[Event]) -> None:
@@ -741,7 +783,8 @@ class EngineCore:
             metrics.request_decode_time_seconds.observe(decode_time)
             metrics.request_inference_time_seconds.observe(now - scheduled)
             metrics.request_params_max_tokens.observe(request.max_tokens)
-            metrics.request_prefill_kv_computed_tokens.observe(request.prompt_tokens if request.local_prefill else 0)
+            metrics.request_prefill_kv_computed_tokens.observe(
+                request.prompt_tokens - request.cached_tokens if request.local_prefill else 0)
             metrics.request_time_per_output_token_seconds.observe(decode_time / (generated - 1) if generated > 1
                                                                   else 0.0)
         if request.do_remote_decode:
@@ -758,3 +801,36 @@ class EngineCore:
         request.phase = Phase.FINISHED
         self._reserved_kv -= request.reserved
         request.reserved = 0
+        blocks = request.blocks
+        if blocks is not None and self.pool is not None:
+            # Its full blocks of generated tokens (the last token has no KV yet) were cached under
+            # hashes of its own output: they free into the LRU order, where nothing hits them.
+            generated = 0
+            if request.block_keys and request.generated_tokens > 0:
+                full = (request.prompt_tokens + request.generated_tokens - 1) // self.block_size
+                generated = max(0, full - len(blocks.cached))
+            self.pool.free(blocks, generated)
+            request.blocks = None
+
+    def _take_blocks(self, request: EngineRequest) -> int:
+        """A request's blocks at admission: its longest cached prefix (at most prompt - 1 tokens) and
+        new blocks for the rest of its prompt and output. Returns the prompt tokens it hit."""
+        pool = self.pool
+        assert pool is not None
+        block_size = self.block_size
+        keys = request.block_keys
+        prompt = request.prompt_tokens
+        hit = pool.lookup(keys, (prompt - 1) // block_size) if keys else []
+        request.blocks = pool.admit(hit, (prompt + request.limit) // block_size)
+        hit_tokens = len(hit) * block_size
+        request.cached_tokens = hit_tokens
+        metrics = self.metrics
+        metrics.prefix_cache_queries += prompt
+        metrics.prefix_cache_hits += hit_tokens
+        return hit_tokens
+
+    def _cache_blocks(self, request: EngineRequest, tokens: int) -> None:
+        """The request's first `tokens` prompt tokens are scheduled or loaded: cache its full blocks."""
+        blocks = request.blocks
+        if blocks is not None and self.pool is not None:
+            self.pool.cache(blocks, request.block_keys, tokens // self.block_size)

@@ -9,6 +9,12 @@ Definitions (DESIGN.md's keys):
   the end, in hours; `goodput_per_gpu_hour`: good requests per GPU-hour (the headline: it rewards
   meeting the SLOs and punishes over-provisioning at once).
 - Percentiles (`p50`, `p90`, `p99`) interpolate linearly between order statistics, in milliseconds.
+- `prefix_cache`, per role: `hit_rate`, the share of the prompt tokens its engines looked up that
+  they found in their prefix caches (vLLM's `prefix_cache_hits / prefix_cache_queries`; hits are
+  whole blocks, so this is the block hit rate in tokens); `prompt_tokens` (requested), `cached_tokens`,
+  `computed_tokens` (prefilled there) and `transferred_tokens` (loaded from the prefill engine: the
+  rest; 0 on prefill). The timeline has each role's hit rate per bin, by arrival.
+- `busy_gpu_hours_by_role`: GPU time of the engines' steps, the part of `gpu_hours_by_role` at work.
 """
 
 from __future__ import annotations
@@ -19,7 +25,7 @@ from typing import Any
 
 from xpyd.common.stats import finite, percentile, summary_ms
 from xpyd.plotting import ROLE_COLORS, LatencyPanel, Series, TimelinePlot, write_timeline_plot
-from xpyd.sim.simulator import SimResult
+from xpyd.sim.simulator import ROLES, SimResult
 
 _NICE_BINS_S = (1, 2, 5, 10, 15, 30, 60, 120, 300, 600, 900, 1800, 3600)
 
@@ -48,9 +54,36 @@ def timeline(result: SimResult) -> dict[str, Any]:
             tpot[index].append(per_token * 1000.0)
     out: dict[str, Any] = {"bin_s": width, "t_s": [i * width for i in range(count)],
                            "arrivals_rps": [n / width for n in arrivals], "good_rps": [n / width for n in good]}
+    for role in ROLES:
+        asked = [0] * count
+        found = [0] * count
+        for arrival, isl, cached in zip(result.arrival_s, result.isl, result.cached_tokens[role], strict=True):
+            if cached >= 0:
+                index = int(arrival // width)
+                asked[index] += isl
+                found[index] += cached
+        out[f"{role}_hit_rate"] = [round(f / a, 6) if a else None for f, a in zip(found, asked, strict=True)]
     for name, series in (("ttft_ms", ttft), ("tpot_ms", tpot)):
         for q, label in ((0.5, "p50"), (0.9, "p90"), (0.99, "p99")):
             out[f"{name}_{label}"] = [finite(percentile(sorted(values), q), 3) for values in series]
+    return out
+
+
+def prefix_cache(result: SimResult) -> dict[str, dict[str, float]]:
+    """Per role: the hit rate and the prompt tokens requested, found cached, computed and transferred
+    (requests whose leg ran on the role)."""
+    out: dict[str, dict[str, float]] = {}
+    for role in ROLES:
+        requested = cached = computed = 0
+        for isl, found, done in zip(result.isl, result.cached_tokens[role], result.computed_tokens[role],
+                                    strict=True):
+            if found >= 0:
+                requested += isl
+                cached += found
+                computed += done
+        out[role] = {"hit_rate": round(cached / requested, 6) if requested else 0.0, "prompt_tokens": requested,
+                     "cached_tokens": cached, "computed_tokens": computed,
+                     "transferred_tokens": requested - cached - computed}
     return out
 
 
@@ -81,6 +114,8 @@ def build_report(result: SimResult, trace_name: str = "", speedup: float = 1.0, 
         "rejected": result.rejected,
         "duration_s": round(duration_s, 3),
         "gpu_hours_by_role": {role: round(seconds / 3600.0, 6) for role, seconds in result.gpu_seconds.items()},
+        "busy_gpu_hours_by_role": {role: round(seconds / 3600.0, 6) for role, seconds in result.busy_seconds.items()},
+        "prefix_cache": prefix_cache(result),
         "replicas_started": result.replicas_started,
         "replicas_stopped": result.replicas_stopped,
         "trace": trace_name,
@@ -94,6 +129,7 @@ def build_report(result: SimResult, trace_name: str = "", speedup: float = 1.0, 
             "window_s": config.window_s, "seed": config.seed, "gpus_per_replica": config.gpus_per_replica,
             "max_num_batched_tokens": config.engine.max_num_batched_tokens,
             "max_num_seqs": config.engine.max_num_seqs,
+            "enable_prefix_caching": config.engine.enable_prefix_caching, "block_size": config.engine.block_size,
         },
         "replicas": [{"t_s": round(s.time_s, 3), "prefill": s.prefill_ready, "decode": s.decode_ready,
                       "prefill_starting": s.prefill_starting, "decode_starting": s.decode_starting,
@@ -123,6 +159,12 @@ def summary(report: dict[str, Any], wall_s: float | None = None) -> str:
         f"  goodput {report['goodput_rps']:,.2f} req/s  GPU-hours {report['gpu_hours']:,.3f}  goodput/GPU-hour "
         + (f"{goodput_per_gpu_hour:,.0f}" if goodput_per_gpu_hour is not None else "-"),
         f"  TTFT ms {ms(report['ttft_ms'])}   TPOT ms {ms(report['tpot_ms'])}",
+        "  prefix cache: " + ("off" if not config["enable_prefix_caching"] else "; ".join(
+            f"{role} hit {cache['hit_rate']:.1%}, "
+            + (f"computed {cache['computed_tokens']:,} of {cache['prompt_tokens']:,} prompt tokens" if role == "prefill"
+               else f"loaded {cache['transferred_tokens']:,}"
+               + (f", computed {cache['computed_tokens']:,}" if cache["computed_tokens"] else ""))
+            for role, cache in report["prefix_cache"].items())),
         f"  scaling actions {report['scaling_actions']}"
         + (f"   rejected {report['rejected']}" if report["rejected"] else "")
         + (f"   wall {wall_s:.2f} s" if wall_s is not None else ""),
@@ -132,7 +174,8 @@ def summary(report: dict[str, Any], wall_s: float | None = None) -> str:
 
 def plot(result: SimResult, path: str | Path, title: str = "") -> None:
     """Write a PNG: load (and the part of it meeting the SLOs), P and D replicas, TTFT and TPOT
-    percentiles over time against the SLO lines."""
+    percentiles over time against the SLO lines, and each role's prefix-cache hit rate (when anything hit:
+    a trace without prefix blocks shares nothing)."""
     report = build_report(result)
     line = report["timeline"]
     minutes = result.end_s > 900
@@ -152,6 +195,9 @@ def plot(result: SimResult, path: str | Path, title: str = "") -> None:
                 for q, shade in (("p50", "#9ecae1"), ("p90", "#3182bd"), ("p99", "#08306b"))]
 
     goodput = report["goodput_per_gpu_hour"]
+    anything_hit = any(cache["cached_tokens"] for cache in report["prefix_cache"].values())
+    hit_rate = ([Series(f"{role} hits / prompt tokens", line[f"{role}_hit_rate"], color)
+                 for role, color in ROLE_COLORS.items()] if anything_hit else [])
     write_timeline_plot(TimelinePlot(
         title=f"{title}   policy {result.policy}   attainment {report['attainment']:.1%}   "
               f"{report['gpu_hours']:.2f} GPU-h   good requests/GPU-h "
@@ -166,7 +212,8 @@ def plot(result: SimResult, path: str | Path, title: str = "") -> None:
         xlabel=f"time ({'min' if minutes else 's'}); latencies of the requests arriving in each {line['bin_s']} s bin",
         x_end=max(edges[-1], result.end_s / scale),
         log_latency=True,
-        height_ratios=(1, 0.8, 1.2, 1.2),
-        size=(12, 10),
+        height_ratios=(1, 0.8, 1.2, 1.2, 0.8) if hit_rate else (1, 0.8, 1.2, 1.2),
+        size=(12, 12) if hit_rate else (12, 10),
         dpi=110,
+        hit_rate=hit_rate,
     ), path)

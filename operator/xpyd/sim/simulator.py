@@ -16,6 +16,13 @@ finished.
 
 Per request: TTFT is arrival to the decode engine's first token (prefill queue, prefill, proxy hop,
 decode admission, KV transfer, first decode step); TPOT is (e2e - TTFT) / (OSL - 1), 0 for OSL 1.
+
+Prefix caching (`SimConfig.engine.enable_prefix_caching`, on by default): a request with prefix
+blocks (Mooncake's `hash_ids`) gets the keys of its full blocks at the engines' block size from
+`kvcache.chains.TraceChains` (one table per replay), and both its legs carry them: the prefill engine
+computes only what its cache lacks, the decode engine loads only what its own cache lacks. Requests
+without prefix blocks (the Azure traces) share nothing. Per request and role the result keeps the
+prompt tokens found cached and those computed there.
 """
 
 from __future__ import annotations
@@ -28,6 +35,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 from xpyd.autoscaler.observation import Desired, Observation, Quantiles, RoleObservation, Slo
+from xpyd.kvcache.chains import TraceChains
 from xpyd.sim.core import (
     ITL_BUCKETS,
     TTFT_BUCKETS,
@@ -112,6 +120,9 @@ class SimResult:
     rejected: int                  # requests that can never fit an engine's KV cache
     end_s: float                   # when the last request finished
     gpu_seconds: dict[str, float]  # per role
+    busy_seconds: dict[str, float]  # per role: GPU time of the engines' steps (at work, not idle)
+    cached_tokens: dict[str, list[int]]    # per role, per request: prompt tokens its leg found cached (-1: no leg)
+    computed_tokens: dict[str, list[int]]  # per role, per request: prompt tokens its leg computed there
     replicas: list[ReplicaSample]
     decisions: list[PolicyCall]
     scaling_actions: int           # policy decisions that changed a role's size (per role)
@@ -193,6 +204,10 @@ class Simulator:
         self._ttft = [math.nan] * n
         self._e2e = [math.nan] * n
         self._prefill_of: list[_Replica | None] = [None] * n
+        self._chains = TraceChains() if config.engine.enable_prefix_caching else None
+        self._keys: dict[int, list[int]] = {}   # block keys of the requests between their legs
+        self._cached: dict[str, list[int]] = {PREFILL: [-1] * n, DECODE: [-1] * n}
+        self._computed: dict[str, list[int]] = {PREFILL: [0] * n, DECODE: [0] * n}
         self._lease_deadline = [math.inf] * n
         self._done = 0
         self._rejected = 0
@@ -263,14 +278,17 @@ class Simulator:
         end_s = now
         self._sample(end_s)
         gpu_seconds = {role: 0.0 for role in ROLES}
+        busy_seconds = {role: 0.0 for role in ROLES}
         for role, replicas in self._replicas.items():
             for replica in replicas:
                 stop = end_s if math.isnan(replica.stopped_s) else replica.stopped_s
                 gpu_seconds[role] += (stop - replica.created_s) * config.gpus_per_replica
+                busy_seconds[role] += replica.core.busy_seconds * config.gpus_per_replica
         return SimResult(
             config=config, policy=self.policy_name, arrival_s=[r.arrival_s for r in trace],
             isl=[r.isl for r in trace], osl=[r.osl for r in trace], ttft_s=self._ttft, e2e_s=self._e2e,
-            rejected=self._rejected, end_s=end_s, gpu_seconds=gpu_seconds, replicas=self._samples,
+            rejected=self._rejected, end_s=end_s, gpu_seconds=gpu_seconds, busy_seconds=busy_seconds,
+            cached_tokens=self._cached, computed_tokens=self._computed, replicas=self._samples,
             decisions=self._decisions, scaling_actions=self._scaling_actions, replicas_started=self._started,
             replicas_stopped=self._stopped, events=events)
 
@@ -289,11 +307,16 @@ class Simulator:
             self._send_prefill(index, replica, now)
 
     def _send_prefill(self, index: int, replica: _Replica, now: float) -> None:
-        isl = self.trace[index].isl
+        request = self.trace[index]
+        isl = request.isl
         replica.outstanding_tokens += isl
         replica.outstanding_requests += 1
         self._prefill_of[index] = replica
-        replica.core.add(EngineRequest(str(index), isl, 1, do_remote_decode=True, tag=index), now)
+        keys: list[int] = []
+        if self._chains is not None and request.prefix_blocks:
+            keys = self._chains.block_keys(request.prefix_blocks, isl, self.config.engine.block_size)
+            self._keys[index] = keys
+        replica.core.add(EngineRequest(str(index), isl, 1, do_remote_decode=True, tag=index, block_keys=keys), now)
         self._kick(replica, now, arrived=True)
 
     def _send_decode(self, index: int, replica: _Replica, now: float) -> None:
@@ -301,7 +324,8 @@ class Simulator:
         replica.outstanding_requests += 1
         replica.outstanding_tokens += request.isl
         replica.core.add(EngineRequest(str(index), request.isl, request.osl, do_remote_prefill=True,
-                                       remote_kv_deadline=self._lease_deadline[index], tag=index), now)
+                                       remote_kv_deadline=self._lease_deadline[index], tag=index,
+                                       block_keys=self._keys.pop(index, [])), now)
         self._kick(replica, now, arrived=True)
 
     def _route(self, role: str) -> _Replica | None:
@@ -326,8 +350,11 @@ class Simulator:
             for kind, engine_request, time in events:
                 if kind is _FINISHED:
                     index = engine_request.tag
-                    replica.outstanding_tokens -= trace[index].isl
+                    isl = trace[index].isl
+                    replica.outstanding_tokens -= isl
                     replica.outstanding_requests -= 1
+                    self._cached[PREFILL][index] = engine_request.cached_tokens
+                    self._computed[PREFILL][index] = isl - engine_request.cached_tokens
                     self._lease_deadline[index] = engine_request.lease_expiry
                     target = self._route(DECODE)
                     if target is None:
@@ -346,6 +373,10 @@ class Simulator:
                 ttft = time - trace[index].arrival_s
                 self._ttft[index] = ttft
                 self._client_ttft.observe(ttft)
+                cached = engine_request.cached_tokens
+                self._cached[DECODE][index] = cached
+                if engine_request.local_prefill:
+                    self._computed[DECODE][index] = trace[index].isl - cached
             elif kind is _FINISHED:
                 request = trace[index]
                 e2e = time - request.arrival_s
