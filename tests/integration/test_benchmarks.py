@@ -58,6 +58,16 @@ def test_sim_bench_prints_a_row_per_speedup_rate_scale_and_the_day_compiled_and_
         assert float(compiled[4].replace(",", "")) > 0 and pure[-1].endswith("x"), out   # req/CPU s; speed-up
 
 
+def test_prefix_cache_prints_the_repeat_share_and_a_row_per_prefill_pool() -> None:
+    trace = BENCHMARKS.parent / "tests" / "fixtures" / "traces" / "mooncake_synthetic_head50.jsonl"
+    out = run("prefix_cache.py", "--trace", str(trace), "--prefill", "1", "2")
+    assert re.search(r"repeat share \d+\.\d\d% of its prefix blocks; one prefill engine that never evicts "
+                     r"hits \d+\.\d\d%", out), out
+    rows = [line.split() for line in out.splitlines()[3:]]
+    assert [row[0] for row in rows] == ["1", "2"] and all(len(row) == 10 for row in rows), out
+    assert all(row[1].endswith("%") and int(row[2].replace(",", "")) > 0 for row in rows), out
+
+
 def test_metrics_bench_prints_both_implementations_and_their_ratio() -> None:
     out = run("metrics_bench.py", "--requests", "200", "--rounds", "1")
     rows = {line.split()[0]: float(line.split()[1]) for line in out.splitlines()
