@@ -57,6 +57,13 @@ MULTI_NODE_ADDED: Final[VersionTuple] = (0, 12)
 NIXL_PIPELINE_PARALLEL_ADDED: Final[VersionTuple] = (0, 32)
 #: `--shutdown-timeout` (drain in-flight requests on SIGTERM) exists from 0.18 on.
 SHUTDOWN_TIMEOUT_ADDED: Final[VersionTuple] = (0, 18)
+#: On the CPU backend, NixlConnector's worker moves the thread that runs the model to the last core of
+#: each NUMA node (`os.sched_setaffinity` on the host's topology; nixl_connector.py of the 0.18.0 wheel,
+#: nixl/base_worker.py of 0.23-0.33; absent from 0.16), whatever VLLM_CPU_OMP_THREADS_BIND says. In a
+#: cpuset without those cores, such as the exclusive cores the kubelet's static CPU manager gives a
+#: Guaranteed pod, the call fails (EINVAL) and the engine never starts: seen with the 0.32 CPU build
+#: (docs/cpu.md); vLLM issue #58033, fix proposed in PR #58036, in no release checked.
+NIXL_CPU_KV_CORE_RESERVED: Final[VersionTuple] = (0, 18)
 
 #: CEL regex for "vLLM version <= 0.23", i.e. P2pNcclConnector's lifetime; its negation is
 #: "NixlPushConnector exists". A unit test keeps it in step with the two constants above.

@@ -666,11 +666,26 @@ def test_the_users_env_replaces_a_rendered_variable_of_its_name_once() -> None:
     assert names.index("UCX_TLS") < names.index("A")  # in the rendered variable's place
 
 
+@pytest.mark.parametrize(("version", "connector", "limited"), [
+    ("0.16", "NixlConnector", True),       # before NIXL's worker moved its model thread
+    ("0.18", "NixlConnector", False),      # from 0.18 it does: an exclusive cpuset kills the engine
+    ("0.33", "NixlConnector", False),
+    ("0.33", "NixlPushConnector", False),
+])
+def test_a_cpu_pool_asks_for_exclusive_cores_only_where_vllm_can_start_in_them(
+        version: str, connector: str, limited: bool) -> None:
+    spec = {"engine": {"device": "cpu", "vllmVersion": version}, "kvTransfer": {"connector": connector},
+            "prefill": {"resources": {"cpu": "4", "memory": "16Gi"}}}
+    limits = container(spec)["resources"]["limits"]
+    assert ("cpu" in limits) is limited, limits
+    assert limits["memory"] == "16Gi"
+
+
 def test_cpu_pool_renders_no_gpu_and_the_cpu_backend_settings() -> None:
     spec = {"engine": {"device": "cpu", "cpu": {"kvCacheSpaceGiB": 2, "threadsBind": "0-3"}},
             "prefill": {"resources": {"cpu": "4"}}}
     c = container(spec)
-    assert c["resources"] == {"requests": {"cpu": "4"}, "limits": {"cpu": "4"}}
+    assert c["resources"] == {"requests": {"cpu": "4"}, "limits": {}}  # Burstable: see the next test
     assert c["securityContext"]["capabilities"]["add"] == ["SYS_NICE"]
     assert kv_config(spec)["kv_buffer_device"] == "cpu"
     env = env_of(spec)

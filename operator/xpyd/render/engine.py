@@ -286,9 +286,7 @@ def ports(spec: DisaggregatedServingSpec, role: Role, node: NodeRole | None = No
 
 def resources(spec: DisaggregatedServingSpec, role: Role) -> JSON:
     """GPU (and RDMA) requests equal to limits, as extended resources require. A CPU pool requests no
-    GPU, and its CPU limit equals its request: with an integer count that makes the pod Guaranteed,
-    and the kubelet's static CPU manager gives it exclusive cores, which vLLM's `auto` thread binding
-    then uses (a CPU engine's threads spin; shared cores would be taken from its neighbours)."""
+    GPU, and its CPU limit equals its request (see `exclusive_cores`)."""
     role_spec: RoleSpec = getattr(spec, role)
     limits: dict[str, Any] = {} if spec.on_cpu else {role_spec.gpu.resource_name: role_spec.gpus}
     if spec.kv_transfer.rdma:
@@ -296,11 +294,26 @@ def resources(spec: DisaggregatedServingSpec, role: Role) -> JSON:
     requests = dict(limits)
     if role_spec.resources.cpu:
         requests["cpu"] = role_spec.resources.cpu
-        if spec.on_cpu:
+        if exclusive_cores(spec):
             limits["cpu"] = role_spec.resources.cpu
     if role_spec.resources.memory:
         requests["memory"] = limits["memory"] = role_spec.resources.memory
     return {"requests": requests, "limits": limits}
+
+
+def exclusive_cores(spec: DisaggregatedServingSpec) -> bool:
+    """Whether a CPU pool's engines ask for cores of their own: a CPU limit equal to the request, which
+    with an integer count makes the pod Guaranteed, and the kubelet's static CPU manager then gives it
+    exclusive cores that vLLM's `auto` thread binding uses (a CPU engine's threads spin; shared cores
+    would be taken from its neighbours). Not with NixlConnector on the releases whose worker moves its
+    model thread to the last core of each NUMA node (`vllm.NIXL_CPU_KV_CORE_RESERVED`): in an exclusive
+    cpuset without those cores the engine dies at start, so the pod stays Burstable, in the shared pool
+    that holds them."""
+    if not spec.on_cpu:
+        return False
+    nixl_moves_threads = (spec.kv_transfer.connector.is_nixl
+                          and vllm.parse_version(spec.engine.vllm_version) >= vllm.NIXL_CPU_KV_CORE_RESERVED)
+    return not nixl_moves_threads
 
 
 def volumes(spec: DisaggregatedServingSpec, role: Role) -> tuple[list[JSON], list[JSON]]:
