@@ -43,11 +43,12 @@ pytestmark = pytest.mark.e2e
 #: The tests that hand KV over between the real engines need cores to spare (see HANDOFFS_NEED).
 HANDOFF_CORES = 4
 HANDOFFS_NEED = (
-    f"real NIXL hand-offs need {HANDOFF_CORES} cores here (or XPYD_REAL_VLLM_HANDOFFS=1): on 2 cores, "
-    "vLLM 0.32's prefill engine core busy-loops while it holds a request's KV for decode, and its NIXL "
-    "handshake listener (a thread of the same process) then rarely gets the GIL, so decode's first "
-    "handshake waits until the KV lease expires, and the pull of the released blocks hangs "
-    "(docs/cpu.md#known-issues-of-vllm-032s-cpu-build)")
+    f"real NIXL hand-offs need {HANDOFF_CORES} cores here (or XPYD_REAL_VLLM_HANDOFFS=1): on 2 cores, each "
+    "engine keeps two threads that never sleep (NIXL's progress thread and, after every step, the worker's "
+    "busy-wait on its message queue), vLLM's NIXL worker moves both engines' model threads to the last "
+    "core, and with the local control plane beside them an engine's API server misses its health probes "
+    "for up to half a minute: the proxies then count it unhealthy and answer 503, or a first hand-off "
+    "outlives its client (1 of 3 runs of this module passed; docs/cpu.md#known-issues-of-vllm-032s-cpu-build)")
 handoffs = pytest.mark.skipif(
     (os.cpu_count() or 1) < HANDOFF_CORES and os.environ.get("XPYD_REAL_VLLM_HANDOFFS") != "1",
     reason=HANDOFFS_NEED)

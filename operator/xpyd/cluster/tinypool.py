@@ -11,9 +11,10 @@ What it changes in the sample, and why (each is a field a user of a small CPU no
 - `kv_lease_duration` 120 s: prefill keeps a request's KV this long for decode to pull (vLLM's
   default is 30 s); a decode engine's first handshake and pull on busy cores took longer, and a
   pull of released blocks then hung instead of failing;
-- a core of its own for each engine's threads (`VLLM_CPU_OMP_THREADS_BIND` per role, as a node
-  without the static CPU manager needs): with `auto`, both engines bound their OpenMP threads to
-  both cores and, with NIXL's spinning progress threads, starved each other's handshake for minutes;
+- a core of its own for each engine's OpenMP threads (`VLLM_CPU_OMP_THREADS_BIND` per role, as a node
+  without the static CPU manager needs): NIXL's spinning progress thread starts there, so the two
+  spin on different cores; vLLM's NIXL worker then moves both model threads to the last core
+  whatever the binding (docs/cpu.md, "Cores");
 - proxy health probes that may take 10 s: an engine's `/health` answers slowly while its cores
   spin, and a proxy that counts it unhealthy answers 503;
 - drains of 20 s, within what the local runtime waits for a pod to stop.
