@@ -137,6 +137,11 @@ def total(exposition: str, name: str) -> float:
     return sum(value for _, value in sample_values(exposition, name))
 
 
+def grew(before: str, after: str, name: str) -> float:
+    """How much `name` (summed over its samples) grew between two expositions."""
+    return total(after, name) - total(before, name)
+
+
 def test_the_cpu_pool_runs_real_vllm(pool: Pool) -> None:
     for role in ("prefill", "decode"):
         (pod,) = pods_of(pool.cluster, NAMESPACE, NAME, role)
@@ -187,15 +192,13 @@ def test_completions_and_chat_through_the_proxy_load_every_kv_from_prefill(pool:
             if not chat:
                 assert usage["prompt_tokens"] == PROMPT_TOKENS
     after = pool.metrics("decode")
-
-    def grew(name: str) -> float:
-        return total(after, name) - total(before, name)
     # Every prompt token's KV came from prefill (prompts differ: decode's own cache has none of them).
-    queries, hits = grew("vllm:external_prefix_cache_queries_total"), grew("vllm:external_prefix_cache_hits_total")
+    queries = grew(before, after, "vllm:external_prefix_cache_queries_total")
+    hits = grew(before, after, "vllm:external_prefix_cache_hits_total")
     assert hits == queries == prompt_tokens, (hits, queries, prompt_tokens)
     assert total(after, "vllm:nixl_num_failed_transfers_total") == 0
-    assert grew("vllm:nixl_bytes_transferred_sum") > 0
-    assert grew("vllm:nixl_xfer_time_seconds_count") == 4  # one pull per request
+    assert grew(before, after, "vllm:nixl_bytes_transferred_sum") > 0
+    assert grew(before, after, "vllm:nixl_xfer_time_seconds_count") == 4  # one pull per request
 
 
 @handoffs
@@ -287,3 +290,34 @@ def test_deleting_the_prefill_pod_under_a_bounded_load_loses_nothing(pool: Pool)
         now = pool.cluster.get("pod", "-n", NAMESPACE, victim["metadata"]["name"])
         return now is None or now["metadata"]["uid"] != victim["metadata"]["uid"]
     eventually(gone, timeout=60, what="the deleted prefill pod to stop after its drain")
+
+
+@handoffs
+def test_a_nixl_push_pool_hands_every_kv_over(pool: Pool) -> None:
+    """Last: the pool is replaced by the same one on NixlPushConnector (prefill writes into the blocks
+    decode registers; a running pool cannot switch connectors, so it is deleted and created again),
+    and completions through the proxy find their KV pushed. Decode registers under its own request id
+    and prefill matches it by the id's base, so both legs must carry one X-Request-Id, as the proxy's do."""
+    pool.cluster.kubectl("delete", "xpyd", NAME, "-n", NAMESPACE, "--wait=false")
+    eventually(lambda: not pool.cluster.get("pods", "-n", NAMESPACE, "-l", f"xpyd.io/serving={NAME}")["items"],
+               timeout=120, interval=2.0, what="the NixlConnector pool's pods gone")
+    manifest = tiny_pool()
+    manifest["spec"]["kvTransfer"]["connector"] = "NixlPushConnector"
+    pool.cluster.apply(yaml.safe_dump(manifest), NAMESPACE)
+    wait_ready(pool.cluster, NAMESPACE, NAME, timeout=READY_TIMEOUT_S)
+    eventually(lambda: len([p for p in pods_of(pool.cluster, NAMESPACE, NAME, "proxy") if pod_ready(p)]) == 2,
+               what="both proxies ready")
+    (decode,) = pods_of(pool.cluster, NAMESPACE, NAME, "decode")
+    assert "NixlPushConnector" in " ".join(decode["spec"]["containers"][0]["args"])
+    before = pool.metrics("decode")
+    prompt_tokens = 0
+    with forwarded(pool.kube, NAMESPACE, f"{NAME}-proxy") as url:
+        for seed in (30, 31, 32):
+            status, answer = _completion(url, seed, stream=False, chat=False)
+            assert status == 200, answer
+            assert answer["usage"]["completion_tokens"] == 8
+            prompt_tokens += answer["usage"]["prompt_tokens"]
+    after = pool.metrics("decode")
+    queries = grew(before, after, "vllm:external_prefix_cache_queries_total")
+    hits = grew(before, after, "vllm:external_prefix_cache_hits_total")
+    assert hits == queries == prompt_tokens, (hits, queries, prompt_tokens)
