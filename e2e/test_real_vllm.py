@@ -48,7 +48,8 @@ HANDOFFS_NEED = (
     "busy-wait on its message queue), vLLM's NIXL worker moves both engines' model threads to the last "
     "core, and with the local control plane beside them an engine's API server misses its health probes "
     "for up to half a minute: the proxies then count it unhealthy and answer 503, or a first hand-off "
-    "outlives its client (1 of 3 runs of this module passed; docs/cpu.md#known-issues-of-vllm-032s-cpu-build)")
+    "outlives its client (the hand-off tests passed in 2 of 4 runs of this module; "
+    "docs/cpu.md#known-issues-of-vllm-032s-cpu-build)")
 handoffs = pytest.mark.skipif(
     (os.cpu_count() or 1) < HANDOFF_CORES and os.environ.get("XPYD_REAL_VLLM_HANDOFFS") != "1",
     reason=HANDOFFS_NEED)
