@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import struct
+from collections.abc import Hashable
 from pathlib import Path
 
 import pytest
@@ -14,6 +15,7 @@ import pytest
 from tests.paths import FIXTURE_TRACES, H200_PROFILE, TRACES
 from tests.unit.test_sim_core import LinearPerf, drive, times
 from xpyd.kvcache.chains import TraceChains, repeat_share
+from xpyd.kvcache.pool import BlockKeys
 from xpyd.sim.core import EngineConfig, EngineCore, EngineRequest, EventKind
 from xpyd.sim.report import build_report, prefix_cache, summary
 from xpyd.sim.simulator import DECODE, PREFILL, SimConfig, simulate
@@ -21,10 +23,10 @@ from xpyd.traces import TraceRequest, read_trace
 
 pytestmark = pytest.mark.unit
 
-K = ["k0", "k1"]   # the keys of two full 16-token blocks
+K = BlockKeys.of(["k0", "k1"])   # the keys of two full 16-token blocks
 
 
-def prefill(core: EngineCore, name: str, prompt: int, keys: list[str]) -> EngineRequest:
+def prefill(core: EngineCore, name: str, prompt: int, keys: BlockKeys) -> EngineRequest:
     """Run one request alone to completion on an idle engine; returns it."""
     request = EngineRequest(name, prompt, 1, block_keys=keys)
     core.add(request, 0.0)
@@ -50,7 +52,7 @@ def test_a_prefill_computes_only_what_its_cache_lacks(q: float, costs_marginal: 
     core.complete(step, step.end)
     longer = prefill(core, "longer", 40, K)       # both blocks hit, the 8 tokens after them are computed
     assert longer.cached_tokens == 32
-    other = prefill(core, "other", 40, ["x0", "x1"])
+    other = prefill(core, "other", 40, BlockKeys.of(["x0", "x1"]))
     assert other.cached_tokens == 0
     metrics = core.metrics
     assert (metrics.prefix_cache_queries, metrics.prefix_cache_hits) == (32 + 32 + 40 + 40, 16 + 32)
@@ -73,7 +75,7 @@ def test_a_decode_leg_loads_only_what_its_cache_lacks() -> None:
     assert core.metrics.prompt_tokens_local_cache_hit == 32
     # Each left a block of generated tokens (40 + 10 - 1 tokens have KV: 3 full blocks, 2 of them the
     # prompt's), freed before its prompt's blocks; b's hits were a's, freed again after b's output.
-    assert core.pool is not None and core.pool.cached_free_keys() == [None, None, "k1", "k0"]
+    assert core.pool is not None and core.pool.cached_free_keys() == [None, None, ("k1", 0), ("k0", 0)]
 
 
 def test_blocks_still_transferring_are_not_hit() -> None:
@@ -89,12 +91,12 @@ def test_blocks_still_transferring_are_not_hit() -> None:
 def test_the_cache_holds_what_the_running_requests_leave() -> None:
     core = EngineCore(LinearPerf(max_kv_tokens=64), EngineConfig(block_size=16))   # 4 blocks
     prefill(core, "a", 32, K)                     # frees k1 k0 into the cache
-    b = EngineRequest("b", 40, 10, block_keys=["b0", "b1"])   # holds (40 + 10) // 16 = 3 blocks while it runs
+    b = EngineRequest("b", 40, 10, block_keys=BlockKeys.of(["b0", "b1"]))   # holds (40 + 10) // 16 = 3 blocks
     core.add(b, 0.0)
     step = core.next_step(0.0)
     assert step is not None
     core.complete(step, step.end)
-    assert core.pool is not None and core.pool.cached_free_keys() == ["k0"]    # k1, freed first, was evicted
+    assert core.pool is not None and core.pool.cached_free_keys() == [("k0", 0)]   # k1, freed first, was evicted
     drive(core)
     assert prefill(core, "c", 33, K).cached_tokens == 16
 
@@ -113,10 +115,11 @@ def mooncake() -> list[TraceRequest]:
 def never_evicting_hits(trace: list[TraceRequest], block_size: int) -> int:
     """Prompt tokens one engine that never evicts finds cached when it sees the requests in turn."""
     chains = TraceChains()
-    seen: set[int] = set()
+    seen: set[tuple[Hashable, int]] = set()
     hits = 0
     for request in trace:
-        keys = chains.block_keys(request.prefix_blocks, request.isl, block_size)
+        found_keys = chains.block_keys(request.prefix_blocks, request.isl, block_size)
+        keys = found_keys.per_block() if found_keys is not None else []
         found = 0
         while found < min(len(keys), (request.isl - 1) // block_size) and keys[found] in seen:
             found += 1

@@ -1,4 +1,4 @@
-"""The simulator's block keys: integer chain ids made from a trace's prefix blocks, for any block size.
+"""The simulator's block keys: runs of integer chain ids made from a trace's prefix blocks, for any block size.
 
 A Mooncake trace gives each request `hash_ids`, one per 512 tokens of its prompt (the last may cover
 fewer): equal ids mean an equal prefix up to that block's end. vLLM keys each full block of
@@ -9,15 +9,16 @@ block's end". The mapping:
    first block's parent being none. Equal ids along equal paths give equal chains, whether or not the
    trace's ids already encode their prefix (Mooncake's do: each id follows one parent only).
    A prompt longer than its ids cover continues in trace blocks of its own (fresh chain ids).
-2. Engine block `j` holds tokens `[j * block_size, (j + 1) * block_size)`. Its key is the pair
-   (`chain`, `offset`), where `chain` is the chain id of the trace block holding the block's last
-   token and `offset` that token's position in it: the prefix up to the block's end is that trace
-   block's chain (everything before it) and its first `offset + 1` tokens. So with a block size that
-   divides 512 each trace block splits into `512 / block_size` engine blocks keyed (chain, index); any
-   other block size works the same way across trace-block edges. The pair is one integer,
-   `chain * (512 / g) + (offset + 1) / g - 1` with `g = gcd(block_size, 512)` (every block ends one
-   token short of a multiple of `g`): consecutive blocks get consecutive keys, which a dict (finding
-   an integer by its low bits) holds without collisions.
+2. Engine block `j` holds tokens `[j * block_size, (j + 1) * block_size)`. Its key is the chain id
+   of the trace block holding the block's last token with that token's offset in it: the prefix up
+   to the block's end is that trace block's chain (everything before it) and its first `offset + 1`
+   tokens. The blocks whose last token lies in one trace block are consecutive, so a trace block is
+   one run of keys (`pool.BlockKeys`): run `chain`, its blocks numbered from 0 (the offset in another
+   form, as the trace block's place in the prompt is its chain's). With a block size that divides 512
+   each trace block is a run of `512 / block_size` blocks (32 of 16); any other block size works the
+   same way across trace-block edges (with 96, five blocks end in the first trace block, then one in
+   the second). The pool keeps a run's blocks together, so a prompt costs it per trace block, not per
+   engine block.
 3. Only full engine blocks get keys (`tokens // block_size` of them); a partial last block is never
    cached. A trace block's tokens are the same whether it is whole or the partial last block of a
    prompt (its text is a prefix of the whole block's, as `xpyd bench` writes prompts), so a partial
@@ -28,8 +29,9 @@ A trace without prefix blocks (the Azure traces) gives no keys: nothing is share
 
 from __future__ import annotations
 
-import math
-from collections.abc import Iterable, Sequence
+from collections.abc import Hashable, Iterable, Sequence
+
+from xpyd.kvcache.pool import BlockKeys
 
 TRACE_BLOCK_TOKENS = 512
 """Tokens per prefix block in Mooncake's traces (`hash_ids`)."""
@@ -67,24 +69,25 @@ class TraceChains:
             parent = chain
         return out
 
-    def block_keys(self, hash_ids: Sequence[int], tokens: int, block_size: int) -> list[int]:
+    def block_keys(self, hash_ids: Sequence[int], tokens: int, block_size: int) -> BlockKeys | None:
         """The keys of the full `block_size`-token blocks of a prompt of `tokens` tokens with these
-        prefix blocks; none without prefix blocks."""
+        prefix blocks, one run per trace block; None without prefix blocks or full blocks."""
         if block_size < 1:
             raise ValueError(f"a block has at least one token, not {block_size}")
-        if not hash_ids:
-            return []
+        blocks = tokens // block_size
+        if not hash_ids or blocks == 0:
+            return None
         size = self.trace_block_tokens
-        unit = math.gcd(block_size, size)
-        per_chain = size // unit
-        chains = self.chain_ids(hash_ids, tokens)
-        keys: list[int] = []
-        end = block_size        # one past the block's last token
-        for _ in range(tokens // block_size):
-            last = end - 1
-            keys.append(chains[last // size] * per_chain + (last % size + 1) // unit - 1)
-            end += block_size
-        return keys
+        ids: list[Hashable] = []
+        lengths: list[int] = []
+        done = 0                          # blocks whose last token is in an earlier trace block
+        for index, chain in enumerate(self.chain_ids(hash_ids, tokens)):
+            upto = min((index + 1) * size // block_size, blocks)
+            if upto > done:
+                ids.append(chain)
+                lengths.append(upto - done)
+                done = upto
+        return BlockKeys(ids, lengths)
 
 
 def repeat_share(prefix_blocks: Iterable[Sequence[int]]) -> float:

@@ -1,14 +1,13 @@
 """One engine's KV blocks with prefix caching: vLLM V1's `BlockPool` and the parts of its KV-cache
-manager that decide hits and evictions, reduced to what they decide.
+manager that decide hits and evictions, reduced to what they decide, kept in runs of blocks.
 
 Read from vLLM 0.32's `vllm/v1/core/` (`block_pool.py`, `kv_cache_utils.py`, `kv_cache_manager.py`,
 `single_type_kv_cache_manager.py`), for one full-attention KV-cache group:
 
 - A block holds `block_size` tokens. Only full blocks are cached, each under the key of its hash
-  chain (`hash_block_tokens(parent hash, the block's token ids, extra keys)`; here any hashable
-  value whose equality means "the same prefix up to this block's end": `chains` makes integers from a
-  trace, `hashing` vLLM's own hashes of real token ids). A request's keys are those of its full prompt
-  blocks, in order.
+  chain (`hash_block_tokens(parent hash, the block's token ids, extra keys)`; here any key whose
+  equality means "the same prefix up to this block's end": `chains` makes them from a trace, `hashing`
+  from real token ids). A request's keys are those of its full prompt blocks, in order.
 - Lookup (`find_longest_cache_hit`): the longest run of the request's keys that are cached, from its
   first block; a missing key ends it (the chain makes every later key miss too). vLLM caps the hit at
   `prompt - 1` tokens, so a prompt that hits entirely still recomputes its last block (the engine
@@ -29,6 +28,24 @@ The pool has `num_blocks` blocks, shared by the requests' blocks (`in_use`, each
 many requests hold it) and the cached free blocks, which are only what the requests leave: when
 requests take more, the least recently freed cached blocks are evicted.
 
+**Runs.** A request's keys come as runs (`BlockKeys`): run `r` of `n` blocks stands for the keys
+`(r, 0)`, ..., `(r, n - 1)`, and every request that has run `r` has a prefix of those keys. A
+Mooncake trace block is one run (its 512 tokens are 32 blocks of 16, `chains`); a key hashed from
+token ids is a run of one block. The pool keeps its cached blocks as `Segment`s: the blocks `(r, lo)`
+to `(r, hi - 1)` of one run that are alike in everything the rules above look at: one reference
+count; while free, next to each other in the free queue, tail first (`hi - 1` nearest its head, as a
+request frees them); and, for each of their keys, the same place among the blocks cached under it
+(a run's segments are chained in the order they were cached, and a lookup of a block takes the first
+that holds it). Each operation treats a segment's blocks alike, and first cuts a segment in two
+where its blocks are to differ: a hit that covers part of it, an eviction that takes its tail (that
+one only shortens it). Two segments become one again only where nothing could tell them apart: a
+request caching its own run chunk by chunk into the segment it cached last, the lower part of a cut
+segment freed right after the upper part. So the pool holds, counts and evicts the very blocks of
+vLLM's block-by-block pool, in the same order (`tests/kvcache_reference.py` keeps that pool block by
+block; the tests drive both with the same operations and replay the simulator through each), while a
+lookup, a hit, caching, freeing and evicting cost per segment: a Mooncake prompt of some 960 blocks
+of 16 is some 30 segments.
+
 What the pool leaves to its caller: how many blocks a request takes (`admit`'s `blocks`: vLLM
 allocates them chunk by chunk, the simulator reserves them at admission), when its blocks are full
 (`cache`), and how many of its blocks past its prompt keys hold generated tokens (`free`'s
@@ -41,36 +58,84 @@ from __future__ import annotations
 from collections.abc import Hashable, Sequence
 
 
-class Block:
-    """A cached block (vLLM's `KVCacheBlock`): its key, how many requests hold it, and its neighbours
-    in the free list while it is free (least recently freed towards `BlockPool`'s head)."""
+class BlockKeys:
+    """A request's block keys in runs: run `ids[i]` of `lengths[i]` blocks stands for the keys
+    `(ids[i], 0)` to `(ids[i], lengths[i] - 1)`, the runs in the prompt's order; `blocks` in all."""
 
-    __slots__ = ("key", "next", "prev", "refs")
+    __slots__ = ("blocks", "ids", "lengths")
 
-    def __init__(self, key: Hashable | None, refs: int) -> None:
-        self.key = key            # None: a block of generated tokens, which no lookup finds
+    def __init__(self, ids: list[Hashable], lengths: list[int]) -> None:
+        blocks = 0
+        for length in lengths:
+            if length < 1:
+                break
+            blocks += length
+        else:
+            if len(ids) == len(lengths):
+                self.ids = ids
+                self.lengths = lengths
+                self.blocks = blocks
+                return
+        raise ValueError(f"runs need one length of at least 1 each, not {lengths} for {len(ids)} runs")
+
+    @staticmethod
+    def of(keys: Sequence[Hashable]) -> BlockKeys:
+        """Keys given block by block (vLLM's hashes of token ids): a run of one block each."""
+        return BlockKeys(list(keys), [1] * len(keys))
+
+    def per_block(self) -> list[tuple[Hashable, int]]:
+        """Every block's key, `(run, index)`, in order."""
+        return [(run, index) for run, length in zip(self.ids, self.lengths, strict=True) for index in range(length)]
+
+
+class Segment:
+    """Cached blocks `(run, lo)` to `(run, hi - 1)`, alike (see the module docstring): `refs`
+    requests hold them; while free (refs 0) they are next to each other in the free list (`prev`,
+    `next`), `hi - 1` nearest its head. `later` is the next segment of the run in the order they were
+    cached. `after` is the segment cut from this one that holds the blocks from `hi` on (None when
+    there is none or they are gone), `before` the one this was cut from: the blocks a request took as
+    one segment are found again along `after`."""
+
+    __slots__ = ("after", "before", "hi", "later", "lo", "next", "prev", "refs", "run")
+
+    def __init__(self, run: Hashable | None, lo: int, hi: int, refs: int) -> None:
+        self.run = run            # None: blocks of generated tokens, which no lookup finds
+        self.lo = lo
+        self.hi = hi
         self.refs = refs
-        self.prev: Block | None = None
-        self.next: Block | None = None
+        self.prev: Segment | None = None
+        self.next: Segment | None = None
+        self.later: Segment | None = None
+        self.after: Segment | None = None
+        self.before: Segment | None = None
 
 
 class RequestBlocks:
-    """The blocks one request holds: `count` in all, the first `len(cached)` of them cached (in block
-    order: vLLM caches a request's blocks in order, so its cached blocks are its first)."""
+    """The blocks one request holds: `count` in all, its first `cached` of them cached (vLLM caches a
+    request's blocks in order), `hit` of those found cached at admission. `segments[i]` and the
+    segments after it (`Segment.after`) up to block `ends[i]` of its run are the cached ones; caching
+    goes on at block `offset` of its keys' run `run`."""
 
-    __slots__ = ("cached", "count")
+    __slots__ = ("cached", "count", "ends", "hit", "offset", "run", "segments")
 
-    def __init__(self, cached: list[Block], count: int) -> None:
-        self.cached = cached
+    def __init__(self, count: int) -> None:
         self.count = count
+        self.hit = 0
+        self.cached = 0
+        self.segments: list[Segment] = []
+        self.ends: list[int] = []
+        self.run = 0
+        self.offset = 0
 
 
 class BlockPool:
     """The KV blocks of one engine with prefix caching (see the module docstring for the rules).
 
-    Only cached blocks are objects (`Block`); uncached ones are counted. The cached free blocks form a
-    doubly linked list between a fake head and tail, as vLLM's free queue links its blocks (a hit
-    takes one out of the middle in O(1)).
+    Cached blocks are held in `Segment`s, uncached ones only counted. `_runs` finds each run's first
+    segment in the order they were cached (the others follow along `Segment.later`); the free segments
+    form a doubly linked list between a fake head and tail, as vLLM's free queue links its blocks (a
+    hit takes one out of the middle in O(1)). Segments no longer used are kept for reuse: the
+    simulator makes millions, and fewer new objects mean fewer collections of the GC.
     """
 
     def __init__(self, num_blocks: int) -> None:
@@ -80,11 +145,10 @@ class BlockPool:
         self.in_use = 0            # blocks held by requests (reference count > 0), each counted once
         self.num_cached_free = 0   # cached blocks in the free list
         self.evicted = 0           # cached blocks evicted so far
-        self._first: dict[Hashable, Block] = {}        # key -> the first block cached under it
-        self._more: dict[Hashable, list[Block]] = {}   # key -> later blocks cached under it (rare)
-        self._spare: list[Block] = []                  # evicted blocks, reused (fewer objects for the GC)
-        self._head = Block(None, 0)
-        self._tail = Block(None, 0)
+        self._runs: dict[Hashable, Segment] = {}
+        self._spare: list[Segment] = []
+        self._head = Segment(None, 0, 0, 0)
+        self._tail = Segment(None, 0, 0, 0)
         self._head.next = self._tail
         self._tail.prev = self._head
 
@@ -93,135 +157,335 @@ class BlockPool:
         """Free blocks: `num_blocks - in_use`, the cached free ones among them."""
         return self.num_blocks - self.in_use
 
-    def cached_free_keys(self) -> list[Hashable | None]:
+    @property
+    def num_segments(self) -> int:
+        """Segments cached under keys (what lookups walk)."""
+        count = 0
+        for first in self._runs.values():
+            segment: Segment | None = first
+            while segment is not None:
+                count += 1
+                segment = segment.later
+        return count
+
+    def cached_free_keys(self) -> list[tuple[Hashable, int] | None]:
         """The keys of the cached free blocks in eviction order (None for a block of generated tokens)."""
-        out: list[Hashable | None] = []
-        block = self._head.next
-        while block is not None and block is not self._tail:
-            out.append(block.key)
-            block = block.next
+        out: list[tuple[Hashable, int] | None] = []
+        segment = self._head.next
+        while segment is not None and segment is not self._tail:
+            for index in range(segment.hi - 1, segment.lo - 1, -1):
+                out.append(None if segment.run is None else (segment.run, index))
+            segment = segment.next
         return out
 
-    def refs(self, key: Hashable) -> int:
+    def refs(self, key: tuple[Hashable, int]) -> int:
         """The reference count of the block a lookup of `key` finds (0: free), -1 when none is cached."""
-        block = self._first.get(key)
-        return -1 if block is None else block.refs
+        run, index = key
+        segment, _ = _first(self._runs.get(run), index, index + 1)
+        return -1 if segment is None else segment.refs
 
-    def lookup(self, keys: Sequence[Hashable], max_hit_blocks: int) -> list[Block]:
-        """The cached blocks of the longest run of `keys` from the first, at most `max_hit_blocks`."""
-        first = self._first
-        hit: list[Block] = []
-        for index in range(min(len(keys), max_hit_blocks)):
-            block = first.get(keys[index])
-            if block is None:
-                break
-            hit.append(block)
+    def lookup(self, keys: BlockKeys | None, max_hit_blocks: int) -> int:
+        """How many of `keys` from the first are cached, at most `max_hit_blocks` (nothing changes)."""
+        hit, _ = self._scan(keys, max_hit_blocks)
         return hit
 
-    def admit(self, hit: list[Block], blocks: int) -> RequestBlocks:
-        """Give a request `blocks` blocks: first its `hit` (`lookup`'s answer, touched: they leave the
-        free list), then new ones taken from the free queue's front (evicting cached blocks once no
-        uncached one is left). Raises ValueError when they do not fit."""
-        if len(hit) > blocks:
-            raise ValueError(f"{len(hit)} hit blocks of {blocks}")
-        taken = blocks - len(hit)
-        for block in hit:
-            if block.refs == 0:
-                self._unlink(block)
-                taken += 1
-            block.refs += 1
-        if self.in_use + taken > self.num_blocks:
-            raise ValueError(f"{blocks} blocks ({len(hit)} of them hits) do not fit a pool of {self.num_blocks} "
-                             f"with {self.in_use} in use")
+    def admit(self, keys: BlockKeys | None, max_hit_blocks: int, blocks: int) -> RequestBlocks:
+        """Give a request `blocks` blocks: first its longest cached prefix of `keys` (at most
+        `max_hit_blocks`; touched: they leave the free list), then new ones taken from the free queue's
+        front (evicting cached blocks once no uncached one is left). Raises ValueError when they do
+        not fit (and then changes nothing)."""
+        held = RequestBlocks(blocks)
+        limit = min(max_hit_blocks, blocks)
+        if self.in_use + blocks > self.num_blocks:
+            hit, shared = self._scan(keys, limit)
+            if self.in_use + blocks - shared > self.num_blocks:
+                raise ValueError(f"{blocks} blocks ({hit} of them hits) do not fit a pool of {self.num_blocks} "
+                                 f"with {self.in_use} in use")
+        taken = blocks
+        if keys is not None and limit > 0:
+            runs = self._runs
+            ids, lengths = keys.ids, keys.lengths
+            hit = k = offset = 0
+            while k < len(ids) and hit < limit:
+                length = lengths[k]
+                first = runs.get(ids[k])
+                if first is None:
+                    break
+                found, touched = self._take(first, min(length, limit - hit), held)
+                hit += found
+                taken += touched
+                if found < length:
+                    offset = found
+                    break
+                k += 1
+            held.hit = held.cached = hit
+            held.run = k
+            held.offset = offset
+            taken -= hit
         self.in_use += taken
         self._evict()
-        return RequestBlocks(hit, blocks)
+        return held
 
-    def cache(self, held: RequestBlocks, keys: Sequence[Hashable], full_blocks: int) -> None:
+    def cache(self, held: RequestBlocks, keys: BlockKeys, full_blocks: int) -> None:
         """The request's first `full_blocks` blocks are full (their tokens computed or loaded): cache
-        those not cached yet under their keys (at most `len(keys)`)."""
+        those not cached yet under their keys (at most `keys.blocks`)."""
+        target = min(full_blocks, keys.blocks, held.count)
         cached = held.cached
-        first = self._first
-        for index in range(len(cached), min(full_blocks, len(keys), held.count)):
-            key = keys[index]
-            block = self._new_block(key, 1)
-            if first.setdefault(key, block) is not block:   # cached already by another request
-                self._more.setdefault(key, []).append(block)
-            cached.append(block)
+        if cached >= target:
+            return
+        ids, lengths = keys.ids, keys.lengths
+        runs = self._runs
+        segments = held.segments
+        ends = held.ends
+        k, offset = held.run, held.offset
+        while cached < target:
+            length = lengths[k]
+            hi = min(length, offset + target - cached)
+            run = ids[k]
+            last: Segment | None = runs.get(run)
+            if last is not None:
+                while last.later is not None:
+                    last = last.later
+            if offset > 0 and last is not None and segments[-1] is last and last.refs == 1 and last.hi == offset \
+                    and last.after is None:
+                # The blocks of this run it cached (or hit) last, held by it alone and cached last of
+                # the run: the new blocks join them (found after every other one either way).
+                last.hi = hi
+                ends[-1] = hi
+            else:
+                segment = self._segment(run, offset, hi, 1)
+                if last is None:
+                    runs[run] = segment
+                else:
+                    last.later = segment
+                segments.append(segment)
+                ends.append(hi)
+            cached += hi - offset
+            offset = hi
+            if offset == length:
+                k += 1
+                offset = 0
+        held.cached = cached
+        held.run = k
+        held.offset = offset
 
     def free(self, held: RequestBlocks, generated: int = 0) -> None:
         """Release a request's blocks, tail first. `generated`: its blocks after the cached ones that
         are full of generated tokens (cached under hashes nobody else has)."""
-        cached = held.cached
-        uncached = held.count - len(cached)
+        uncached = held.count - held.cached
         if not 0 <= generated <= uncached:
             raise ValueError(f"{generated} blocks of generated tokens, but {uncached} blocks are not cached")
         released = uncached
-        for _ in range(generated):            # cached, then freed at once: to the LRU end, tail first
-            self._append(self._new_block(None, 0))
-        for index in range(len(cached) - 1, -1, -1):
-            block = cached[index]
-            block.refs -= 1
-            if block.refs == 0:
-                self._append(block)
-                released += 1
+        if generated:                     # cached, then freed at once: to the LRU end, tail first
+            self._append(self._segment(None, 0, generated, 0))
+        segments, ends = held.segments, held.ends
+        for index in range(len(segments) - 1, -1, -1):
+            segment = segments[index]
+            end = ends[index]
+            if segment.hi == end:
+                released += self._release(segment)
+                continue
+            pieces = [segment]            # cut since the request took it: its pieces, tail first
+            while segment.hi != end:
+                after = segment.after
+                assert after is not None
+                segment = after
+                pieces.append(segment)
+            for piece in reversed(pieces):
+                released += self._release(piece)
         self.in_use -= released
-        held.cached = []
-        held.count = 0
+        segments.clear()
+        ends.clear()
+        held.count = held.cached = 0
         self._evict()
 
-    def _new_block(self, key: Hashable | None, refs: int) -> Block:
-        spare = self._spare
-        if not spare:
-            return Block(key, refs)
-        block = spare.pop()
-        block.key = key
-        block.refs = refs
-        return block
+    # --- internals ------------------------------------------------------------------------------
 
-    def _append(self, block: Block) -> None:
-        """Put a cached block at the free list's end (most recently freed)."""
-        tail = self._tail
-        last = tail.prev
-        assert last is not None
-        last.next = block
-        block.prev = last
-        block.next = tail
-        tail.prev = block
-        self.num_cached_free += 1
+    def _scan(self, keys: BlockKeys | None, limit: int) -> tuple[int, int]:
+        """The blocks a lookup of `keys` (at most `limit`) finds, and how many of them requests hold."""
+        hit = shared = 0
+        if keys is None:
+            return hit, shared
+        runs = self._runs
+        ids, lengths = keys.ids, keys.lengths
+        for k in range(len(ids)):
+            length = lengths[k]
+            want = min(length, limit - hit)
+            first = runs.get(ids[k])
+            if want <= 0 or first is None:
+                break
+            pos = 0
+            while pos < want:
+                segment, end = _first(first, pos, want)
+                if segment is None:
+                    break
+                if segment.refs > 0:
+                    shared += end - pos
+                pos = end
+            hit += pos
+            if pos < length:
+                break
+        return hit, shared
 
-    def _unlink(self, block: Block) -> None:
-        """Take a cached block out of the free list (touched by a hit, or evicted)."""
-        before, after = block.prev, block.next
+    def _take(self, first: Segment, want: int, held: RequestBlocks) -> tuple[int, int]:
+        """Touch the first `want` blocks of a run (its segments from `first`) as far as they are cached,
+        cutting segments where the hit begins or ends inside one; the pieces join `held`. Returns the
+        blocks found and how many of them were free (taken out of the free list)."""
+        pos = touched = 0
+        while pos < want:
+            segment, end = _first(first, pos, want)
+            if segment is None:
+                break
+            if segment.lo < pos:
+                segment = self._cut(segment, pos)
+            if end < segment.hi:
+                self._cut(segment, end)
+            if segment.refs == 0:
+                self._unlink(segment)
+                touched += end - pos
+            segment.refs += 1
+            held.segments.append(segment)
+            held.ends.append(end)
+            pos = end
+        return pos, touched
+
+    def _cut(self, segment: Segment, at: int) -> Segment:
+        """Cut `segment` at block `at`: it keeps the blocks below, and a new segment takes the rest,
+        right after it among the run's segments (and, while free, right before it in the free list: a
+        tail goes first). Returns the new one."""
+        rest = self._segment(segment.run, at, segment.hi, segment.refs)
+        rest.later = segment.later
+        segment.later = rest
+        after = segment.after
+        rest.after = after
+        if after is not None:
+            after.before = rest
+        rest.before = segment
+        segment.after = rest
+        segment.hi = at
+        if segment.refs == 0:
+            _link(rest, segment)
+        return rest
+
+    def _release(self, segment: Segment) -> int:
+        """Drop one reference; a segment nobody holds any more goes to the free list's end. Returns the
+        blocks that became free."""
+        segment.refs -= 1
+        if segment.refs > 0:
+            return 0
+        blocks = segment.hi - segment.lo
+        after = segment.after
+        if after is not None and after.refs == 0 and after.lo == segment.hi and self._tail.prev is after:
+            # The rest of what it was cut from, freed just before it: one segment again, at the end.
+            self._unlink(after)
+            segment.hi = after.hi
+            self._drop(after, joined=True)
+        self._append(segment)
+        return blocks
+
+    def _append(self, segment: Segment) -> None:
+        """Put a free segment at the free list's end (most recently freed)."""
+        _link(segment, self._tail)
+        self.num_cached_free += segment.hi - segment.lo
+
+    def _unlink(self, segment: Segment) -> None:
+        """Take a free segment out of the free list (touched by a hit, or evicted)."""
+        before, after = segment.prev, segment.next
         assert before is not None and after is not None
         before.next = after
         after.prev = before
-        block.prev = block.next = None
-        self.num_cached_free -= 1
+        segment.prev = segment.next = None
+        self.num_cached_free -= segment.hi - segment.lo
+
+    def _segment(self, run: Hashable | None, lo: int, hi: int, refs: int) -> Segment:
+        """A new segment (a spare one when there is)."""
+        spare = self._spare
+        if not spare:
+            return Segment(run, lo, hi, refs)
+        segment = spare.pop()
+        segment.run = run
+        segment.lo = lo
+        segment.hi = hi
+        segment.refs = refs
+        return segment
+
+    def _drop(self, segment: Segment, joined: bool) -> None:
+        """Forget a segment taken out of the free list that holds no blocks any more (evicted, or
+        `joined` to the one it was cut from, which then goes on where it went on) and keep it for
+        reuse: nothing points to it after this."""
+        before, after = segment.before, segment.after
+        if joined:
+            assert before is not None
+            before.after = after
+            if after is not None:
+                after.before = before
+        else:                             # evicted: the blocks between its neighbours are gone
+            if before is not None:
+                before.after = None
+            if after is not None:
+                after.before = None
+        run = segment.run
+        if run is not None:
+            first = self._runs[run]
+            if first is segment:
+                if segment.later is None:
+                    del self._runs[run]
+                else:
+                    self._runs[run] = segment.later
+            else:
+                while first.later is not segment:
+                    later = first.later
+                    assert later is not None
+                    first = later
+                first.later = segment.later
+        segment.run = None
+        segment.later = segment.after = segment.before = None
+        self._spare.append(segment)
 
     def _evict(self) -> None:
         """Forget the least recently freed cached blocks until the cached free ones fit the free blocks."""
-        room = self.num_blocks - self.in_use
-        while self.num_cached_free > room:
-            block = self._head.next
-            assert block is not None
-            self._unlink(block)
-            self.evicted += 1
-            key = block.key
-            block.key = None
-            self._spare.append(block)
-            if key is None:
-                continue                      # a block of generated tokens: no key to forget
-            found = self._first.pop(key)
-            if not self._more:
-                continue
-            more = self._more.get(key)
-            if more is None:
-                continue
-            if found is block:                # the next block cached under its key is found from now on
-                self._first[key] = more.pop(0)
-            else:
-                self._first[key] = found
-                more.remove(block)
-            if not more:
-                del self._more[key]
+        excess = self.num_cached_free - (self.num_blocks - self.in_use)
+        while excess > 0:
+            segment = self._head.next
+            assert segment is not None
+            blocks = segment.hi - segment.lo
+            if blocks > excess:           # its tail goes: the blocks freed first
+                segment.hi -= excess
+                self.num_cached_free -= excess
+                self.evicted += excess
+                after = segment.after     # no longer next to it
+                if after is not None:
+                    after.before = None
+                    segment.after = None
+                return
+            self._unlink(segment)
+            self._drop(segment, joined=False)
+            self.evicted += blocks
+            excess -= blocks
+
+
+def _link(segment: Segment, successor: Segment) -> None:
+    """Put `segment` right before `successor` in the free list."""
+    before = successor.prev
+    assert before is not None
+    before.next = segment
+    segment.prev = before
+    segment.next = successor
+    successor.prev = segment
+
+
+def _first(first: Segment | None, pos: int, want: int) -> tuple[Segment | None, int]:
+    """Of a run's segments from `first` on (in the order they were cached), the one a lookup of block
+    `pos` finds (the first that holds it; None when none does), and the block before `want` where that
+    stops being so (the segment ends, or one cached before it begins)."""
+    end = want
+    segment = first
+    while segment is not None:
+        lo = segment.lo
+        if lo <= pos:
+            if pos < segment.hi:
+                return segment, min(end, segment.hi)
+        elif lo < end:
+            end = lo
+        segment = segment.later
+    return None, want

@@ -46,11 +46,12 @@ Scheduling rules (vLLM V1's scheduler, simplified where noted):
   its `remote_kv_deadline` passed before admission (the producer's lease expired), or it has no KV
   parameters at all, the prompt is prefilled locally (counted as `local_compute`).
 - Prefix caching (`enable_prefix_caching`, on by default as in vLLM): the engine's KV is a
-  `kvcache.BlockPool` of `capacity // block_size` blocks. A request's `block_keys` key its full prompt
-  blocks. At admission it takes its longest cached prefix (at most `prompt - 1` tokens: a prompt that
-  hits entirely still recomputes its last block) and `(prompt + limit) // block_size` blocks in all
-  (its partial last block is never cached, so the pool counts only full ones); the KV rule above still
-  reserves its whole prompt and output in tokens, hits included. A prefill computes only the tokens
+  `kvcache.BlockPool` of `capacity // block_size` blocks. A request's `block_keys` (`kvcache.BlockKeys`,
+  in runs) key its full prompt blocks. At admission it takes its longest cached prefix (at most
+  `prompt - 1` tokens: a prompt that hits entirely still recomputes its last block) and
+  `(prompt + limit) // block_size` blocks in all (its partial last block is never cached, so the pool
+  counts only full ones); the KV rule above still reserves its whole prompt and output in tokens,
+  hits included. A prefill computes only the tokens
   past the hit: its first chunk is a continued chunk at the hit's offset (its marginal cost in
   context), and a step that starts a prompt, hit or not, costs at least `p(N)` of all its prompt
   tokens. A decode leg loads only the tokens past its local hit (`kv_transfer_seconds(prompt - hit)`),
@@ -67,12 +68,12 @@ import heapq
 import math
 from bisect import bisect_left
 from collections import deque
-from collections.abc import Hashable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field, fields
 from enum import Enum
 from typing import NamedTuple, Protocol
 
-from xpyd.kvcache.pool import BlockPool, RequestBlocks
+from xpyd.kvcache.pool import BlockKeys, BlockPool, RequestBlocks
 
 
 class EnginePerf(Protocol):
@@ -313,7 +314,7 @@ class EngineRequest:
     do_remote_prefill: bool = False
     remote_kv_deadline: float = math.inf
     tag: int = -1
-    block_keys: Sequence[Hashable] = ()  # keys of its full prompt blocks (prefix caching); () shares nothing
+    block_keys: BlockKeys | None = None  # keys of its full prompt blocks (prefix caching); None shares nothing
     phase: Phase = Phase.WAITING
     arrival_time: float = math.nan
     scheduled_time: float = math.nan     # first admitted
@@ -470,7 +471,7 @@ class EngineCore:
                 continue
             request.phase = Phase.READY
             request.computed_tokens = request.prompt_tokens
-            if request.block_keys:
+            if request.block_keys is not None:
                 self._cache_blocks(request, request.prompt_tokens)
             self._ready.append(request)
             events.append(Event(EventKind.KV_LOADED, request, done))
@@ -547,7 +548,7 @@ class EngineCore:
             chunk = min(request.prompt_tokens - request.computed_tokens, budget)
             offset = request.computed_tokens
             continued_seconds += perf.prefill_seconds(offset + chunk) - perf.prefill_seconds(offset)
-            if request.block_keys:
+            if request.block_keys is not None:
                 self._cache_blocks(request, offset + chunk)
             chunks.append((request, chunk))
             chunk_tokens += chunk
@@ -593,7 +594,7 @@ class EngineCore:
             else:
                 first_tokens += chunk
             started = True
-            if request.block_keys:
+            if request.block_keys is not None:
                 self._cache_blocks(request, hit + chunk)
             self._prefilling.append(request)
             chunks.append((request, chunk))
@@ -806,9 +807,9 @@ class EngineCore:
             # Its full blocks of generated tokens (the last token has no KV yet) were cached under
             # hashes of its own output: they free into the LRU order, where nothing hits them.
             generated = 0
-            if request.block_keys and request.generated_tokens > 0:
+            if request.block_keys is not None and request.generated_tokens > 0:
                 full = (request.prompt_tokens + request.generated_tokens - 1) // self.block_size
-                generated = max(0, full - len(blocks.cached))
+                generated = max(0, full - blocks.cached)
             self.pool.free(blocks, generated)
             request.blocks = None
 
@@ -818,11 +819,10 @@ class EngineCore:
         pool = self.pool
         assert pool is not None
         block_size = self.block_size
-        keys = request.block_keys
         prompt = request.prompt_tokens
-        hit = pool.lookup(keys, (prompt - 1) // block_size) if keys else []
-        request.blocks = pool.admit(hit, (prompt + request.limit) // block_size)
-        hit_tokens = len(hit) * block_size
+        blocks = pool.admit(request.block_keys, (prompt - 1) // block_size, (prompt + request.limit) // block_size)
+        request.blocks = blocks
+        hit_tokens = blocks.hit * block_size
         request.cached_tokens = hit_tokens
         metrics = self.metrics
         metrics.prefix_cache_queries += prompt
@@ -832,5 +832,6 @@ class EngineCore:
     def _cache_blocks(self, request: EngineRequest, tokens: int) -> None:
         """The request's first `tokens` prompt tokens are scheduled or loaded: cache its full blocks."""
         blocks = request.blocks
-        if blocks is not None and self.pool is not None:
-            self.pool.cache(blocks, request.block_keys, tokens // self.block_size)
+        keys = request.block_keys
+        if blocks is not None and keys is not None and self.pool is not None:
+            self.pool.cache(blocks, keys, tokens // self.block_size)

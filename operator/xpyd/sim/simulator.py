@@ -36,6 +36,7 @@ from dataclasses import dataclass, field
 
 from xpyd.autoscaler.observation import Desired, Observation, Quantiles, RoleObservation, Slo
 from xpyd.kvcache.chains import TraceChains
+from xpyd.kvcache.pool import BlockKeys
 from xpyd.sim.core import (
     ITL_BUCKETS,
     TTFT_BUCKETS,
@@ -205,7 +206,7 @@ class Simulator:
         self._e2e = [math.nan] * n
         self._prefill_of: list[_Replica | None] = [None] * n
         self._chains = TraceChains() if config.engine.enable_prefix_caching else None
-        self._keys: dict[int, list[int]] = {}   # block keys of the requests between their legs
+        self._keys: dict[int, BlockKeys] = {}   # block keys of the requests between their legs
         self._cached: dict[str, list[int]] = {PREFILL: [-1] * n, DECODE: [-1] * n}
         self._computed: dict[str, list[int]] = {PREFILL: [0] * n, DECODE: [0] * n}
         self._lease_deadline = [math.inf] * n
@@ -312,10 +313,11 @@ class Simulator:
         replica.outstanding_tokens += isl
         replica.outstanding_requests += 1
         self._prefill_of[index] = replica
-        keys: list[int] = []
+        keys: BlockKeys | None = None
         if self._chains is not None and request.prefix_blocks:
             keys = self._chains.block_keys(request.prefix_blocks, isl, self.config.engine.block_size)
-            self._keys[index] = keys
+            if keys is not None:
+                self._keys[index] = keys
         replica.core.add(EngineRequest(str(index), isl, 1, do_remote_decode=True, tag=index, block_keys=keys), now)
         self._kick(replica, now, arrived=True)
 
@@ -325,7 +327,7 @@ class Simulator:
         replica.outstanding_tokens += request.isl
         replica.core.add(EngineRequest(str(index), request.isl, request.osl, do_remote_prefill=True,
                                        remote_kv_deadline=self._lease_deadline[index], tag=index,
-                                       block_keys=self._keys.pop(index, [])), now)
+                                       block_keys=self._keys.pop(index, None)), now)
         self._kick(replica, now, arrived=True)
 
     def _route(self, role: str) -> _Replica | None:
