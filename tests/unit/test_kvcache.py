@@ -13,7 +13,7 @@ import pytest
 
 from tests.kvcache_reference import ReferencePool
 from tests.paths import TRACES
-from xpyd.kvcache.chains import TraceChains, repeat_share
+from xpyd.kvcache.chains import TraceChains, TraceKeys, repeat_share
 from xpyd.kvcache.hashing import cbor, hash_block_tokens, hash_function, none_hash, request_block_hashes
 from xpyd.kvcache.pool import BlockKeys, BlockPool, RequestBlocks
 from xpyd.traces import read_trace
@@ -264,37 +264,65 @@ def test_the_pool_keeps_the_blocks_vllms_pool_keeps_block_by_block(seed: int) ->
                     assert fast.lookup(prompt_keys, cap) == reference.lookup(prompt_keys, cap)
 
 
-def runs(chains: TraceChains, hash_ids: list[int], tokens: int, block_size: int) -> tuple[list[Hashable], list[int]]:
-    found = chains.block_keys(hash_ids, tokens, block_size)
-    assert found is not None
-    return found.ids, found.lengths
+def runs(trace: list[tuple[list[int], int]], block_size: int) -> list[tuple[list[Hashable], list[int]] | None]:
+    """Each request's runs (`TraceKeys`) of a trace of (hash ids, prompt tokens)."""
+    made = TraceKeys([ids for ids, _ in trace], [tokens for _, tokens in trace], block_size)
+    out: list[tuple[list[Hashable], list[int]] | None] = []
+    for index in range(len(trace)):
+        found = made.keys(index)
+        out.append(None if found is None else (found.ids, found.lengths))
+    return out
 
 
-@pytest.mark.parametrize(("hash_ids", "tokens", "block_size", "expected"), [
-    # 512-token trace blocks split into 32 blocks of 16: a run per trace block (chains 0 and 1).
-    ([5, 9], 600, 16, ([0, 1], [32, 5])),
+@pytest.mark.parametrize(("trace", "block_size", "expected"), [
+    # Alone, a request is one run: 600 tokens are 37 blocks of 16 (chains 0 and 1, one run from 0).
+    ([([5, 9], 600)], 16, [([0], [37])]),
+    # Two requests part after block 5 (chain 0 has two children): runs start at 0, then 1 and 2; a
+    # trace block splits into 32 blocks of 16.
+    ([([5, 9], 600), ([5, 7], 1024)], 16, [([0, 1], [32, 5]), ([0, 2], [32, 32])]),
     # A block size that does not divide 512: five blocks of 96 end in the first trace block (the last at
     # token 479), the sixth (480-575) in the second.
-    ([5, 9], 600, 96, ([0, 1], [5, 1])),
+    ([([5, 9], 600), ([5, 7], 1024)], 96, [([0, 1], [5, 1]), ([0, 2], [5, 5])]),
     # Blocks longer than trace blocks: no block ends in chain 0, so its run has no keys.
-    ([5, 9], 1024, 1024, ([1], [1])),
-    # Only full blocks: 40 tokens are two blocks of 16 and a partial one.
-    ([5], 40, 16, ([0], [2])),
+    ([([5, 9], 1024), ([5, 7], 1024)], 1024, [([1], [1]), ([2], [1])]),
+    # Only full blocks: 40 tokens are two blocks of 16 and a partial one; no hash ids, no keys.
+    ([([5], 40), ([], 600), ([5], 8)], 16, [([0], [2]), None, None]),
+    # A prompt that ends inside another's run has a prefix of it (block 5's first 224 tokens).
+    ([([5, 6], 1024), ([5], 224)], 16, [([0], [64]), ([0], [14])]),
 ])
-def test_trace_blocks_become_runs_of_engine_block_keys(hash_ids: list[int], tokens: int, block_size: int,
-                                                       expected: tuple[list[int], list[int]]) -> None:
-    assert runs(TraceChains(), hash_ids, tokens, block_size) == expected
+def test_trace_blocks_become_runs_of_engine_block_keys(trace: list[tuple[list[int], int]], block_size: int,
+                                                       expected: list[tuple[list[int], list[int]] | None]) -> None:
+    assert runs(trace, block_size) == expected
 
 
 def test_equal_keys_mean_equal_prefixes() -> None:
+    made = runs([([5, 6], 1024), ([6], 512), ([5], 1024), ([5], 1024)], 16)
+    assert made[0] == ([0, 1], [32, 32])          # block 5 is followed by 6 and by a fresh block: cut after it
+    assert made[1] == ([2], [32])                 # block 6 first is not block 6 after 5
+    assert made[2] is not None and made[3] is not None
+    assert made[2][0][0] == made[3][0][0] == 0 and made[2][0][1] != made[3][0][1]   # past its hash ids, its own
+
+
+@pytest.mark.parametrize("block_size", [16, 96, 1024])
+def test_runs_key_the_blocks_as_chains_and_offsets_do(block_size: int) -> None:
+    """A block keyed (run, number in the run) is keyed as (its last token's trace block's chain, that
+    token's offset) would key it: the same blocks share a key either way (Mooncake's first 400 requests)."""
+    trace = read_trace(TRACES / "mooncake_synthetic.jsonl")[:400]
+    made = TraceKeys([r.prefix_blocks for r in trace], [r.isl for r in trace], block_size)
     chains = TraceChains()
-    whole = runs(chains, [5, 6], 1024, 16)
-    assert runs(chains, [5], 224, 16) == ([0], [14])   # block 5's first 224 tokens, as a prompt's last block
-    assert runs(chains, [6], 512, 16) != ([1], [32])   # block 6 after 5 is not block 6 first
-    assert runs(chains, [5, 6], 1024, 16) == whole     # the same path, the same chains
-    longer = runs(chains, [5], 1024, 16)               # past its hash ids a prompt's blocks are its own
-    assert longer[0][0] == 0 and longer[0][1] not in (1, runs(chains, [5], 1024, 16)[0][1])
-    assert chains.block_keys([], 600, 16) is None and chains.block_keys([5], 8, 16) is None
+    by_chain: dict[tuple[int, int], tuple[Hashable, int]] = {}
+    by_run: dict[tuple[Hashable, int], tuple[int, int]] = {}
+    for index, request in enumerate(trace):
+        path = chains.chain_ids(request.prefix_blocks, request.isl)
+        found = made.keys(index)
+        blocks = found.per_block() if found is not None else []
+        assert len(blocks) == request.isl // block_size
+        for number, key in enumerate(blocks):
+            last = (number + 1) * block_size - 1
+            chain_key = (path[last // 512], last % 512)
+            assert by_chain.setdefault(chain_key, key) == key
+            assert by_run.setdefault(key, chain_key) == chain_key
+    assert len(by_chain) == len(by_run) > 4_000
 
 
 def test_repeat_share_counts_blocks_whose_prefix_came_earlier() -> None:

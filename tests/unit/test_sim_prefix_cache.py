@@ -14,7 +14,7 @@ import pytest
 
 from tests.paths import FIXTURE_TRACES, H200_PROFILE, TRACES
 from tests.unit.test_sim_core import LinearPerf, drive, times
-from xpyd.kvcache.chains import TraceChains, repeat_share
+from xpyd.kvcache.chains import TraceKeys, repeat_share
 from xpyd.kvcache.pool import BlockKeys
 from xpyd.sim.core import EngineConfig, EngineCore, EngineRequest, EventKind
 from xpyd.sim.report import build_report, prefix_cache, summary
@@ -114,11 +114,11 @@ def mooncake() -> list[TraceRequest]:
 
 def never_evicting_hits(trace: list[TraceRequest], block_size: int) -> int:
     """Prompt tokens one engine that never evicts finds cached when it sees the requests in turn."""
-    chains = TraceChains()
+    made = TraceKeys([r.prefix_blocks for r in trace], [r.isl for r in trace], block_size)
     seen: set[tuple[Hashable, int]] = set()
     hits = 0
-    for request in trace:
-        found_keys = chains.block_keys(request.prefix_blocks, request.isl, block_size)
+    for index, request in enumerate(trace):
+        found_keys = made.keys(index)
         keys = found_keys.per_block() if found_keys is not None else []
         found = 0
         while found < min(len(keys), (request.isl - 1) // block_size) and keys[found] in seen:

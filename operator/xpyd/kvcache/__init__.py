@@ -8,7 +8,7 @@ it, the engine emulator and the proxy's router:
   requests running; a request's keys come in runs (`BlockKeys`), which it keeps and evicts together
   where vLLM's pool treats their blocks alike.
 - `chains`: the simulator's cheap keys, runs of integer chain ids made from a trace's prefix block ids
-  (Mooncake's `hash_ids`) for the engine's block size.
+  (Mooncake's `hash_ids`) for the engine's block size (`TraceKeys`).
 - `hashing`: vLLM's own keys for real token ids (`hash_block_tokens` with `--prefix-caching-hash-algo`),
   a run of one block each (`BlockKeys.of`).
 """

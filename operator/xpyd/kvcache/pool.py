@@ -29,22 +29,23 @@ many requests hold it) and the cached free blocks, which are only what the reque
 requests take more, the least recently freed cached blocks are evicted.
 
 **Runs.** A request's keys come as runs (`BlockKeys`): run `r` of `n` blocks stands for the keys
-`(r, 0)`, ..., `(r, n - 1)`, and every request that has run `r` has a prefix of those keys. A
-Mooncake trace block is one run (its 512 tokens are 32 blocks of 16, `chains`); a key hashed from
-token ids is a run of one block. The pool keeps its cached blocks as `Segment`s: the blocks `(r, lo)`
-to `(r, hi - 1)` of one run that are alike in everything the rules above look at: one reference
-count; while free, next to each other in the free queue, tail first (`hi - 1` nearest its head, as a
-request frees them); and, for each of their keys, the same place among the blocks cached under it
-(a run's segments are chained in the order they were cached, and a lookup of a block takes the first
-that holds it). Each operation treats a segment's blocks alike, and first cuts a segment in two
-where its blocks are to differ: a hit that covers part of it, an eviction that takes its tail (that
-one only shortens it). Two segments become one again only where nothing could tell them apart: a
-request caching its own run chunk by chunk into the segment it cached last, the lower part of a cut
-segment freed right after the upper part. So the pool holds, counts and evicts the very blocks of
-vLLM's block-by-block pool, in the same order (`tests/kvcache_reference.py` keeps that pool block by
-block; the tests drive both with the same operations and replay the simulator through each), while a
-lookup, a hit, caching, freeing and evicting cost per segment: a Mooncake prompt of some 960 blocks
-of 16 is some 30 segments.
+`(r, 0)`, ..., `(r, n - 1)`, and every request that has run `r` has a prefix of those keys. In a
+Mooncake trace a run is a stretch of trace blocks no request branches inside (`chains.TraceKeys`),
+at least one trace block (its 512 tokens are 32 blocks of 16); a key hashed from token ids is a run
+of one block. The pool keeps its cached blocks as `Segment`s: the blocks `(r, lo)` to `(r, hi - 1)`
+of one run that are alike in everything the rules above look at: one reference count; while free,
+next to each other in the free queue, tail first (`hi - 1` nearest its head, as a request frees
+them); and, for each of their keys, the same place among the blocks cached under it (a run's
+segments are chained in the order they were cached, and a lookup of a block takes the first that
+holds it). Each operation treats a segment's blocks alike, and first cuts a segment in two where its
+blocks are to differ: a hit that covers part of it, an eviction that takes its tail (that one only
+shortens it). Two segments become one again only where nothing could tell them apart: a request
+caching its own run chunk by chunk into the segment it cached last, the lower part of a cut segment
+freed right after the upper part. So the pool holds, counts and evicts the very blocks of vLLM's
+block-by-block pool, in the same order (`tests/kvcache_reference.py` keeps that pool block by block;
+the tests drive both with the same operations and replay the simulator through each), while a
+lookup, a hit, caching, freeing and evicting cost per segment: a Mooncake prompt (30 trace blocks,
+some 960 blocks of 16) is 1.5 runs on average.
 
 What the pool leaves to its caller: how many blocks a request takes (`admit`'s `blocks`: vLLM
 allocates them chunk by chunk, the simulator reserves them at admission), when its blocks are full

@@ -19,7 +19,8 @@ decode admission, KV transfer, first decode step); TPOT is (e2e - TTFT) / (OSL -
 
 Prefix caching (`SimConfig.engine.enable_prefix_caching`, on by default): a request with prefix
 blocks (Mooncake's `hash_ids`) gets the keys of its full blocks at the engines' block size from
-`kvcache.chains.TraceChains` (one table per replay), and both its legs carry them: the prefill engine
+`kvcache.chains.TraceKeys` (made for the whole trace as the replay starts), and both its legs carry
+them: the prefill engine
 computes only what its cache lacks, the decode engine loads only what its own cache lacks. Requests
 without prefix blocks (the Azure traces) share nothing. Per request and role the result keeps the
 prompt tokens found cached and those computed there.
@@ -35,8 +36,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 from xpyd.autoscaler.observation import Desired, Observation, Quantiles, RoleObservation, Slo
-from xpyd.kvcache.chains import TraceChains
-from xpyd.kvcache.pool import BlockKeys
+from xpyd.kvcache.chains import TraceKeys
 from xpyd.sim.core import (
     ITL_BUCKETS,
     TTFT_BUCKETS,
@@ -205,8 +205,8 @@ class Simulator:
         self._ttft = [math.nan] * n
         self._e2e = [math.nan] * n
         self._prefill_of: list[_Replica | None] = [None] * n
-        self._chains = TraceChains() if config.engine.enable_prefix_caching else None
-        self._keys: dict[int, BlockKeys] = {}   # block keys of the requests between their legs
+        self._keys = (TraceKeys([r.prefix_blocks for r in trace], [r.isl for r in trace], config.engine.block_size)
+                      if config.engine.enable_prefix_caching and any(r.prefix_blocks for r in trace) else None)
         self._cached: dict[str, list[int]] = {PREFILL: [-1] * n, DECODE: [-1] * n}
         self._computed: dict[str, list[int]] = {PREFILL: [0] * n, DECODE: [0] * n}
         self._lease_deadline = [math.inf] * n
@@ -313,11 +313,7 @@ class Simulator:
         replica.outstanding_tokens += isl
         replica.outstanding_requests += 1
         self._prefill_of[index] = replica
-        keys: BlockKeys | None = None
-        if self._chains is not None and request.prefix_blocks:
-            keys = self._chains.block_keys(request.prefix_blocks, isl, self.config.engine.block_size)
-            if keys is not None:
-                self._keys[index] = keys
+        keys = self._keys.keys(index) if self._keys is not None else None
         replica.core.add(EngineRequest(str(index), isl, 1, do_remote_decode=True, tag=index, block_keys=keys), now)
         self._kick(replica, now, arrived=True)
 
@@ -327,7 +323,7 @@ class Simulator:
         replica.outstanding_tokens += request.isl
         replica.core.add(EngineRequest(str(index), request.isl, request.osl, do_remote_prefill=True,
                                        remote_kv_deadline=self._lease_deadline[index], tag=index,
-                                       block_keys=self._keys.pop(index, None)), now)
+                                       block_keys=self._keys.keys(index) if self._keys is not None else None), now)
         self._kick(replica, now, arrived=True)
 
     def _route(self, role: str) -> _Replica | None:
