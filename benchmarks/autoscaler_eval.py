@@ -148,7 +148,7 @@ def run_one(workload: Workload, policy: str, startup_s: float, start: str, initi
 
 
 ORACLE_SOURCES = ("xpyd/sim/oracle.py", "xpyd/sim/simulator.py", "xpyd/sim/core.py", "xpyd/perf/model.py",
-                  "xpyd/traces.py")
+                  "xpyd/traces.py", "xpyd/kvcache/pool.py", "xpyd/kvcache/chains.py")
 
 
 def oracle_key(workload: Workload) -> str:

@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import replace
+from typing import Any
 
 import pytest
 
@@ -24,7 +26,7 @@ from xpyd.sim.policies import (
 )
 from xpyd.sim.policy import PolicyContext
 from xpyd.sim.report import build_report
-from xpyd.sim.simulator import SimConfig, simulate
+from xpyd.sim.simulator import SimConfig, SimResult, simulate
 from xpyd.traces import TraceRequest, read_trace, scale_prompts, scale_rate, surge
 
 pytestmark = pytest.mark.unit
@@ -276,6 +278,23 @@ def test_the_oracle_meets_the_target_on_every_kind_of_workload(name: str) -> Non
     report = build_report(schedule.result)
     assert report["attainment"] >= 0.95
     assert max(w.prefill + w.decode for w in schedule.windows) >= 3   # a pool to size, not one pair
+
+
+def test_the_oracles_search_replays_the_prefix_blocks_its_verifying_replay_caches(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    import xpyd.sim.oracle as oracle
+
+    trace, slo = fixture_workloads()["mooncake"]
+    replayed: list[Sequence[TraceRequest]] = []
+
+    def recording(requests: Sequence[TraceRequest], *args: Any, **kwargs: Any) -> SimResult:
+        replayed.append(requests)
+        return simulate(requests, *args, **kwargs)
+
+    monkeypatch.setattr(oracle, "simulate", recording)
+    oracle_schedule(trace, PERF, slo)
+    searched = [requests for requests in replayed if requests is not trace]
+    assert searched and all(r.prefix_blocks for requests in searched for r in requests)
 
 
 def test_the_oracle_refuses_what_it_cannot_search() -> None:

@@ -5,9 +5,12 @@ The trace is cut into windows (60 s). Window by window it finds the fewest prefi
 replicas with which the simulator shows `attainment` of the window's requests meeting both SLOs:
 each candidate is tried by replaying the previous window's arrivals at the sizes already chosen for
 it (so the queue the window inherits is carried over), then the window's arrivals at the candidate's
-sizes until the last of them finishes. Prefill is searched first with decode roomy, then decode with
-that prefill (prefill grows by one when no decode reaches the goal). The sizes are the simulator's
-answer, not the autoscaler's model's: the model only gives the search its first guess.
+sizes until the last of them finishes. The requests keep their prefix blocks, so the candidates'
+engines hit their prefix caches as the verifying replay's do, but from empty caches warmed only by
+the previous window's arrivals (the verifying replay's hold what all earlier windows left).
+Prefill is searched first with decode roomy, then decode with that prefill (prefill grows by one
+when no decode reaches the goal). The sizes are the simulator's answer, not the autoscaler's
+model's: the model only gives the search its first guess.
 
 Then the whole schedule is replayed (sizes change at window boundaries, start-up ignored, drained
 replicas count until they are idle): a window that misses its goal in the replay gets one more
@@ -222,7 +225,7 @@ class _WindowSearch:
         """The fewest prefill, then decode, meeting `goal` for requests [first, stop) (arrivals from `warm`
         replayed at `previous`)."""
         origin = self.trace[warm].arrival_s if warm < first else start_s
-        replay = [TraceRequest(r.arrival_s - origin, r.isl, r.osl) for r in self.trace[warm:stop]]
+        replay = [TraceRequest(r.arrival_s - origin, r.isl, r.osl, r.prefix_blocks) for r in self.trace[warm:stop]]
         inside = range(first - warm, stop - warm)
         switch_s = start_s - origin
         cache: dict[tuple[int, int], tuple[float, float]] = {}
