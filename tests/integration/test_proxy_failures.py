@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import json
 import signal
+import socket
 import subprocess
 import sys
 from collections import Counter
@@ -130,6 +131,27 @@ async def test_a_decode_retry_reuses_the_kv_when_the_failed_decode_never_got_the
             sent += 1
         assert r.proxy.metrics.retries.value("decode") == 1
         assert r.prefill[0].started == sent             # NIXL pull: one prefill per request
+
+
+async def test_a_decode_that_never_accepts_the_connection_is_retried_with_the_same_kv() -> None:
+    """A connect timeout (a listener whose backlog is full) is a TimeoutError in aiohttp, but nothing
+    reached decode: the retry reuses prefill's answer, as for a refused connection."""
+    with socket.socket() as listener:
+        listener.bind((HOST, 0))
+        listener.listen(0)
+        with socket.create_connection(listener.getsockname()):  # fills the backlog: later connects hang
+            async with rig(prefill=1, decode=1, routing_policy=RoutingPolicy.ROUND_ROBIN, health_interval=60.0) as r:
+                stuck = f"http://{HOST}:{listener.getsockname()[1]}"
+                r.proxy.set_endpoints("decode", static_endpoints([r.decode[0].url, stuck]))
+                instance = r.proxy.pools["decode"].instances[stuck]
+                await eventually(lambda: instance.healthy is False, what="the first probe of the stuck instance")
+                instance.healthy = True
+                sent = 0
+                while r.proxy.metrics.retries.value("decode") == 0 and sent < 10:
+                    assert (await r.post("/v1/completions", COMPLETION))[0] == 200
+                    sent += 1
+                assert r.proxy.metrics.retries.value("decode") == 1
+                assert r.prefill[0].started == sent
 
 
 @pytest.mark.parametrize("stream", [False, True])

@@ -299,6 +299,8 @@ class Legs:
                     data = await response.read()
                     status = response.status
                     content_type = response.content_type
+            except aiohttp.ConnectionTimeoutError:  # a TimeoutError too: the connect timeout, not the leg's
+                raise PrefillFailed(f"no connection within {self.config.connect_timeout} s") from None
             except TimeoutError:
                 raise PrefillFailed(f"no answer within {self.config.prefill_timeout} s") from None
             except (aiohttp.ClientError, OSError) as error:
@@ -369,6 +371,8 @@ class Legs:
             response = None
             result = ""
             return opened
+        except aiohttp.ConnectionTimeoutError:  # a TimeoutError too, but never delivered, as below
+            raise DecodeFailed(f"no connection within {self.config.connect_timeout} s", reusable) from None
         except TimeoutError:
             raise DecodeFailed("no first byte in time", handoff=True) from None
         except aiohttp.ClientConnectorError as error:  # never delivered: the KV is still on prefill
