@@ -117,20 +117,25 @@ async def test_a_decode_failing_before_its_first_byte_is_retried_once_elsewhere(
         assert r.prefill[0].started == 20 + retries
 
 
-async def test_a_decode_retry_reuses_the_kv_when_the_failed_decode_never_got_the_request() -> None:
+async def decode_retries_reuse_the_kv(unreachable: str) -> None:
+    """Beside a working decode, a decode at `unreachable` that the first probe finds down but that is
+    taken as healthy (as if it died just after a good probe): the one decode retry it causes reuses
+    prefill's answer (NIXL pull: one prefill per request)."""
     async with rig(prefill=1, decode=1, routing_policy=RoutingPolicy.ROUND_ROBIN, health_interval=60.0) as r:
-        dead_port = free_port()
-        dead = f"http://{HOST}:{dead_port}"
-        r.proxy.set_endpoints("decode", static_endpoints([r.decode[0].url, dead]))
-        instance = r.proxy.pools["decode"].instances[dead]
-        await eventually(lambda: instance.healthy is False, what="the first probe of the dead instance")
-        instance.healthy = True                         # as if it had died just after a good probe
+        r.proxy.set_endpoints("decode", static_endpoints([r.decode[0].url, unreachable]))
+        instance = r.proxy.pools["decode"].instances[unreachable]
+        await eventually(lambda: instance.healthy is False, what="the first probe of the unreachable instance")
+        instance.healthy = True
         sent = 0
         while r.proxy.metrics.retries.value("decode") == 0 and sent < 10:
             assert (await r.post("/v1/completions", COMPLETION))[0] == 200
             sent += 1
         assert r.proxy.metrics.retries.value("decode") == 1
-        assert r.prefill[0].started == sent             # NIXL pull: one prefill per request
+        assert r.prefill[0].started == sent
+
+
+async def test_a_decode_retry_reuses_the_kv_when_the_failed_decode_never_got_the_request() -> None:
+    await decode_retries_reuse_the_kv(f"http://{HOST}:{free_port()}")  # nothing listens: refused
 
 
 async def test_a_decode_that_never_accepts_the_connection_is_retried_with_the_same_kv() -> None:
@@ -140,18 +145,7 @@ async def test_a_decode_that_never_accepts_the_connection_is_retried_with_the_sa
         listener.bind((HOST, 0))
         listener.listen(0)
         with socket.create_connection(listener.getsockname()):  # fills the backlog: later connects hang
-            async with rig(prefill=1, decode=1, routing_policy=RoutingPolicy.ROUND_ROBIN, health_interval=60.0) as r:
-                stuck = f"http://{HOST}:{listener.getsockname()[1]}"
-                r.proxy.set_endpoints("decode", static_endpoints([r.decode[0].url, stuck]))
-                instance = r.proxy.pools["decode"].instances[stuck]
-                await eventually(lambda: instance.healthy is False, what="the first probe of the stuck instance")
-                instance.healthy = True
-                sent = 0
-                while r.proxy.metrics.retries.value("decode") == 0 and sent < 10:
-                    assert (await r.post("/v1/completions", COMPLETION))[0] == 200
-                    sent += 1
-                assert r.proxy.metrics.retries.value("decode") == 1
-                assert r.prefill[0].started == sent
+            await decode_retries_reuse_the_kv(f"http://{HOST}:{listener.getsockname()[1]}")
 
 
 @pytest.mark.parametrize("stream", [False, True])
