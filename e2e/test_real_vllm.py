@@ -60,8 +60,12 @@ PROMPT_TOKENS = 300
 READY_TIMEOUT_S = 420.0
 
 
-def pool_manifest() -> str:
-    return yaml.safe_dump(tiny_pool())
+def serve(cluster: Cluster, manifest: dict[str, Any]) -> None:
+    """Apply the pool `manifest` and wait until every replica and both proxies are ready."""
+    cluster.apply(yaml.safe_dump(manifest), NAMESPACE)
+    wait_ready(cluster, NAMESPACE, NAME, timeout=READY_TIMEOUT_S)
+    eventually(lambda: len([p for p in pods_of(cluster, NAMESPACE, NAME, "proxy") if pod_ready(p)]) == 2,
+               what="both proxies ready")
 
 
 def model_volume(vllm: VllmCpu) -> str:
@@ -116,11 +120,8 @@ def pool(operator: Cluster) -> Iterator[Pool]:
     started = time.monotonic()
     try:
         operator.apply(model_volume(vllm), NAMESPACE)
-        operator.apply(pool_manifest(), NAMESPACE)
-        wait_ready(operator, NAMESPACE, NAME, timeout=READY_TIMEOUT_S)
+        serve(operator, tiny_pool())
         ready_s = time.monotonic() - started
-        eventually(lambda: len([p for p in pods_of(operator, NAMESPACE, NAME, "proxy") if pod_ready(p)]) == 2,
-                   what="both proxies ready")
         print(f"\nreal vLLM pool ready in {ready_s:.0f} s")
         yield Pool(operator, Kube.from_kubeconfig(Path(operator.state.kubeconfig)), vllm, ready_s)
     finally:
@@ -304,10 +305,7 @@ def test_a_nixl_push_pool_hands_every_kv_over(pool: Pool) -> None:
                timeout=120, interval=2.0, what="the NixlConnector pool's pods gone")
     manifest = tiny_pool()
     manifest["spec"]["kvTransfer"]["connector"] = "NixlPushConnector"
-    pool.cluster.apply(yaml.safe_dump(manifest), NAMESPACE)
-    wait_ready(pool.cluster, NAMESPACE, NAME, timeout=READY_TIMEOUT_S)
-    eventually(lambda: len([p for p in pods_of(pool.cluster, NAMESPACE, NAME, "proxy") if pod_ready(p)]) == 2,
-               what="both proxies ready")
+    serve(pool.cluster, manifest)
     (decode,) = pods_of(pool.cluster, NAMESPACE, NAME, "decode")
     assert "NixlPushConnector" in " ".join(decode["spec"]["containers"][0]["args"])
     before = pool.metrics("decode")

@@ -286,7 +286,7 @@ def ports(spec: DisaggregatedServingSpec, role: Role, node: NodeRole | None = No
 
 def resources(spec: DisaggregatedServingSpec, role: Role) -> JSON:
     """GPU (and RDMA) requests equal to limits, as extended resources require. A CPU pool requests no
-    GPU, and its CPU limit equals its request (see `exclusive_cores`)."""
+    GPU, and its CPU limit equals its request where it asks for cores of its own (`exclusive_cores`)."""
     role_spec: RoleSpec = getattr(spec, role)
     limits: dict[str, Any] = {} if spec.on_cpu else {role_spec.gpu.resource_name: role_spec.gpus}
     if spec.kv_transfer.rdma:
