@@ -38,7 +38,8 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-MODULES = ("xpyd.sim.core", "xpyd.sim.simulator", "xpyd.perf.model", "xpyd.kvcache.pool", "xpyd.kvcache.chains")
+MODULES = ("xpyd.sim.core", "xpyd.sim.simulator", "xpyd.perf.model", "xpyd.kvcache.pool", "xpyd.kvcache.chains",
+           "xpyd.kvcache.index")
 """Compiled together (one mypyc group): calls between them stay native."""
 
 IMPORTED = ("xpyd.autoscaler.observation", "xpyd.perf.shapes", "xpyd.sim.policy", "xpyd.traces")

@@ -379,15 +379,17 @@ class Step(NamedTuple):
 class EngineCore:
     """The continuous-batching model of one vLLM engine (see the module docstring for the rules)."""
 
-    def __init__(self, perf: EnginePerf, config: EngineConfig | None = None, *, all_metrics: bool = True) -> None:
+    def __init__(self, perf: EnginePerf, config: EngineConfig | None = None, *, all_metrics: bool = True,
+                 pool: BlockPool | None = None) -> None:
         """`all_metrics=False` observes only what an autoscaler reads (TTFT, ITL, queue time, prompt
         and generation tokens per request, and the counters), leaving the other histograms empty: the
-        cluster simulator's choice, as it observes nothing else."""
+        cluster simulator's choice, as it observes nothing else. `pool`: a block pool this engine
+        shares with others (the routing ceiling: one cache across engines), instead of its own."""
         self.perf = perf
         self.config = config or EngineConfig()
         self.capacity = self.config.max_kv_tokens or perf.max_kv_tokens
         self.block_size = self.config.block_size
-        self.pool: BlockPool | None = (BlockPool(max(1, self.capacity // self.block_size))
+        self.pool: BlockPool | None = (pool if pool is not None else BlockPool(max(1, self.capacity // self.block_size))
                                        if self.config.enable_prefix_caching else None)
         self.metrics = EngineMetrics(max_model_len=self.config.max_model_len)
         self._all_metrics = all_metrics

@@ -1,10 +1,24 @@
 """Discrete-event replay of a request trace through a simulated P/D cluster (`xpyd sim`).
 
 The cluster: prefill and decode replicas, each an `EngineCore`; a proxy that routes each request's
-prefill leg (`max_tokens=1`, `do_remote_decode`) to the prefill replica with the fewest outstanding
-prompt tokens and, when it returns, the decode leg (`do_remote_prefill`, the KV lease as deadline)
-to the decode replica with the fewest outstanding requests, ties broken by a seeded RNG (NIXL pull).
-The decode engine waits out the KV transfer, then tells the proxy, which frees the producer's KV.
+prefill leg (`max_tokens=1`, `do_remote_decode`) to a prefill replica and, when it returns, the
+decode leg (`do_remote_prefill`, the KV lease as deadline) to a decode replica (NIXL pull). The
+decode engine waits out the KV transfer, then tells the proxy, which frees the producer's KV.
+
+Routing (`SimConfig.routing`, the proxy's `routingPolicy`), ties broken by a seeded RNG:
+- LeastLoaded (the default): the prefill replica with the fewest outstanding prompt tokens, the
+  decode replica with the fewest outstanding requests. PowerOfTwo: the less loaded of two drawn at
+  random. RoundRobin: the replicas in turn, in the order they became ready.
+- KVAware: prefill to the least `expected compute + kv_weight x (prompt tokens not cached there)`,
+  where a replica's expected compute is the prompt tokens it was sent less those expected cached
+  when they were sent; decode to the least `outstanding requests - decode_credit x (share of the
+  prompt held there)` (held blocks are not transferred). What a replica holds comes from its `index`:
+  `Events`, the engine's own cache as its KV events would tell the proxy, without their delivery
+  lag; `Routed`, a `kvcache.PrefixIndex` of what was sent there, forgotten `ttl_s` after the last
+  request that carried it, capped at the engine's KV blocks.
+- `shared_cache`: the routing ceiling. The prefill engines share one block pool of their total size
+  (`config.prefill` engines' blocks; replicas started later share it without growing it), so a
+  prefix cached anywhere hits everywhere: what no router over separate caches can beat.
 
 Time is simulated: an event heap of step ends, engine timers, replica start-ups and policy ticks,
 merged with the trace's open-loop arrivals; nothing sleeps. Every `interval_s` the policy sees an
@@ -37,6 +51,8 @@ from dataclasses import dataclass, field
 
 from xpyd.autoscaler.observation import Desired, Observation, Quantiles, RoleObservation, Slo
 from xpyd.kvcache.chains import TraceKeys
+from xpyd.kvcache.index import PrefixIndex
+from xpyd.kvcache.pool import BlockKeys, BlockPool
 from xpyd.sim.core import (
     ITL_BUCKETS,
     TTFT_BUCKETS,
@@ -55,6 +71,33 @@ PREFILL = "prefill"
 DECODE = "decode"
 ROLES = (PREFILL, DECODE)
 
+# The proxy's routing policies (`spec.proxy.routingPolicy`; the API's names) and, for KVAware, where
+# its view of the engines' caches comes from (`spec.proxy.kvAware.index`).
+LEAST_LOADED, POWER_OF_TWO, ROUND_ROBIN, KV_AWARE = "LeastLoaded", "PowerOfTwo", "RoundRobin", "KVAware"
+ROUTING_POLICIES = (LEAST_LOADED, POWER_OF_TWO, ROUND_ROBIN, KV_AWARE)
+EVENTS, ROUTED = "Events", "Routed"
+KV_INDEXES = (EVENTS, ROUTED)
+
+
+@dataclass(frozen=True)
+class Routing:
+    """How the simulated proxy picks instances (see the module docstring)."""
+
+    policy: str = LEAST_LOADED
+    index: str = EVENTS              # KVAware: the engines' caches (Events) or what was routed where (Routed)
+    kv_weight: float = 1.0           # KVAware prefill: load + kv_weight x prompt tokens not cached there
+    decode_credit: float = 1.0       # KVAware decode: outstanding requests - credit x share of the prompt held
+    ttl_s: float = 600.0             # Routed: a run is forgotten this long after the last request with it
+    shared_cache: bool = False       # the ceiling: the prefill engines share one cache of their total size
+
+    def __post_init__(self) -> None:
+        if self.policy not in ROUTING_POLICIES:
+            raise ValueError(f"routing policy {self.policy!r}: not one of {', '.join(ROUTING_POLICIES)}")
+        if self.index not in KV_INDEXES:
+            raise ValueError(f"KV index {self.index!r}: not one of {', '.join(KV_INDEXES)}")
+        if not (self.kv_weight >= 0 and self.decode_credit >= 0 and self.ttl_s > 0):
+            raise ValueError("kv_weight and decode_credit must not be negative, ttl_s must be positive")
+
 
 @dataclass(frozen=True)
 class SimConfig:
@@ -70,6 +113,7 @@ class SimConfig:
     engine: EngineConfig = field(default_factory=EngineConfig)
     gpus_per_replica: int = 1
     max_decode_steps: int = 1 << 30   # fused decode passes per step (1: pass by pass; same results, slower)
+    routing: Routing = field(default_factory=Routing)
 
     def __post_init__(self) -> None:
         if self.prefill < 1 or self.decode < 1:
@@ -155,8 +199,8 @@ _WINDOW_COUNTERS = ("prompt_tokens_total", "generation_tokens_total", "request_s
 
 
 class _Replica:
-    __slots__ = ("core", "created_s", "draining", "name", "outstanding_requests", "outstanding_tokens",
-                 "ready", "role", "step_end", "step_token", "stopped_s", "timer_s")
+    __slots__ = ("core", "created_s", "draining", "index", "name", "outstanding_computed", "outstanding_requests",
+                 "outstanding_tokens", "ready", "role", "step_end", "step_token", "stopped_s", "timer_s")
 
     def __init__(self, name: str, role: str, core: EngineCore, created_s: float, ready: bool) -> None:
         self.name = name
@@ -171,6 +215,8 @@ class _Replica:
         self.timer_s = math.inf
         self.outstanding_requests = 0
         self.outstanding_tokens = 0
+        self.outstanding_computed = 0    # prompt tokens KVAware expects it to compute (not found cached)
+        self.index: PrefixIndex | None = None   # KVAware with the Routed index: what was routed there
 
 
 @dataclass
@@ -205,6 +251,8 @@ class Simulator:
         self._ttft = [math.nan] * n
         self._e2e = [math.nan] * n
         self._prefill_of: list[_Replica | None] = [None] * n
+        self._expected = [0] * n     # prompt tokens the prefill instance was expected to compute (routing)
+        self._turns = {PREFILL: 0, DECODE: 0}
         self._keys = (TraceKeys([r.prefix_blocks for r in trace], [r.isl for r in trace], config.engine.block_size)
                       if config.engine.enable_prefix_caching and any(r.prefix_blocks for r in trace) else None)
         self._cached: dict[str, list[int]] = {PREFILL: [-1] * n, DECODE: [-1] * n}
@@ -223,6 +271,9 @@ class Simulator:
         self._history: deque[tuple[float, int, dict[str, _RoleMetrics], BucketHistogram, BucketHistogram]] = deque()
         probe = EngineCore(perf, config.engine)
         self._capacity = probe.capacity
+        routing = config.routing
+        self._shared_pool = (BlockPool(config.prefill * probe.pool.num_blocks)
+                             if routing.shared_cache and probe.pool is not None else None)
 
     def engines(self, role: str) -> list[EngineCore]:
         """Every engine the role has had (started, draining or stopped), oldest first. Their metrics
@@ -301,7 +352,7 @@ class Simulator:
             self._rejected += 1
             self._done += 1
             return
-        replica = self._route(PREFILL)
+        replica = self._route(PREFILL, index, now)
         if replica is None:
             self._proxy_queue[PREFILL].append(index)
         else:
@@ -312,6 +363,7 @@ class Simulator:
         isl = request.isl
         replica.outstanding_tokens += isl
         replica.outstanding_requests += 1
+        replica.outstanding_computed += self._expected[index]
         self._prefill_of[index] = replica
         keys = self._keys.keys(index) if self._keys is not None else None
         replica.core.add(EngineRequest(str(index), isl, 1, do_remote_decode=True, tag=index, block_keys=keys), now)
@@ -326,20 +378,74 @@ class Simulator:
                                        block_keys=self._keys.keys(index) if self._keys is not None else None), now)
         self._kick(replica, now, arrived=True)
 
-    def _route(self, role: str) -> _Replica | None:
-        """Least outstanding work (prompt tokens for prefill, requests for decode); seeded random ties."""
-        best: _Replica | None = None
+    def _route(self, role: str, index: int, now: float) -> _Replica | None:
+        """The instance of `role` for request `index`'s leg, as `config.routing` picks it, or None when
+        the role has none ready. Sets the prompt tokens the prefill instance is expected to compute."""
+        candidates = self._routable[role]
+        if not candidates:
+            return None
+        routing = self.config.routing
+        policy = routing.policy
+        keys = self._keys.keys(index) if self._keys is not None else None
+        if role == PREFILL:
+            self._expected[index] = self.trace[index].isl
+        if policy == KV_AWARE:
+            best = self._route_kv(role, index, candidates, keys, now) if len(candidates) > 1 else candidates[0]
+            if best.index is not None and keys is not None:
+                best.index.record(keys, now)
+            return best
+        if policy == ROUND_ROBIN:
+            turn = self._turns[role]
+            self._turns[role] = turn + 1
+            return candidates[turn % len(candidates)]
+        by_tokens = role == PREFILL
+        if policy == POWER_OF_TWO and len(candidates) > 2:
+            candidates = self._rng.sample(candidates, 2)
+        chosen: _Replica | None = None
         best_load = 0
         ties = 0
-        by_tokens = role == PREFILL
-        for replica in self._routable[role]:
+        for replica in candidates:
             load = replica.outstanding_tokens if by_tokens else replica.outstanding_requests
-            if best is None or load < best_load:
-                best, best_load, ties = replica, load, 1
+            if chosen is None or load < best_load:
+                chosen, best_load, ties = replica, load, 1
             elif load == best_load:
                 ties += 1
                 if self._rng.random() * ties < 1.0:   # reservoir sampling: uniform among the ties
-                    best = replica
+                    chosen = replica
+        return chosen
+
+    def _route_kv(self, role: str, index: int, candidates: list[_Replica], keys: BlockKeys | None,
+                  now: float) -> _Replica:
+        """KVAware: prefill to the least expected compute after this prompt (tokens it has to compute
+        plus `kv_weight` times this prompt's tokens not cached there), decode to the fewest outstanding
+        requests less `decode_credit` times the share of the prompt it holds; seeded random ties."""
+        routing = self.config.routing
+        isl = self.trace[index].isl
+        block_size = self.config.engine.block_size
+        limit = (isl - 1) // block_size
+        best = candidates[0]
+        best_cost = 0.0
+        best_hit = 0
+        ties = 0
+        for replica in candidates:
+            hit = 0
+            if keys is not None:
+                if replica.index is not None:
+                    hit = replica.index.match(keys, now, limit) * block_size
+                elif replica.core.pool is not None:
+                    hit = replica.core.pool.lookup(keys, limit) * block_size
+            if role == PREFILL:
+                cost = replica.outstanding_computed + routing.kv_weight * (isl - hit)
+            else:
+                cost = replica.outstanding_requests - routing.decode_credit * hit / isl
+            if ties == 0 or cost < best_cost:
+                best, best_cost, best_hit, ties = replica, cost, hit, 1
+            elif cost == best_cost:
+                ties += 1
+                if self._rng.random() * ties < 1.0:
+                    best, best_hit = replica, hit
+        if role == PREFILL:
+            self._expected[index] = isl - best_hit
         return best
 
     def _handle(self, replica: _Replica, events: list[Event]) -> None:
@@ -351,10 +457,11 @@ class Simulator:
                     isl = trace[index].isl
                     replica.outstanding_tokens -= isl
                     replica.outstanding_requests -= 1
+                    replica.outstanding_computed -= self._expected[index]
                     self._cached[PREFILL][index] = engine_request.cached_tokens
                     self._computed[PREFILL][index] = isl - engine_request.cached_tokens
                     self._lease_deadline[index] = engine_request.lease_expiry
-                    target = self._route(DECODE)
+                    target = self._route(DECODE, index, time)
                     if target is None:
                         self._proxy_queue[DECODE].append(index)
                     else:
@@ -437,8 +544,12 @@ class Simulator:
 
     def _start_replica(self, role: str, now: float, ready: bool) -> None:
         replicas = self._replicas[role]
-        core = EngineCore(self.perf, self.config.engine, all_metrics=False)   # observe() reads no more
+        shared = self._shared_pool if role == PREFILL else None
+        core = EngineCore(self.perf, self.config.engine, all_metrics=False, pool=shared)   # observe() reads no more
         replica = _Replica(f"{role}-{len(replicas)}", role, core, now, ready)
+        routing = self.config.routing
+        if routing.policy == KV_AWARE and routing.index == ROUTED and core.pool is not None:
+            replica.index = PrefixIndex(core.pool.num_blocks, routing.ttl_s)
         replicas.append(replica)
         if ready:
             self._routable[role].append(replica)
@@ -455,7 +566,7 @@ class Simulator:
         queue = self._proxy_queue[replica.role]
         while queue:
             index = queue.popleft()
-            target = self._route(replica.role)
+            target = self._route(replica.role, index, now)
             assert target is not None
             if replica.role == PREFILL:
                 self._send_prefill(index, target, now)
