@@ -65,6 +65,38 @@ SHUTDOWN_TIMEOUT_ADDED: Final[VersionTuple] = (0, 18)
 #: (docs/cpu.md); vLLM issue #58033, fix proposed in PR #58036, in no release checked.
 NIXL_CPU_KV_CORE_RESERVED: Final[VersionTuple] = (0, 18)
 
+# --- the prefix cache and its KV events (vllm/config/cache.py, vllm/config/kv_events.py,
+# vllm/distributed/kv_events.py, vllm/v1/core/block_pool.py and kv_cache_utils.py of each wheel checked) ---
+
+#: `--prefix-caching-hash-algo` values, the default first: the same in every release checked (0.13-0.33).
+PREFIX_CACHING_HASH_ALGOS: Final = ("sha256", "sha256_cbor", "xxhash", "xxhash_cbor")
+#: `--enable-prefix-caching` is on by default for models that support it (every decoder-only LLM) in
+#: every release checked; `--no-enable-prefix-caching` turns it off.
+PREFIX_CACHING_DEFAULT: Final = True
+#: `--block-size` when none is given: `CacheConfig.DEFAULT_BLOCK_SIZE` (16; the CUDA platform's fixed 16
+#: before 0.18) unless the attention backend prefers another; the CPU platform sets 128 in every release.
+DEFAULT_BLOCK_SIZE_GPU: Final = 16
+DEFAULT_BLOCK_SIZE_CPU: Final = 128
+#: Up to 0.16 `--block-size` is one of these (`BlockSize` Literal); from 0.18 any positive integer.
+BLOCK_SIZES_BEFORE_0_18: Final = (1, 8, 16, 32, 64, 128, 256)
+ANY_BLOCK_SIZE_ADDED: Final[VersionTuple] = (0, 18)
+#: The first block's parent hash (`NONE_HASH`): from 0.32 `hash_fn(PYTHONHASHSEED or "vllm-none-hash")`
+#: for sha256 and sha256_cbor (engines with the same settings hash alike), a random seed for the xxhash
+#: algorithms unless PYTHONHASHSEED is set. Before (0.13-0.24 checked) it is 32 random bytes per process
+#: whatever the algorithm, unless PYTHONHASHSEED is set: no two engines share block hashes then.
+FIXED_NONE_HASH_ADDED: Final[VersionTuple] = (0, 32)
+#: KV events (`--kv-events-config`, publisher "zmq"): `BlockStored`, `BlockRemoved` and
+#: `AllBlocksCleared` are msgspec arrays (`array_like`, the tag first) up to 0.23 and tagged maps
+#: (`{"type": "BlockStored", ...}`) from 0.24; the `EventBatch` around them stays an array. The fields
+#: each release adds, and the rest of the wire, are in `xpyd.kvcache.events`.
+KV_EVENTS_TAGGED_MAPS: Final[VersionTuple] = (0, 24)
+#: The replay socket's answers carry the publisher's topic frame from 0.32 on (before: only the
+#: sequence number and the payload).
+KV_EVENTS_REPLAY_TOPIC_ADDED: Final[VersionTuple] = (0, 32)
+#: Block hashes are published as the low 64 bits of the hash, big-endian, as an integer unless
+#: VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES=0 (then the hash's bytes): the default in every release checked.
+KV_EVENTS_INT_BLOCK_HASHES_DEFAULT: Final = True
+
 #: CEL regex for "vLLM version <= 0.23", i.e. P2pNcclConnector's lifetime; its negation is
 #: "NixlPushConnector exists". A unit test keeps it in step with the two constants above.
 UP_TO_0_23_REGEX: Final = r"^0[.]([0-9]|1[0-9]|2[0-3])([.][0-9]+)?$"

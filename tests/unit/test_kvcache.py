@@ -354,5 +354,5 @@ def test_block_hashes_chain_from_vllms_none_hash() -> None:
     assert hashes[1] == hash_block_tokens(hash_function("sha256"), hashes[0], [5, 6, 7, 8])
     salted = request_block_hashes([1, 2, 3, 4, 5, 6, 7, 8], 4, cache_salt="s")
     assert salted[0] != hashes[0] and salted[1] != hashes[1]      # the salt keys the first block, so the chain
-    with pytest.raises(ValueError, match="xxhash"):
-        hash_function("xxhash")
+    with pytest.raises(ValueError, match="Unsupported hash function: md5"):
+        hash_function("md5")

@@ -1,30 +1,38 @@
 """vLLM's block keys for real token ids: `hash_block_tokens` and a request's block hashes.
 
-As vLLM 0.32 computes them (`vllm/v1/core/kv_cache_utils.py`, `vllm/utils/hashing.py`):
+As vLLM 0.32 and 0.33 compute them (`vllm/v1/core/kv_cache_utils.py`, `vllm/utils/hashing.py`):
 
 - A block's hash is `hash_fn((parent_hash, tuple(block_token_ids), extra_keys))`; the first block's
   parent is `NONE_HASH`. Only full blocks are hashed.
-- `--prefix-caching-hash-algo` picks `hash_fn`: `sha256` (the default) is SHA-256 of the tuple
-  pickled with the highest protocol; `sha256_cbor` is SHA-256 of its canonical CBOR.
-- `NONE_HASH` is `hash_fn(seed)`: with these (cryptographic) algorithms the seed is "vllm-none-hash"
-  unless `PYTHONHASHSEED` is set, in which case it is that variable's value. So independent engines
-  with the same settings hash alike.
+- `--prefix-caching-hash-algo` picks `hash_fn` (`HASH_ALGOS`, the values every release from 0.13 to
+  0.33 accepts): `sha256` (the default) is SHA-256 of the tuple pickled with the highest protocol;
+  `sha256_cbor` is SHA-256 of its canonical CBOR; `xxhash` and `xxhash_cbor` are xxHash's 128-bit
+  XXH3 of the same bytes (they need the `xxhash` package, as vLLM does).
+- `NONE_HASH` is `hash_fn(seed)` (`none_hash_seed`): the seed is `PYTHONHASHSEED` when it is set;
+  otherwise "vllm-none-hash" for the cryptographic algorithms, so independent engines with the same
+  settings hash alike, and random bytes (as hex) per process for the xxhash ones, so their hashes are
+  never reproducible without `PYTHONHASHSEED`. Releases before 0.32 take 32 random bytes as
+  `NONE_HASH` itself unless `PYTHONHASHSEED` is set, whatever the algorithm (`xpyd.vllm`).
 - Extra keys are None for plain text. A request's `cache_salt` adds `("cache_salt", salt)` to its
   first block's (LoRA adapters, multi-modal inputs and prompt embeddings add others; not modelled).
+  Releases before 0.32 put the bare salt there (untagged), so their salted hashes differ.
 
-The `xxhash` algorithms are not offered: they need the xxhash package, and vLLM seeds them at random
-per process unless `PYTHONHASHSEED` is set, so their hashes are not reproducible anyway.
+`BlockHasher` is the per-engine form: its algorithm and `NONE_HASH` fixed once.
 """
 
 from __future__ import annotations
 
 import hashlib
+import importlib
+import os
 import pickle
 import struct
 from collections.abc import Callable, Sequence
 
-HASH_ALGOS = ("sha256", "sha256_cbor")
-"""The `--prefix-caching-hash-algo` values modelled; vLLM's default first."""
+HASH_ALGOS = ("sha256", "sha256_cbor", "xxhash", "xxhash_cbor")
+"""The `--prefix-caching-hash-algo` values vLLM accepts; its default first."""
+CRYPTOGRAPHIC_HASH_ALGOS = ("sha256", "sha256_cbor")
+"""The algorithms whose `NONE_HASH` is the same in every process without `PYTHONHASHSEED`."""
 DEFAULT_NONE_HASH_SEED = "vllm-none-hash"
 """vLLM's `NONE_HASH` seed for cryptographic hash algorithms without `PYTHONHASHSEED`."""
 
@@ -41,13 +49,47 @@ def sha256_cbor(value: object) -> bytes:
     return hashlib.sha256(cbor(value)).digest()
 
 
+def xxhash(value: object) -> bytes:
+    """vLLM's `xxhash`: xxHash's XXH3 128-bit digest of the value pickled with the highest protocol."""
+    return _xxh3_128(pickle.dumps(value, protocol=pickle.HIGHEST_PROTOCOL))
+
+
+def xxhash_cbor(value: object) -> bytes:
+    """vLLM's `xxhash_cbor`: xxHash's XXH3 128-bit digest of the value's canonical CBOR."""
+    return _xxh3_128(cbor(value))
+
+
+def _xxh3_128(data: bytes) -> bytes:
+    try:
+        module = importlib.import_module("xxhash")
+    except ImportError:
+        module = None
+    if module is None or not hasattr(module, "xxh3_128_digest"):
+        raise ModuleNotFoundError("xxhash is required for the 'xxhash' prefix caching hash algorithms. "
+                                  "Install it via `pip install xxhash`.")
+    digest: bytes = module.xxh3_128_digest(data)
+    return digest
+
+
 def hash_function(algo: str) -> Callable[[object], bytes]:
     """The hash function of a `--prefix-caching-hash-algo` value."""
-    if algo == "sha256":
-        return sha256
-    if algo == "sha256_cbor":
-        return sha256_cbor
-    raise ValueError(f"prefix-caching hash algorithm {algo!r} is not modelled (modelled: {', '.join(HASH_ALGOS)})")
+    functions: dict[str, Callable[[object], bytes]] = {
+        "sha256": sha256, "sha256_cbor": sha256_cbor, "xxhash": xxhash, "xxhash_cbor": xxhash_cbor}
+    try:
+        return functions[algo]
+    except KeyError:
+        raise ValueError(f"Unsupported hash function: {algo} (vLLM's are {', '.join(HASH_ALGOS)})") from None
+
+
+def none_hash_seed(algo: str, pythonhashseed: str | None = None) -> str:
+    """The seed of vLLM's `NONE_HASH` (0.32 and later, `resolve_none_hash_seed`): `PYTHONHASHSEED` when
+    set, else the fixed default for the cryptographic algorithms and 32 random bytes as hex for xxhash."""
+    if pythonhashseed is not None:
+        return pythonhashseed
+    if algo in CRYPTOGRAPHIC_HASH_ALGOS:
+        return DEFAULT_NONE_HASH_SEED
+    hash_function(algo)   # an unknown algorithm fails here
+    return os.urandom(32).hex()
 
 
 def none_hash(algo: str = "sha256", seed: str = DEFAULT_NONE_HASH_SEED) -> bytes:
@@ -64,16 +106,32 @@ def hash_block_tokens(hash_fn: Callable[[object], bytes], parent: bytes, token_i
 def request_block_hashes(token_ids: Sequence[int], block_size: int, algo: str = "sha256", *,
                          cache_salt: str | None = None, seed: str = DEFAULT_NONE_HASH_SEED) -> list[bytes]:
     """The hashes of a request's full blocks, in order (vLLM's `request_block_hasher`)."""
-    if block_size < 1:
-        raise ValueError(f"a block has at least one token, not {block_size}")
-    hash_fn = hash_function(algo)
-    parent = hash_fn(seed)
-    out: list[bytes] = []
-    for start in range(0, len(token_ids) - block_size + 1, block_size):
-        extra: ExtraKeys = (("cache_salt", cache_salt),) if start == 0 and cache_salt else None
-        parent = hash_block_tokens(hash_fn, parent, token_ids[start:start + block_size], extra)
-        out.append(parent)
-    return out
+    return BlockHasher(block_size, algo, seed).hashes(token_ids, cache_salt)
+
+
+class BlockHasher:
+    """One engine's block hashing: its block size, `--prefix-caching-hash-algo` and `NONE_HASH`
+    (`seed`: see `none_hash_seed`)."""
+
+    def __init__(self, block_size: int, algo: str = "sha256", seed: str = DEFAULT_NONE_HASH_SEED) -> None:
+        if block_size < 1:
+            raise ValueError(f"a block has at least one token, not {block_size}")
+        self.block_size = block_size
+        self.algo = algo
+        self.hash_fn = hash_function(algo)
+        self.none_hash = self.hash_fn(seed)
+
+    def hashes(self, token_ids: Sequence[int], cache_salt: str | None = None) -> list[bytes]:
+        """The hashes of the full blocks of `token_ids`, in order (vLLM's `request_block_hasher`)."""
+        hash_fn = self.hash_fn
+        size = self.block_size
+        parent = self.none_hash
+        out: list[bytes] = []
+        for start in range(0, len(token_ids) - size + 1, size):
+            extra: ExtraKeys = (("cache_salt", cache_salt),) if start == 0 and cache_salt else None
+            parent = hash_fn((parent, tuple(token_ids[start:start + size]), extra))
+            out.append(parent)
+        return out
 
 
 def cbor(value: object) -> bytes:

@@ -47,6 +47,12 @@ the tests drive both with the same operations and replay the simulator through e
 lookup, a hit, caching, freeing and evicting cost per segment: a Mooncake prompt (30 trace blocks,
 some 960 blocks of 16) is 1.5 runs on average.
 
+**Listening.** A `PoolListener` set as `listener` hears, in vLLM's order, which keys became cached
+(`stored`, per `cache` call: vLLM's `BlockStored` event), which cached blocks were evicted (`removed`,
+per segment, its blocks from the last: vLLM's one `BlockRemoved` per block, in free-queue order) and
+when the cache was reset (`cleared`: `AllBlocksCleared`). Unset (the simulator), it costs one test per
+call that can cache or evict.
+
 What the pool leaves to its caller: how many blocks a request takes (`admit`'s `blocks`: vLLM
 allocates them chunk by chunk, the simulator reserves them at admission), when its blocks are full
 (`cache`), and how many of its blocks past its prompt keys hold generated tokens (`free`'s
@@ -57,6 +63,7 @@ only take a place in the LRU order).
 from __future__ import annotations
 
 from collections.abc import Hashable, Sequence
+from typing import Protocol
 
 
 class BlockKeys:
@@ -87,6 +94,23 @@ class BlockKeys:
     def per_block(self) -> list[tuple[Hashable, int]]:
         """Every block's key, `(run, index)`, in order."""
         return [(run, index) for run, length in zip(self.ids, self.lengths, strict=True) for index in range(length)]
+
+
+class PoolListener(Protocol):
+    """Told what the pool caches and evicts (see the module docstring)."""
+
+    def stored(self, keys: BlockKeys, start: int, end: int) -> None:
+        """Blocks `start` to `end - 1` of a request's `keys` (counted over all its runs) became cached."""
+        ...
+
+    def removed(self, run: Hashable | None, lo: int, hi: int) -> None:
+        """Cached blocks `(run, hi - 1)` down to `(run, lo)` were evicted, in that order (run None:
+        blocks of generated tokens, which have no keys here)."""
+        ...
+
+    def cleared(self) -> None:
+        """Every cached block was forgotten (`reset`)."""
+        ...
 
 
 class Segment:
@@ -152,6 +176,8 @@ class BlockPool:
         self._tail = Segment(None, 0, 0, 0)
         self._head.next = self._tail
         self._tail.prev = self._head
+        #: Told what is cached and evicted (None: nobody listens, the simulator's case).
+        self.listener: PoolListener | None = None
 
     @property
     def num_free(self) -> int:
@@ -234,6 +260,7 @@ class BlockPool:
         cached = held.cached
         if cached >= target:
             return
+        first = cached
         ids, lengths = keys.ids, keys.lengths
         runs = self._runs
         segments = held.segments
@@ -269,6 +296,30 @@ class BlockPool:
         held.cached = cached
         held.run = k
         held.offset = offset
+        listener = self.listener
+        if listener is not None:
+            listener.stored(keys, first, cached)
+
+    def reset(self) -> bool:
+        """vLLM's `reset_prefix_cache`: forget every cached block, which needs every block free (False,
+        and nothing changes, while requests hold any)."""
+        if self.in_use:
+            return False
+        segment = self._head.next
+        while segment is not None and segment is not self._tail:
+            following = segment.next
+            segment.prev = segment.next = segment.later = segment.after = segment.before = None
+            segment.run = None
+            self._spare.append(segment)
+            segment = following
+        self._head.next = self._tail
+        self._tail.prev = self._head
+        self._runs.clear()
+        self.num_cached_free = 0
+        listener = self.listener
+        if listener is not None:
+            listener.cleared()
+        return True
 
     def free(self, held: RequestBlocks, generated: int = 0) -> None:
         """Release a request's blocks, tail first. `generated`: its blocks after the cached ones that
@@ -446,11 +497,14 @@ class BlockPool:
     def _evict(self) -> None:
         """Forget the least recently freed cached blocks until the cached free ones fit the free blocks."""
         excess = self.num_cached_free - (self.num_blocks - self.in_use)
+        listener = self.listener
         while excess > 0:
             segment = self._head.next
             assert segment is not None
             blocks = segment.hi - segment.lo
             if blocks > excess:           # its tail goes: the blocks freed first
+                if listener is not None:
+                    listener.removed(segment.run, segment.hi - excess, segment.hi)
                 segment.hi -= excess
                 self.num_cached_free -= excess
                 self.evicted += excess
@@ -459,6 +513,8 @@ class BlockPool:
                     after.before = None
                     segment.after = None
                 return
+            if listener is not None:
+                listener.removed(segment.run, segment.lo, segment.hi)
             self._unlink(segment)
             self._drop(segment, joined=False)
             self.evicted += blocks
