@@ -376,7 +376,8 @@ def test_reconcile_follows_the_decision_and_keeps_the_condition() -> None:
     obj["status"]["prefill"]["desiredReplicas"] = 0
     serving = parse_serving(obj)
     assert desired_replicas(serving)["prefill"] == 1   # no decision yet: the spec, clamped to min 1
-    obj["spec"]["autoscaling"]["prefill"]["minReplicas"] = 0
+    obj["spec"]["autoscaling"]["prefill"]["minReplicas"] = 0   # (minReplicas 0 takes both roles)
+    obj["spec"]["autoscaling"]["decode"]["minReplicas"] = 0
     obj["status"]["autoscaler"] = {"lastDecision": {"time": "2026-12-01T00:00:00Z", "prefill": 0, "decode": 2,
                                                     "reason": "DemandFell"}}
     obj["status"]["conditions"] = [{"type": "ScalingActive", "status": "True", "reason": "ValidMetrics",

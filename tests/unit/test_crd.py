@@ -89,7 +89,7 @@ def test_names_and_printer_columns() -> None:
     version = crd["spec"]["versions"][0]
     assert version["name"] == "v1alpha1" and version["subresources"] == {"status": {}}
     columns = {c["name"]: c for c in version["additionalPrinterColumns"]}
-    assert [n for n, c in columns.items() if not c.get("priority")] == ["Prefill", "Decode", "Ready", "Age"]
+    assert [n for n, c in columns.items() if not c.get("priority")] == ["Prefill", "Decode", "Ready", "Scaling", "Age"]
     assert columns["TTFT-ms"]["priority"] == 1 and columns["TPOT-ms"]["priority"] == 1
 
 

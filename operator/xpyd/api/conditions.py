@@ -3,7 +3,8 @@
 
 - `Ready`, owned by the reconcile (`controller.status.compute_status`): `AllReplicasReady`,
   `PartiallyReady`, `PrefillUnavailable`, `DecodeUnavailable`, `ProxyUnavailable`, `ScaledToZero`,
-  `InvalidSpec`.
+  `IdleAtZero` (True: prefill and decode scaled to zero by the autoscaler, the proxies ready to hold
+  requests while both start), `InvalidSpec`.
 - `Progressing`, owned by the reconcile: `RollingOut`, `KVRevisionRollingOut`, `Converged`,
   `InvalidSpec`.
 - `Degraded`, owned by the reconcile: `AsExpected`, `InsufficientGPUs`, `Unschedulable`,
@@ -36,6 +37,9 @@ class ConditionType(StrEnum):
 ALL_REPLICAS_READY: Final = "AllReplicasReady"
 PARTIALLY_READY: Final = "PartiallyReady"
 SCALED_TO_ZERO: Final = "ScaledToZero"
+#: Ready=True with prefill and decode at zero replicas after an idle window (autoscaling's
+#: scale-to-zero): the proxies are ready and hold requests while both roles start.
+IDLE_AT_ZERO: Final = "IdleAtZero"
 INVALID_SPEC: Final = "InvalidSpec"            # Ready and Progressing, and the Event
 
 
@@ -67,6 +71,14 @@ KV_TRANSFER_FAILING: Final = "KVTransferFailing"
 #: and the failing pairs in its message while some pair's hand-offs keep failing, else True.
 KV_TRANSFER_POD_CONDITION: Final = "xpyd.io/KVTransferHealthy"
 KV_TRANSFER_HEALTHY: Final = "HandoffsSucceeding"
+
+#: The condition each proxy keeps on its own Pod while its waiting room is in use: True with reason
+#: RequestsWaiting and the held requests' counts in its message (`xpyd.api.waiting`) while requests
+#: wait for a ready prefill and decode pair, else False with reason NoneWaiting. The operator reads
+#: it (watch-fed) as the demand signal of a pool at zero.
+REQUESTS_WAITING_POD_CONDITION: Final = "xpyd.io/RequestsWaiting"
+REQUESTS_WAITING: Final = "RequestsWaiting"
+NONE_WAITING: Final = "NoneWaiting"
 
 # ScalingActive (besides decide()'s MetricsUnavailable)
 VALID_METRICS: Final = "ValidMetrics"

@@ -89,6 +89,8 @@ PRINTER_COLUMNS: list[JSON] = [
      "description": "Decode replicas ready/desired"},
     {"name": "Ready", "type": "string", "jsonPath": '.status.conditions[?(@.type=="Ready")].status',
      "description": "Whether the pool serves requests"},
+    {"name": "Scaling", "type": "string", "jsonPath": ".status.autoscaler.lastDecision.reason",
+     "description": "The autoscaler's last decision (e.g. ScaleFromZero, ScaleToZero, IdleAtZero)"},
     {"name": "Connector", "type": "string", "jsonPath": ".spec.kvTransfer.connector", "priority": 1,
      "description": "KV connector"},
     {"name": "Prefill-GPUs", "type": "integer", "jsonPath": ".status.prefill.gpus", "priority": 1,

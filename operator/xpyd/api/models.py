@@ -73,6 +73,9 @@ MAX_NODES_PER_REPLICA = 64
 #: pod for long. The proxy refuses longer values; the render caps what it passes by them.
 MAX_PROXY_DRAIN_SECONDS = 300.0
 MAX_PROXY_FINISH_SECONDS = 3600.0
+#: The longest a proxy holds a request while its pool has no ready prefill and decode pair
+#: (`--wait-timeout`, rendered from `autoscaling.scaleToZero.waitSeconds`).
+MAX_PROXY_WAIT_SECONDS = 86400.0
 #: A terminating engine pod's preStop drain ends only after its engine has been idle (nothing running,
 #: waiting or finished) this long, so the engine still takes new requests until then; the proxy sends a
 #: terminating instance new requests (when its role has no other instance) only within this time, less
@@ -921,6 +924,36 @@ class ScalingBehavior(APIModel):
     )
 
 
+#: Waiting-room defaults of a pool that scales to zero (per proxy replica).
+DEFAULT_MAX_WAITING_REQUESTS: Final = 256
+DEFAULT_MAX_WAITING_BYTES: Final = 64 * 1024 * 1024
+
+
+class ScaleToZeroSpec(APIModel):
+    """Scaling a pool to zero and back, for a pool with minReplicas 0 on both roles (mode Auto): how
+    long it must be idle first, and the waiting room in which each proxy holds requests while
+    prefill and decode start again."""
+
+    idle_seconds: int = Field(
+        default=600, ge=10, le=86400,
+        description="Seconds without any request arriving, running or waiting (measured from the first "
+        "decision that sees the pool idle) before both roles go to zero; at least intervalSeconds.",
+    )
+    max_waiting_requests: int = Field(
+        default=DEFAULT_MAX_WAITING_REQUESTS, ge=1, le=65536,
+        description="Requests each proxy holds while no prefill and decode pair is ready; more get 429 at once.",
+    )
+    max_waiting_bytes: int = Field(
+        default=DEFAULT_MAX_WAITING_BYTES, ge=1024, le=1 << 30,
+        description="Request body bytes each proxy holds while no pair is ready; more get 429 at once.",
+    )
+    wait_seconds: int | None = Field(
+        default=None, ge=1, le=86400,
+        description="How long a held request waits for a ready prefill and decode pair before it gets 503 "
+        "with Retry-After; more than startupSeconds. Default: 2 x startupSeconds + 60.",
+    )
+
+
 class AutoscalingSpec(APIModel):
     """SLO-driven scaling of prefill and decode."""
 
@@ -950,6 +983,11 @@ class AutoscalingSpec(APIModel):
     behavior: ScalingBehavior = Field(default_factory=ScalingBehavior, description="Pace of scaling.")
     profile: ProfileSpec = Field(default_factory=ProfileSpec, description="Engine performance the sizing starts "
                                  "from.")
+    scale_to_zero: ScaleToZeroSpec = Field(
+        default_factory=ScaleToZeroSpec,
+        description="Used when minReplicas is 0 on both roles: the idle window before both go to zero, and the "
+        "proxies' waiting room while they start again.",
+    )
 
     rules = (
         Rule(
@@ -958,7 +996,39 @@ class AutoscalingSpec(APIModel):
             check=lambda a: a.mode == AutoscalingMode.OFF or bool(a.prometheus.url),
             field_path=".prometheus.url",
         ),
+        Rule(
+            cel="(self.prefill.minReplicas == 0) == (self.decode.minReplicas == 0)",
+            message="autoscaling: minReplicas 0 scales the pool to zero, which takes both roles (a prefill without "
+            "a decode, or the reverse, serves nothing): set minReplicas 0 on prefill and decode, or on neither",
+            check=lambda a: (a.prefill.min_replicas == 0) == (a.decode.min_replicas == 0),
+        ),
+        Rule(
+            cel="self.scaleToZero.idleSeconds >= self.intervalSeconds",
+            message="autoscaling.scaleToZero.idleSeconds must be at least intervalSeconds: idleness is judged once "
+            "per decision",
+            check=lambda a: a.scale_to_zero.idle_seconds >= a.interval_seconds,
+            field_path=".scaleToZero.idleSeconds",
+        ),
+        Rule(
+            cel="!has(self.scaleToZero.waitSeconds) || self.scaleToZero.waitSeconds > self.startupSeconds",
+            message="autoscaling.scaleToZero.waitSeconds must exceed startupSeconds: a request held while the pool "
+            "starts from zero would time out before a replica serves it",
+            check=lambda a: a.scale_to_zero.wait_seconds is None or a.scale_to_zero.wait_seconds > a.startup_seconds,
+            field_path=".scaleToZero.waitSeconds",
+        ),
     )
+
+    @property
+    def scales_to_zero(self) -> bool:
+        """Whether the pool may go to zero and come back: mode Auto and minReplicas 0 on both roles."""
+        return (self.mode == AutoscalingMode.AUTO and self.prefill.min_replicas == 0
+                and self.decode.min_replicas == 0)
+
+    @property
+    def wait_seconds(self) -> int:
+        """How long the proxies hold a request for a ready pair (`scaleToZero.waitSeconds`, else its default)."""
+        wait = self.scale_to_zero.wait_seconds
+        return wait if wait is not None else 2 * self.startup_seconds + 60
 
 
 # ---------------------------------------------------------------------------------------------
@@ -1241,6 +1311,9 @@ class ObservedLoad(StatusModel):
     prefill_queue: float | None = Field(default=None, description="Requests waiting on prefill engines.")
     decode_queue: float | None = Field(default=None, description="Requests waiting on decode engines.")
     kv_cache_usage: float | None = Field(default=None, description="Mean decode KV-cache usage, 0-1.")
+    held_requests: int | None = Field(
+        default=None, description="Requests the proxies hold for a ready prefill and decode pair (their pods' "
+        "xpyd.io/RequestsWaiting condition), a pool at zero's demand.")
 
 
 class AutoscalerStatus(StatusModel):
