@@ -733,6 +733,57 @@ class RoutingPolicy(StrEnum):
     LEAST_LOADED = "LeastLoaded"
     POWER_OF_TWO = "PowerOfTwo"
     ROUND_ROBIN = "RoundRobin"
+    KV_AWARE = "KVAware"
+
+
+class KVIndex(StrEnum):
+    """Where a KVAware proxy learns what each engine caches."""
+
+    EVENTS = "Events"
+    ROUTED = "Routed"
+
+
+#: KVAware with the Events index: the engines publish their KV events on this port (plus the
+#: data-parallel rank, as vLLM offsets it) and answer replays on the second (plus the rank). Clear of
+#: NIXL's side channel (5600 + rank), LMCache's (7300/7400 + rank) and P2pNccl's (14579 + rank).
+KV_EVENTS_PORT: Final = 7557
+KV_EVENTS_REPLAY_PORT: Final = KV_EVENTS_PORT + 100
+#: The topic the engines publish their KV events under and the proxy subscribes to.
+KV_EVENTS_TOPIC: Final = "kv-events"
+#: The first release whose KV events and block hashing were checked against the proxy's decoder and
+#: hashing (vllm/config/kv_events.py, vllm/distributed/kv_events.py of the 0.13.0 wheel on).
+KV_EVENTS_CHECKED_FROM: Final[vllm.VersionTuple] = (0, 13)
+KV_EVENTS_BEFORE_REGEX: Final = r"^0[.]([0-9]|1[0-2])([.][0-9]+)?$"
+
+
+class KVAwareSpec(APIModel):
+    """KVAware routing: each prompt goes where most of its prefix is cached, weighed against load."""
+
+    index: KVIndex = Field(
+        default=KVIndex.EVENTS,
+        description="What the proxy knows the engines cache: Events (each engine's own KV events, which the "
+        "operator turns on: exact, and the same in every proxy replica) or Routed (what this proxy sent "
+        "where, forgotten ttlSeconds later: approximate, for engines that cannot publish events).",
+    )
+    kv_weight: float = Field(
+        default=1.0, ge=0, le=1000,
+        description="Prefill: an instance's score is its expected compute outstanding (prompt tokens sent "
+        "less those expected cached) plus kvWeight times the prompt tokens it does not hold. 0 ignores "
+        "the cache (least expected compute).",
+    )
+    decode_credit: float = Field(
+        default=1.0, ge=0, le=1000,
+        description="Decode: an instance's score is its outstanding requests less decodeCredit times the "
+        "share of the prompt it holds (blocks it holds are not transferred).",
+    )
+    ttl_seconds: int = Field(
+        default=600, ge=1, le=86400,
+        description="Routed: a prompt's blocks are forgotten this long after the last request that sent them.",
+    )
+    index_blocks: int = Field(
+        default=131072, ge=1024, le=16777216,
+        description="Most blocks the proxy indexes per engine; the least recently seen are forgotten first.",
+    )
 
 
 class ProxySpec(APIModel):
@@ -746,7 +797,11 @@ class ProxySpec(APIModel):
     routing_policy: RoutingPolicy = Field(
         default=RoutingPolicy.LEAST_LOADED,
         description="How instances are picked: LeastLoaded (fewest outstanding requests or prompt tokens, "
-        "ties broken randomly), PowerOfTwo (least loaded of two random picks) or RoundRobin.",
+        "ties broken randomly), PowerOfTwo (least loaded of two random picks), RoundRobin, or KVAware "
+        "(where the prompt's prefix is cached, weighed against load: see kvAware).",
+    )
+    kv_aware: KVAwareSpec = Field(
+        default_factory=KVAwareSpec, description="KVAware routing's index and weights (used with that policy)."
     )
     image: str | None = Field(
         default=None, description="Proxy image. Defaults to the operator's own image (it runs `xpyd proxy`)."
@@ -1112,6 +1167,65 @@ def _gpu_budget_holds(spec: DisaggregatedServingSpec) -> bool:
     return floor <= budget
 
 
+def _kv_aware(spec: DisaggregatedServingSpec) -> bool:
+    return spec.proxy.routing_policy == RoutingPolicy.KV_AWARE
+
+
+def _kv_events(spec: DisaggregatedServingSpec) -> bool:
+    return _kv_aware(spec) and spec.proxy.kv_aware.index == KVIndex.EVENTS
+
+
+def _engine_args(spec: DisaggregatedServingSpec, *roles: str) -> list[str]:
+    return [*spec.engine.extra_args, *(arg for role in roles for arg in getattr(spec, role).extra_args)]
+
+
+_KV_AWARE_CEL: Final = "self.proxy.routingPolicy != 'KVAware'"
+_KV_EVENTS_CEL: Final = f"({_KV_AWARE_CEL} || self.proxy.kvAware.index != 'Events')"
+_KV_AWARE_RULES: Final = (
+    # LMCache's P/D engines run without vLLM's prefix cache (render.engine): nothing to route on, and
+    # LMCache's own store is reached by every engine alike.
+    Rule(
+        cel=f"{_KV_AWARE_CEL} || self.kvTransfer.connector != 'LMCacheConnectorV1'",
+        message="proxy.routingPolicy KVAware routes on vLLM's prefix cache, which LMCacheConnectorV1 pools run "
+        "without (--no-enable-prefix-caching): use LeastLoaded, PowerOfTwo or RoundRobin",
+        check=lambda s: not _kv_aware(s) or s.kv_transfer.connector != Connector.LMCACHE,
+        field_path=".proxy.routingPolicy",
+    ),
+    Rule(
+        cel=f"{_KV_AWARE_CEL} || !(self.engine.extraArgs.exists(a, a == '--no-enable-prefix-caching') || "
+        "self.prefill.extraArgs.exists(a, a == '--no-enable-prefix-caching'))",
+        message="proxy.routingPolicy KVAware routes on the prefill engines' prefix cache, which "
+        "--no-enable-prefix-caching in engine.extraArgs or prefill.extraArgs turns off",
+        check=lambda s: not _kv_aware(s) or "--no-enable-prefix-caching" not in _engine_args(s, "prefill"),
+        field_path=".proxy.routingPolicy",
+    ),
+    Rule(
+        cel=f"{_KV_EVENTS_CEL} || !self.engine.vllmVersion.matches('{KV_EVENTS_BEFORE_REGEX}')",
+        message=f"proxy.kvAware.index Events needs engine.vllmVersion >= {vllm.format_version(KV_EVENTS_CHECKED_FROM)} "
+        "(the releases whose KV events and block hashes the proxy was checked against): use index Routed",
+        check=lambda s: not _kv_events(s) or vllm.parse_version(s.engine.vllm_version) >= KV_EVENTS_CHECKED_FROM,
+        field_path=".proxy.kvAware.index",
+    ),
+    Rule(
+        cel=f"{_KV_EVENTS_CEL} || (self.prefill.nodesPerReplica == 1 && self.decode.nodesPerReplica == 1)",
+        message="proxy.kvAware.index Events needs nodesPerReplica 1 on both roles: the proxy subscribes to each "
+        "engine pod, and a multi-node replica's ranks publish from its worker pods: use index Routed",
+        check=lambda s: not _kv_events(s) or not (s.prefill.multi_node or s.decode.multi_node),
+        field_path=".proxy.kvAware.index",
+    ),
+    Rule(
+        cel=f"{_KV_EVENTS_CEL} || !(self.engine.extraArgs.exists(a, a.startsWith('--kv-events-config')) || "
+        "self.prefill.extraArgs.exists(a, a.startsWith('--kv-events-config')) || "
+        "self.decode.extraArgs.exists(a, a.startsWith('--kv-events-config')))",
+        message="proxy.kvAware.index Events renders the engines' --kv-events-config (the endpoints the proxy "
+        "subscribes to): remove it from engine.extraArgs, prefill.extraArgs and decode.extraArgs",
+        check=lambda s: not _kv_events(s) or not any(
+            a.startswith("--kv-events-config") for a in _engine_args(s, "prefill", "decode")),
+        field_path=".proxy.kvAware.index",
+    ),
+)
+
+
 _GPUS_CEL: Final = (  # GPUs of one replica
     "(has(self.{role}.gpu.count) ? self.{role}.gpu.count * self.{role}.nodesPerReplica : "
     "self.{role}.tensorParallelSize * self.{role}.pipelineParallelSize * self.{role}.dataParallelSize)"
@@ -1238,6 +1352,7 @@ class DisaggregatedServingSpec(APIModel):
             message="autoscaling.gpuBudget is below the GPUs the minimum replicas of both roles need",
             check=_gpu_budget_holds,
         ),
+        *_KV_AWARE_RULES,
     )
 
     @property
