@@ -36,6 +36,11 @@ class ProxyConfig:
     max_concurrency: int = 2048
     max_body_bytes: int = 32 * 1024 * 1024
     decode_only_fallback: bool = False
+    #: The waiting room (`xpyd.proxy.waiting`): seconds a request is held while no prefill and decode
+    #: pair is ready (0: off, no request is held), and the most requests and body bytes held at once.
+    wait_timeout: float = 0.0
+    wait_max_requests: int = 256
+    wait_max_bytes: int = 64 * 1024 * 1024
     mooncake_bootstrap_port: int = protocol.MOONCAKE_BOOTSTRAP_PORT
     p2p_nccl_kv_port: int = protocol.P2P_NCCL_KV_PORT
     #: Data-parallel ranks per prefill server (NixlPushConnector learns and pins each rank's identity;

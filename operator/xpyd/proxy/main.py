@@ -10,7 +10,8 @@ The operator starts it with (see `xpyd.render.proxy_args`)::
 and, outside Kubernetes, `xpyd proxy --prefill URL --decode URL [--decode URL ...]`.
 The optional API key comes from the environment variable XPYD_PROXY_API_KEY. With discovery and
 POD_NAME set (the downward API), the proxy keeps its KV-transfer health as a condition on its own
-Pod (`xpyd.proxy.podreport`).
+Pod (`xpyd.proxy.podreport`), and, with the waiting room on (`--wait-timeout`), what it holds for a
+ready prefill and decode pair: the demand signal the operator scales a pool up from zero on.
 
 Stopping. On SIGTERM (what Kubernetes sends a terminating pod) the proxy at once fails its
 readiness (`GET /ready` answers 503; `GET /health`, the liveness probe, stays 200), then keeps
@@ -33,9 +34,12 @@ from collections.abc import Callable
 from typing import Any
 
 from xpyd.api.models import (
+    DEFAULT_MAX_WAITING_BYTES,
+    DEFAULT_MAX_WAITING_REQUESTS,
     MAX_DATA_PARALLEL,
     MAX_PROXY_DRAIN_SECONDS,
     MAX_PROXY_FINISH_SECONDS,
+    MAX_PROXY_WAIT_SECONDS,
     MAX_TENSOR_PARALLEL,
     Connector,
     RoutingPolicy,
@@ -108,6 +112,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     failures.add_argument("--finish-timeout", type=float, default=FINISH_SECONDS,
                           help="after the drain: seconds requests in flight get to finish before they are cut "
                           f"(default {FINISH_SECONDS:g}, at most {MAX_PROXY_FINISH_SECONDS:g})")
+    failures.add_argument("--wait-timeout", type=float, default=0.0,
+                          help="seconds a request is held while no prefill and decode pair is ready (a pool "
+                          "scaled to zero, starting), then 503 with Retry-After; 0 (default): off, such "
+                          "requests get 503 at once. With it, /ready stays 200 at zero")
+    failures.add_argument("--wait-max-requests", type=int, default=DEFAULT_MAX_WAITING_REQUESTS,
+                          help="requests held at once; more get 429 at once (default "
+                          f"{DEFAULT_MAX_WAITING_REQUESTS})")
+    failures.add_argument("--wait-max-bytes", type=int, default=DEFAULT_MAX_WAITING_BYTES,
+                          help=f"request body bytes held at once; more get 429 at once (default "
+                          f"{DEFAULT_MAX_WAITING_BYTES})")
     failures.add_argument("--decode-only-fallback", action="store_true",
                           help="when no prefill instance can serve, let decode compute the prompt (counted in "
                           "xpyd_proxy_decode_only_fallbacks_total and logged) instead of answering 503")
@@ -166,6 +180,9 @@ def config_from_args(args: argparse.Namespace) -> ProxyConfig:
         max_concurrency=args.max_concurrency,
         max_body_bytes=args.max_body_bytes,
         decode_only_fallback=args.decode_only_fallback,
+        wait_timeout=args.wait_timeout,
+        wait_max_requests=args.wait_max_requests,
+        wait_max_bytes=args.wait_max_bytes,
         mooncake_bootstrap_port=args.mooncake_bootstrap_port,
         p2p_nccl_kv_port=args.p2p_nccl_kv_port,
         prefill_data_parallel_size=args.prefill_data_parallel_size,
@@ -201,6 +218,10 @@ def _check(args: argparse.Namespace) -> str | None:
         return "--upstream-idle-timeout must stay below the engines' 5 s keep-alive"
     if not 0 <= args.drain_seconds <= MAX_PROXY_DRAIN_SECONDS:
         return f"--drain-seconds must be within 0..{MAX_PROXY_DRAIN_SECONDS:g}"
+    if not 0 <= args.wait_timeout <= MAX_PROXY_WAIT_SECONDS:
+        return f"--wait-timeout must be within 0 (off)..{MAX_PROXY_WAIT_SECONDS:g} seconds"
+    if args.wait_max_requests < 1 or args.wait_max_bytes < 1:
+        return "--wait-max-requests and --wait-max-bytes must be at least 1"
     if not 0 < args.finish_timeout <= MAX_PROXY_FINISH_SECONDS:
         return f"--finish-timeout must be above 0 and at most {MAX_PROXY_FINISH_SECONDS:g}"
     return None
@@ -260,6 +281,7 @@ async def serve(args: argparse.Namespace) -> None:
     watchers: list[PodWatcher] = []
     registration = None
     reporting: asyncio.Future[None] | None = None
+    signalling: asyncio.Future[None] | None = None
     if args.prefill_selector:
         from xpyd.kube import Kube
 
@@ -277,6 +299,10 @@ async def serve(args: argparse.Namespace) -> None:
 
             reporter = PodConditionReporter(kube, namespace, pod_name, proxy.kv_transfer_report)
             reporting = asyncio.ensure_future(reporter.run())
+            if proxy.waiting.enabled:  # the demand signal of a pool at zero (xpyd.io/RequestsWaiting)
+                from xpyd.proxy.podreport import WaitingReporter
+
+                signalling = asyncio.ensure_future(WaitingReporter(kube, namespace, pod_name, proxy.waiting).run())
     else:
         proxy.set_endpoints("prefill", static_endpoints(args.prefill))
         proxy.set_endpoints("decode", static_endpoints(args.decode))
@@ -304,8 +330,9 @@ async def serve(args: argparse.Namespace) -> None:
     log.info("closing the listener; %d request(s) in flight get up to %g s", proxy.in_flight, args.finish_timeout)
     for watcher in watchers:
         watcher.stop()
-    if reporting is not None:
-        reporting.cancel()
+    for task in (reporting, signalling):
+        if task is not None:
+            task.cancel()
     if registration is not None:
         registration.stop()
     await runner.cleanup()

@@ -6,7 +6,13 @@ It is a custom Pod condition, the kind readiness gates use: written through `pod
 strategic merge patch, so the kubelet's own conditions stay (the kubelet keeps conditions it does
 not own). The proxy writes it when its report (`Proxy.kv_transfer_report`: the failing pairs, and
 the engines whose own count of failed KV transfers rose) changes, at most every `interval` seconds;
-`pod_name` comes from the downward API (`POD_NAME`)."""
+`pod_name` comes from the downward API (`POD_NAME`).
+
+`WaitingReporter` keeps a second condition, `xpyd.io/RequestsWaiting` (`api.waiting`): what the
+proxy's waiting room holds while no prefill and decode pair is ready. It is the demand signal of a
+pool at zero, so it is written as soon as the room changes (the first held request at once), then
+at most every `WAITING_INTERVAL_SECONDS` while the counts keep changing; the operator's pod watch
+sees each write within milliseconds and decides (`controller.handlers.OperatorState.wake`)."""
 
 from __future__ import annotations
 
@@ -15,13 +21,17 @@ import logging
 from collections.abc import Callable, Sequence
 
 from xpyd.api.conditions import KV_TRANSFER_FAILING, KV_TRANSFER_HEALTHY, KV_TRANSFER_POD_CONDITION
+from xpyd.api.waiting import held_condition
 from xpyd.common.jsontypes import JSON
 from xpyd.common.timefmt import rfc3339
 from xpyd.kube import Kube, KubeError
+from xpyd.proxy.waiting import WaitingRoom
 
 log = logging.getLogger(__name__)
 
 REPORT_INTERVAL_SECONDS = 2.0
+#: Least time between two writes of the waiting room's condition (the first change is written at once).
+WAITING_INTERVAL_SECONDS = 0.5
 #: A condition message stays short: the first pairs, then how many more.
 MAX_PAIRS_NAMED = 5
 
@@ -83,4 +93,51 @@ class PodConditionReporter:
                 await asyncio.to_thread(self.write, kv_condition(report["failingPairs"], report["failingEngines"]))
             except Exception:  # the API server unreachable, say: serving goes on, the next round retries
                 log.exception("could not report %s", KV_TRANSFER_POD_CONDITION)
+            await asyncio.sleep(self.interval)
+
+
+class WaitingReporter:
+    """Keeps `xpyd.io/RequestsWaiting` on the proxy's Pod in step with its waiting room (see the module
+    docstring): written at start, then whenever what is held changes, at most every `interval`."""
+
+    def __init__(self, kube: Kube, namespace: str, pod_name: str, room: WaitingRoom,
+                 interval: float = WAITING_INTERVAL_SECONDS) -> None:
+        self.kube, self.namespace, self.pod_name = kube, namespace, pod_name
+        self.room = room
+        self.interval = interval
+        self.written: tuple[str, str] | None = None  # (status, message) last written
+        self.writes = 0
+
+    def write(self, condition: JSON) -> bool:
+        """Write `condition` (a `held_condition`) if it changed; True when written. Blocking."""
+        key = (condition["status"], condition["message"])
+        if key == self.written:
+            return False
+        stamped = {**condition, "lastProbeTime": rfc3339()}
+        if self.written is None or self.written[0] != key[0]:
+            stamped["lastTransitionTime"] = stamped["lastProbeTime"]
+        try:
+            self.kube.patch("v1", "Pod", self.namespace, self.pod_name, {"status": {"conditions": [stamped]}},
+                            subresource="status", strategic=True)
+        except KubeError as error:  # the next change, or the retry below, writes it
+            log.warning("could not write %s on pod %s: %s", condition["type"], self.pod_name, error)
+            return False
+        self.written = key
+        self.writes += 1
+        return True
+
+    async def run(self) -> None:
+        """Forever: wait for a change of the room, write it (off the event loop), pause `interval`."""
+        changed = self.room.changed
+        changed.set()  # the state at start: a restarted proxy clears what its predecessor reported
+        while True:
+            await changed.wait()
+            changed.clear()
+            condition = held_condition(self.room.held)
+            try:
+                await asyncio.to_thread(self.write, condition)
+            except Exception:  # the API server unreachable, say: serving goes on
+                log.exception("could not report the waiting room")
+            if self.written != (condition["status"], condition["message"]):
+                changed.set()  # not written: try again after the pause
             await asyncio.sleep(self.interval)

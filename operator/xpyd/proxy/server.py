@@ -5,7 +5,8 @@ health of the upstream instances `xpyd.proxy.health`'s.
 One request, in order:
 
 1. Checks that cost no engine anything: the API key, the concurrency bound (429), the body's size
-   (413), JSON and types (400), the model name (404).
+   (413), JSON and types (400), the model name (404). With the waiting room on (`--wait-timeout`), a
+   request that finds a role without instances is held until both have one (`xpyd.proxy.waiting`).
 2. An attempt: a prefill instance and a decode instance are picked (the decode instance's count
    includes requests still in their prefill phase, so concurrent picks spread). The legs go out as
    the connector needs (`protocol`): one after the other, or both at once with decode's answer held
@@ -57,6 +58,7 @@ from xpyd.proxy.metrics import Gauge, GaugeSample, ProxyMetrics
 from xpyd.proxy.picking import pairable, partners
 from xpyd.proxy.pool import Endpoint, Instance, Pool
 from xpyd.proxy.validation import ApiEndpoint, RequestError, error_body, parse
+from xpyd.proxy.waiting import WaitingError, WaitingRoom
 
 log = logging.getLogger(__name__)
 
@@ -105,6 +107,7 @@ class Proxy:
         self.metrics = ProxyMetrics()
         self.kv_health = PairHealth()
         self.kv_engines = EngineTransferFailures()
+        self.waiting = WaitingRoom(config.wait_max_requests, config.wait_max_bytes, config.wait_timeout)
         self._timeouts = client_timeouts(config)
         self._sources: dict[Role, dict[str, list[Endpoint]]] = {role: {} for role in ROLES}
         self.in_flight = 0
@@ -139,7 +142,7 @@ class Proxy:
         m = self.metrics
         self.registry = exposition.registry([m.requests, m.rejected, m.ttft, m.stream_ttft, m.duration, m.legs,
                                              m.retries, m.fallbacks, m.breaker_trips, m.kv_handoff_failures,
-                                             *self._gauges])
+                                             *self._gauges, *self.waiting.collectors()])
 
     # -- life ----------------------------------------------------------------------------------
 
@@ -215,6 +218,7 @@ class Proxy:
         instances = {url for pool in self.pools.values() for url in pool.instances}
         self.kv_health.forget({url for pair in self.kv_health.pairs for url in pair} - instances)
         self.kv_engines.forget(set(self.kv_engines.last) - instances)
+        self.waiting.poke()
 
     def _spawn(self, coroutine: Awaitable[None]) -> None:
         task = asyncio.ensure_future(coroutine)
@@ -275,7 +279,14 @@ class Proxy:
             context = Context(request=request, parsed=parsed, path=path, request_id=request_id,
                               authorization=request.headers.get("Authorization"), started=started)
             try:
+                if self.waiting.enabled and self.missing_roles():  # held until a pair is ready
+                    await self.waiting.hold(len(raw), parsed.prompt_tokens, lambda: not self.missing_roles())
                 response = await self._serve(context)
+            except WaitingError as error:  # the waiting room is full (429), or the wait ran out (503)
+                outcome = error.outcome
+                if error.status == 429:
+                    self.metrics.rejected.inc("429")
+                return _error_response(error.status, error.message, request_id, headers=error.headers)
             except NoCompatiblePair as error:
                 outcome = "incompatible"
                 return _error_response(error.status, error.message, request_id)
@@ -509,10 +520,14 @@ class Proxy:
         """GET /ready (readiness): 200 while requests can be served; 503 once draining, so the pod
         leaves the Service's endpoints while it still serves what reaches it, and 503 while a role
         has no instance to take a request, or (without the decode-only fallback) no prefill has a
-        decode of its KV compatibility hash, so clients reach a replica that can serve."""
+        decode of its KV compatibility hash, so clients reach a replica that can serve. With the
+        waiting room on, a role without instances is not a reason: requests are held (a pool at
+        zero keeps its proxies in the Service)."""
         if self.draining:
             return web.json_response({"status": "draining"}, status=503)
         missing = self.missing_roles()
+        if missing and self.waiting.enabled:  # ready by design: requests are held until a pair is
+            return web.json_response({"status": "ready", "missing": missing, "waiting": self.waiting.requests})
         if missing:
             return web.json_response({"status": "unavailable", "missing": missing}, status=503)
         if not self.config.decode_only_fallback and not self.compatible_pair():

@@ -170,10 +170,22 @@ def proxy_args(name: str, namespace: str, spec: DisaggregatedServingSpec) -> lis
         f"--routing-policy={spec.proxy.routing_policy.value}",
         f"--served-model-name={spec.model.served_name}",
         *connector,
+        *_waiting_room_args(spec),
         f"--drain-seconds={PROXY_DRAIN_SECONDS}",
         f"--finish-timeout={PROXY_FINISH_SECONDS}",
         *spec.proxy.extra_args,
     ]
+
+
+def _waiting_room_args(spec: DisaggregatedServingSpec) -> list[str]:
+    """A pool that scales to zero: the proxies hold requests while no prefill and decode pair is
+    ready (`autoscaling.scaleToZero`), rather than answering 503 at once."""
+    autoscaling = spec.autoscaling
+    if not autoscaling.scales_to_zero:
+        return []
+    room = autoscaling.scale_to_zero
+    return [f"--wait-timeout={autoscaling.wait_seconds}", f"--wait-max-requests={room.max_waiting_requests}",
+            f"--wait-max-bytes={room.max_waiting_bytes}"]
 
 
 def proxy_termination_grace_seconds(args: list[str]) -> int:
