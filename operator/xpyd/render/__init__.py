@@ -28,7 +28,7 @@ from xpyd.api.models import (
 from xpyd.api.naming import Role
 from xpyd.common.args import last_flag_value
 from xpyd.common.jsontypes import JSON
-from xpyd.render import engine
+from xpyd.render import engine, kvaware
 from xpyd.render.compat import compat_hash
 
 DEFAULT_OPERATOR_IMAGE: Final = f"ghcr.io/xpyd-operator/xpyd-operator:{__version__}"
@@ -168,6 +168,7 @@ def proxy_args(name: str, namespace: str, spec: DisaggregatedServingSpec) -> lis
         f"--decode-selector={naming.serving_selector_string(name, 'decode', spec.decode.multi_node)}",
         f"--engine-port={spec.engine.port}",
         f"--routing-policy={spec.proxy.routing_policy.value}",
+        *kvaware.proxy_args(spec),
         f"--served-model-name={spec.model.served_name}",
         *connector,
         *_waiting_room_args(spec),

@@ -19,7 +19,7 @@ from xpyd.api.models import (
 )
 from xpyd.api.naming import Role
 from xpyd.common.jsontypes import JSON
-from xpyd.render import drain, lmcache
+from xpyd.render import drain, kvaware, lmcache
 from xpyd.render.kvconfig import P2P_NCCL_KV_PORT, kv_transfer_config
 
 MODEL_MOUNT: Final = "/models"
@@ -157,6 +157,7 @@ def args(spec: DisaggregatedServingSpec, role: Role, proxy_host: str, node: Node
         result.append("--no-enable-prefix-caching")
     if node is not None:
         result += multi_node_args(role_spec, node)
+    result += kvaware.engine_args(spec, role)
     result.append(f"--kv-transfer-config={kv_transfer_config(spec, role, proxy_host).to_json()}")
     return result + list(spec.engine.extra_args) + list(role_spec.extra_args)
 
@@ -236,6 +237,7 @@ def env(spec: DisaggregatedServingSpec, role: Role, proxy_host: str = "") -> lis
     if spec.model.hf_token_secret_ref is not None:
         ref = spec.model.hf_token_secret_ref
         result.append({"name": "HF_TOKEN", "valueFrom": {"secretKeyRef": {"name": ref.name, "key": ref.key}}})
+    result += kvaware.engine_env(spec, role)
     return _override(result, _user_env(spec.engine.env) + _user_env(role_spec.env))
 
 
@@ -281,6 +283,8 @@ def ports(spec: DisaggregatedServingSpec, role: Role, node: NodeRole | None = No
         result.append(
             {"name": "mooncake", "containerPort": kv.mooncake_settings.bootstrap_port, "protocol": "TCP"}
         )
+    if node != "worker":
+        result += kvaware.engine_ports(spec, role)
     return result
 
 

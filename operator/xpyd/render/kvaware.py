@@ -1,0 +1,164 @@
+"""KVAware routing's part of the render (`spec.proxy.routingPolicy: KVAware`, `spec.proxy.kvAware`).
+
+The proxy hashes each prompt's token ids into vLLM's block hashes and looks them up in a per-engine
+index (docs/proxy.md, "KV-aware routing"), so it is told what the engines hash with:
+
+- the block size: the last `--block-size` of the engines' extra arguments (engine-wide, then the
+  prefill role's), else vLLM's default for the device (16 on GPUs, 128 on CPUs);
+- the hash algorithm: the last `--prefix-caching-hash-algo`, else vLLM's default, sha256;
+- with the Events index, the seed of the first block's parent hash (`NONE_HASH`). vLLM 0.32+ seeds
+  sha256 and sha256_cbor with a fixed string unless PYTHONHASHSEED is set, so independent engines (and
+  the proxy) hash alike; older releases, and the xxhash algorithms, take random bytes per process
+  unless PYTHONHASHSEED is set. There the engines get PYTHONHASHSEED (`HASH_SEED`, unless the user
+  sets it) and the proxy the same value (`--kv-hash-seed`).
+
+With the Events index both roles' engines publish their KV events (`--kv-events-config`: ZMQ PUB on
+`KV_EVENTS_PORT`, a replay ROUTER on `KV_EVENTS_REPLAY_PORT`, topic `KV_EVENTS_TOPIC`); vLLM offsets
+both ports by the data-parallel rank (`ZmqEventPublisher.offset_endpoint_port`), so a pod with N ranks
+listens on N ports of each, all declared in the pod spec, and the proxy subscribes to each rank
+(`--kv-events-prefill-ranks`, `--kv-events-decode-ranks`). The encoding of each release (arrays up to
+0.23, maps from 0.24; the replay's topic frame from 0.32) is the decoder's to tell apart
+(`xpyd.kvcache.events`), so the proxy needs no release.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Final
+
+from xpyd import vllm
+from xpyd.api.models import (
+    KV_EVENTS_PORT,
+    KV_EVENTS_REPLAY_PORT,
+    KV_EVENTS_TOPIC,
+    DisaggregatedServingSpec,
+    KVIndex,
+    RoleSpec,
+    RoutingPolicy,
+)
+from xpyd.api.naming import ROLES, Role
+from xpyd.common.args import last_flag_value
+from xpyd.common.jsontypes import JSON
+
+#: PYTHONHASHSEED the engines get where vLLM would otherwise seed NONE_HASH at random per process.
+HASH_SEED: Final = "0"
+DEFAULT_HASH_ALGO: Final = vllm.PREFIX_CACHING_HASH_ALGOS[0]
+
+
+def kv_aware(spec: DisaggregatedServingSpec) -> bool:
+    """The proxy routes by the engines' prefix caches."""
+    return spec.proxy.routing_policy == RoutingPolicy.KV_AWARE
+
+
+def events(spec: DisaggregatedServingSpec) -> bool:
+    """The engines publish their KV events for a KVAware proxy."""
+    return kv_aware(spec) and spec.proxy.kv_aware.index == KVIndex.EVENTS
+
+
+def _args(spec: DisaggregatedServingSpec, role: Role) -> list[str]:
+    role_spec: RoleSpec = getattr(spec, role)
+    return [*spec.engine.extra_args, *role_spec.extra_args]
+
+
+def block_size(spec: DisaggregatedServingSpec, role: Role = "prefill") -> int:
+    """The engines' tokens per KV block: their `--block-size`, else vLLM's default for the device. A
+    value that is not an integer is vLLM's to refuse at start-up; the default stands in for it here."""
+    value = last_flag_value(_args(spec, role), "--block-size")
+    try:
+        size = int(value) if value is not None else 0
+    except ValueError:
+        size = 0
+    if size > 0:
+        return size
+    return vllm.DEFAULT_BLOCK_SIZE_CPU if spec.on_cpu else vllm.DEFAULT_BLOCK_SIZE_GPU
+
+
+def hash_algo(spec: DisaggregatedServingSpec, role: Role = "prefill") -> str:
+    """The engines' `--prefix-caching-hash-algo` (vLLM's default when unset)."""
+    return last_flag_value(_args(spec, role), "--prefix-caching-hash-algo") or DEFAULT_HASH_ALGO
+
+
+def _user_env_value(spec: DisaggregatedServingSpec, role: Role, name: str) -> tuple[bool, str | None]:
+    """Whether the user sets `name` for `role`'s engines, and its literal value (None: from a Secret or
+    ConfigMap, which the render cannot read)."""
+    role_spec: RoleSpec = getattr(spec, role)
+    found, value = False, None
+    for var in [*spec.engine.env, *role_spec.env]:
+        if var.name == name:
+            found, value = True, var.value
+    return found, value
+
+
+def needs_hash_seed(spec: DisaggregatedServingSpec) -> bool:
+    """Whether vLLM seeds NONE_HASH at random unless PYTHONHASHSEED is set: releases before 0.32, and
+    the xxhash algorithms in every release."""
+    return (vllm.parse_version(spec.engine.vllm_version) < vllm.FIXED_NONE_HASH_ADDED
+            or not hash_algo(spec).startswith("sha256"))
+
+
+def hash_seed(spec: DisaggregatedServingSpec) -> str | None:
+    """The PYTHONHASHSEED the prefill engines run with (the user's literal value, else the rendered
+    one where `needs_hash_seed`), which the proxy seeds its NONE_HASH with; None: vLLM's fixed seed."""
+    found, value = _user_env_value(spec, "prefill", "PYTHONHASHSEED")
+    if found:
+        return value
+    return HASH_SEED if events(spec) and needs_hash_seed(spec) else None
+
+
+def events_config(spec: DisaggregatedServingSpec) -> str:
+    """`--kv-events-config`: publish over ZMQ on the rendered ports (rank 0's; vLLM adds the rank)."""
+    config = {"enable_kv_cache_events": True, "publisher": "zmq", "endpoint": f"tcp://*:{KV_EVENTS_PORT}",
+              "replay_endpoint": f"tcp://*:{KV_EVENTS_REPLAY_PORT}", "topic": KV_EVENTS_TOPIC}
+    return json.dumps(config, separators=(",", ":"))
+
+
+def engine_args(spec: DisaggregatedServingSpec, role: Role) -> list[str]:
+    """The engines' flags for KVAware routing: the KV events, with the Events index."""
+    return [f"--kv-events-config={events_config(spec)}"] if events(spec) else []
+
+
+def engine_env(spec: DisaggregatedServingSpec, role: Role) -> list[JSON]:
+    """PYTHONHASHSEED where the engines' NONE_HASH would be random (Events only; the user's value wins,
+    through the env's override)."""
+    if events(spec) and needs_hash_seed(spec) and not _user_env_value(spec, role, "PYTHONHASHSEED")[0]:
+        return [{"name": "PYTHONHASHSEED", "value": HASH_SEED}]
+    return []
+
+
+def engine_ports(spec: DisaggregatedServingSpec, role: Role) -> list[JSON]:
+    """The KV-event ports of each data-parallel rank (Events only)."""
+    if not events(spec):
+        return []
+    ranks = range(getattr(spec, role).data_parallel_size)
+    return ([{"name": f"kv-events-{rank}", "containerPort": KV_EVENTS_PORT + rank, "protocol": "TCP"}
+             for rank in ranks]
+            + [{"name": f"kv-replay-{rank}", "containerPort": KV_EVENTS_REPLAY_PORT + rank, "protocol": "TCP"}
+               for rank in ranks])
+
+
+def _number(value: float) -> str:
+    return f"{value:g}"
+
+
+def proxy_args(spec: DisaggregatedServingSpec) -> list[str]:
+    """`xpyd proxy` flags of the policy: its index and weights, what the engines hash with, and, for
+    the Events index, where and what they publish."""
+    if not kv_aware(spec):
+        return []
+    settings = spec.proxy.kv_aware
+    result = [f"--kv-index={settings.index.value}", f"--kv-weight={_number(settings.kv_weight)}",
+              f"--kv-decode-credit={_number(settings.decode_credit)}", f"--kv-index-blocks={settings.index_blocks}",
+              f"--kv-block-size={block_size(spec)}", f"--kv-hash-algo={hash_algo(spec)}"]
+    if settings.index == KVIndex.ROUTED:
+        result.append(f"--kv-ttl={settings.ttl_seconds}")
+        return result
+    seed = hash_seed(spec)
+    if seed is not None:
+        result.append(f"--kv-hash-seed={seed}")
+    result += [f"--kv-events-port={KV_EVENTS_PORT}", f"--kv-events-replay-port={KV_EVENTS_REPLAY_PORT}",
+               f"--kv-events-topic={KV_EVENTS_TOPIC}"]
+    for role in ROLES:
+        ranks = getattr(spec, role).data_parallel_size
+        if ranks > 1:
+            result.append(f"--kv-events-{role}-ranks={ranks}")
+    return result

@@ -1,0 +1,137 @@
+"""KVAware routing's engine side, checked against vLLM's own released code (issue 29).
+
+For every release of `vllm_release.RELEASES`, the `--kv-events-config` the operator renders for a
+KVAware pool with the Events index must validate whole with that release's `KVEventsConfig`
+(`vllm/config/kv_events.py`, loaded in a subprocess without torch, as `vllm_release` loads
+KVTransferConfig) and carry only its fields; the ports the pod declares per data-parallel rank must be
+the ones the release's `ZmqEventPublisher.offset_endpoint_port` binds; and the render must give the
+engines PYTHONHASHSEED exactly where the release seeds NONE_HASH at random without it.
+"""
+
+from __future__ import annotations
+
+import ast
+import json
+import subprocess
+import sys
+from functools import cache
+from typing import Any
+
+import pytest
+
+from tests.conformance.vllm_release import RELEASES, release_root
+from tests.servings import serving
+from xpyd import vllm
+from xpyd.api.load import parse_serving
+from xpyd.api.models import KV_EVENTS_PORT, KV_EVENTS_REPLAY_PORT
+from xpyd.render import engine, kvaware
+
+pytestmark = pytest.mark.integration
+
+KV_EVENTS = "vllm/config/kv_events.py"
+PUBLISHER = "vllm/distributed/kv_events.py"
+CACHE_UTILS = "vllm/v1/core/kv_cache_utils.py"
+
+_VALIDATE = r"""
+import dataclasses, importlib.util, json, sys, types
+root = sys.argv[1]
+configs = json.loads(sys.stdin.read())
+def package(name, path):
+    module = types.ModuleType(name)
+    module.__path__ = [path]
+    sys.modules[name] = module
+package("vllm", f"{root}/vllm")
+package("vllm.config", f"{root}/vllm/config")
+package("vllm.utils", f"{root}/vllm/utils")
+sys.modules["torch"] = types.ModuleType("torch")
+platforms = types.ModuleType("vllm.platforms")
+platforms.current_platform = types.SimpleNamespace(device_type="cuda")
+sys.modules["vllm.platforms"] = platforms
+spec = importlib.util.spec_from_file_location("vllm.config.kv_events", f"{root}/vllm/config/kv_events.py")
+module = importlib.util.module_from_spec(spec)
+sys.modules[spec.name] = module
+spec.loader.exec_module(module)
+import pydantic
+cls = module.KVEventsConfig
+adapter = pydantic.TypeAdapter(cls)
+results = []
+for text in configs:
+    try:
+        value = adapter.validate_json(text)
+        results.append({"publisher": value.publisher, "enable": value.enable_kv_cache_events,
+                        "endpoint": value.endpoint, "replay": value.replay_endpoint, "topic": value.topic})
+    except pydantic.ValidationError as error:
+        results.append(str(error))
+print(json.dumps({"fields": [f.name for f in dataclasses.fields(cls)], "results": results}))
+"""
+
+
+def minor(release: str) -> str:
+    return ".".join(release.split(".")[:2])
+
+
+def kv_aware_spec(release: str, **extra: Any) -> Any:
+    return parse_serving(serving({"engine": {"vllmVersion": minor(release)},
+                                  "proxy": {"routingPolicy": "KVAware", "kvAware": {"index": "Events"}},
+                                  **extra})).spec
+
+
+@cache
+def release_check(release: str, text: str) -> tuple[frozenset[str], Any]:
+    root = release_root(release)
+    assert (root / KV_EVENTS).is_file(), f"vLLM {release} has no {KV_EVENTS}"
+    done = subprocess.run([sys.executable, "-c", _VALIDATE, str(root)], input=json.dumps([text]),
+                          capture_output=True, text=True, timeout=120, check=False)
+    assert done.returncode == 0, f"loading vLLM {release}'s KVEventsConfig failed:\n{done.stderr}"
+    out = json.loads(done.stdout.strip().splitlines()[-1])
+    return frozenset(out["fields"]), out["results"][0]
+
+
+@pytest.mark.parametrize("release", RELEASES)
+def test_the_rendered_kv_events_config_is_accepted_whole(release: str) -> None:
+    spec = kv_aware_spec(release)
+    for role in ("prefill", "decode"):
+        args = engine.args(spec, role, "proxy")
+        (flag,) = [a for a in args if a.startswith("--kv-events-config=")]
+        text = flag.split("=", 1)[1]
+        fields, verdict = release_check(release, text)
+        assert not isinstance(verdict, str), f"vLLM {release} refuses {text}:\n{verdict}"
+        assert set(json.loads(text)) <= fields, f"{sorted(set(json.loads(text)) - fields)} unknown to {release}"
+        assert verdict == {"publisher": "zmq", "enable": True, "endpoint": f"tcp://*:{KV_EVENTS_PORT}",
+                           "replay": f"tcp://*:{KV_EVENTS_REPLAY_PORT}", "topic": "kv-events"}
+
+
+def _offset_function(release: str) -> Any:
+    """The release's `ZmqEventPublisher.offset_endpoint_port`, compiled from its source alone."""
+    tree = ast.parse((release_root(release) / PUBLISHER).read_text())
+    for node in ast.walk(tree):
+        if isinstance(node, ast.FunctionDef) and node.name == "offset_endpoint_port":
+            node.decorator_list = []
+            module = ast.Module(body=[node], type_ignores=[])
+            namespace: dict[str, Any] = {"Optional": Any}
+            exec(compile(ast.fix_missing_locations(module), PUBLISHER, "exec"), namespace)
+            return namespace["offset_endpoint_port"]
+    raise AssertionError(f"vLLM {release} has no offset_endpoint_port in {PUBLISHER}")
+
+
+@pytest.mark.parametrize("release", RELEASES)
+def test_each_rank_listens_where_the_pod_declares_its_ports(release: str) -> None:
+    offset = _offset_function(release)
+    spec = kv_aware_spec(release, prefill={"dataParallelSize": 3})
+    declared = {p["name"]: p["containerPort"] for p in engine.ports(spec, "prefill")}
+    for rank in range(3):
+        for name, base in (("kv-events", KV_EVENTS_PORT), ("kv-replay", KV_EVENTS_REPLAY_PORT)):
+            bound = offset(f"tcp://*:{base}", rank)
+            assert bound == f"tcp://*:{declared[f'{name}-{rank}']}", (release, rank, bound)
+
+
+@pytest.mark.parametrize("release", RELEASES)
+def test_pythonhashseed_is_rendered_where_the_release_seeds_none_hash_at_random(release: str) -> None:
+    source = (release_root(release) / CACHE_UTILS).read_text()
+    random_without_seed = "NONE_HASH = BlockHash(os.urandom(32))" in source or \
+        "NONE_HASH = os.urandom(32)" in source
+    assert random_without_seed == (vllm.parse_version(minor(release)) < vllm.FIXED_NONE_HASH_ADDED), release
+    spec = kv_aware_spec(release)
+    seeded = {var["name"]: var.get("value") for var in engine.env(spec, "prefill")}.get("PYTHONHASHSEED")
+    assert (seeded == kvaware.HASH_SEED) == random_without_seed
+    assert kvaware.hash_seed(spec) == seeded

@@ -1,0 +1,118 @@
+"""KVAware routing's render (`xpyd.render.kvaware`): the engines' --kv-events-config, its ports per
+data-parallel rank and PYTHONHASHSEED with the Events index, and the proxy's flags for both indexes."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import pytest
+
+from tests.servings import serving
+from xpyd.api.load import parse_serving
+from xpyd.api.models import DisaggregatedServingSpec
+from xpyd.common.args import last_flag_value
+from xpyd.render import engine, kvaware, proxy_args
+
+pytestmark = pytest.mark.unit
+
+
+def spec_of(index: str | None = "Events", **extra: Any) -> DisaggregatedServingSpec:
+    proxy: dict[str, Any] = {"routingPolicy": "KVAware", "kvAware": {"index": index}} if index else {}
+    return parse_serving(serving({"proxy": proxy, **extra} if proxy else extra)).spec
+
+
+def env_of(spec: DisaggregatedServingSpec, role: str) -> dict[str, Any]:
+    return {var["name"]: var.get("value") for var in engine.env(spec, role)}  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("role", ["prefill", "decode"])
+def test_events_turn_on_both_roles_publishers(role: str) -> None:
+    args = engine.args(spec_of(), role, "proxy")  # type: ignore[arg-type]
+    (flag,) = [a for a in args if a.startswith("--kv-events-config=")]
+    assert json.loads(flag.split("=", 1)[1]) == {
+        "enable_kv_cache_events": True, "publisher": "zmq", "endpoint": "tcp://*:7557",
+        "replay_endpoint": "tcp://*:7657", "topic": "kv-events"}
+    assert args.index(flag) < next(i for i, a in enumerate(args) if a.startswith("--kv-transfer-config="))
+
+
+@pytest.mark.parametrize("spec", [spec_of("Routed"), spec_of(None)], ids=["routed", "least-loaded"])
+def test_without_events_the_engines_are_untouched(spec: DisaggregatedServingSpec) -> None:
+    for role in ("prefill", "decode"):
+        assert not any(a.startswith("--kv-events-config") for a in engine.args(spec, role, "proxy"))
+        assert not any(p["name"].startswith("kv-") for p in engine.ports(spec, role))
+        assert "PYTHONHASHSEED" not in env_of(spec, role)
+
+
+def test_each_data_parallel_rank_has_its_ports_and_the_proxy_subscribes_to_each() -> None:
+    spec = spec_of(prefill={"dataParallelSize": 3})
+    ports = {p["name"]: p["containerPort"] for p in engine.ports(spec, "prefill")}
+    assert {k: v for k, v in ports.items() if k.startswith("kv-")} == {
+        "kv-events-0": 7557, "kv-events-1": 7558, "kv-events-2": 7559,
+        "kv-replay-0": 7657, "kv-replay-1": 7658, "kv-replay-2": 7659}
+    assert [p["name"] for p in engine.ports(spec, "decode") if p["name"].startswith("kv-")] == \
+        ["kv-events-0", "kv-replay-0"]
+    args = proxy_args("x", "ns", spec)
+    assert last_flag_value(args, "--kv-events-prefill-ranks") == "3"
+    assert last_flag_value(args, "--kv-events-decode-ranks") is None
+
+
+def test_the_proxy_is_told_the_policy_weights_and_hashing() -> None:
+    spec = parse_serving(serving({"proxy": {"routingPolicy": "KVAware", "kvAware": {
+        "kvWeight": 2.5, "decodeCredit": 0.5, "indexBlocks": 4096}}})).spec
+    args = proxy_args("x", "ns", spec)
+    assert {flag: last_flag_value(args, flag) for flag in (
+        "--routing-policy", "--kv-index", "--kv-weight", "--kv-decode-credit", "--kv-index-blocks",
+        "--kv-block-size", "--kv-hash-algo", "--kv-hash-seed", "--kv-events-port", "--kv-events-replay-port",
+        "--kv-events-topic", "--kv-ttl")} == {
+        "--routing-policy": "KVAware", "--kv-index": "Events", "--kv-weight": "2.5", "--kv-decode-credit": "0.5",
+        "--kv-index-blocks": "4096", "--kv-block-size": "16", "--kv-hash-algo": "sha256", "--kv-hash-seed": None,
+        "--kv-events-port": "7557", "--kv-events-replay-port": "7657", "--kv-events-topic": "kv-events",
+        "--kv-ttl": None}
+
+
+def test_routed_tells_the_proxy_its_ttl_and_nothing_of_events() -> None:
+    spec = parse_serving(serving({"proxy": {"routingPolicy": "KVAware", "kvAware": {
+        "index": "Routed", "ttlSeconds": 90}}})).spec
+    args = proxy_args("x", "ns", spec)
+    assert last_flag_value(args, "--kv-ttl") == "90"
+    assert not any(a.startswith("--kv-events") or a.startswith("--kv-hash-seed") for a in args)
+
+
+def test_other_policies_get_no_kv_flags() -> None:
+    assert not any(a.startswith("--kv-") for a in proxy_args("x", "ns", spec_of(None)))
+
+
+@pytest.mark.parametrize(("extra", "size"), [
+    ({}, 16),
+    ({"engine": {"extraArgs": ["--block-size=32"]}}, 32),
+    ({"engine": {"extraArgs": ["--block-size", "32"]}, "prefill": {"extraArgs": ["--block-size=64"]}}, 64),
+    ({"engine": {"device": "cpu"}, "prefill": {"resources": {"cpu": "4"}},
+      "decode": {"resources": {"cpu": "4"}}}, 128),
+    ({"engine": {"extraArgs": ["--block-size=big"]}}, 16),   # vLLM refuses it at start-up
+])
+def test_the_block_size_is_the_engines(extra: dict[str, Any], size: int) -> None:
+    spec = spec_of(**extra)
+    assert kvaware.block_size(spec) == size
+    assert last_flag_value(proxy_args("x", "ns", spec), "--kv-block-size") == str(size)
+
+
+@pytest.mark.parametrize(("version", "extra", "seed"), [
+    ("0.33", {}, None),                                                     # vLLM's fixed seed
+    ("0.32", {}, None),
+    ("0.24", {}, "0"),                                                      # random NONE_HASH without it
+    ("0.13", {}, "0"),
+    ("0.33", {"engine": {"extraArgs": ["--prefix-caching-hash-algo=xxhash"]}}, "0"),
+    ("0.33", {"engine": {"env": [{"name": "PYTHONHASHSEED", "value": "42"}]}}, "42"),   # the user's wins
+    ("0.24", {"prefill": {"env": [{"name": "PYTHONHASHSEED", "value": "7"}]},
+              "decode": {"env": [{"name": "PYTHONHASHSEED", "value": "7"}]}}, "7"),
+])
+def test_the_engines_and_the_proxy_share_the_none_hash_seed(version: str, extra: dict[str, Any],
+                                                            seed: str | None) -> None:
+    spec = spec_of(**{"engine": {"vllmVersion": version, **extra.get("engine", {})},
+                      **{k: v for k, v in extra.items() if k != "engine"}})
+    args = proxy_args("x", "ns", spec)
+    assert last_flag_value(args, "--kv-hash-seed") == seed
+    for role in ("prefill", "decode"):
+        env = engine.env(spec, role)  # type: ignore[arg-type]
+        assert [v.get("value") for v in env if v["name"] == "PYTHONHASHSEED"] == ([] if seed is None else [seed])
