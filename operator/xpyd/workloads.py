@@ -38,8 +38,8 @@ BLOCK_TOKENS = 512
 class Conversations:
     """How `conversations()` builds a multi-turn workload (see the module docstring)."""
 
-    conversations: int = 800
-    rate_per_s: float = 1.5
+    conversations: int = 3000
+    rate_per_s: float = 6.0
     mean_turns: float = 5.0
     system_prompts: int = 8
     system_tokens: int = 4096

@@ -68,6 +68,16 @@ def test_prefix_cache_prints_the_repeat_share_and_a_row_per_prefill_pool() -> No
     assert all(row[1].endswith("%") and int(row[2].replace(",", "")) > 0 for row in rows), out
 
 
+def test_kv_routing_prints_a_row_per_policy_and_writes_its_table_and_plot(tmp_path: Path) -> None:
+    out = run("kv_routing.py", "--prefill", "2", "--workloads", "mooncake", "--no-autoscaler", "--out", str(tmp_path))
+    rows = {cells[2]: cells for cells in (line.split(" | ") for line in out.splitlines())
+            if len(cells) == 11 and cells[0] == "| mooncake"}
+    assert set(rows) == {"RoundRobin", "LeastLoaded", "PowerOfTwo", "KVAware Routed", "KVAware Events", "ceiling"}, out
+    assert rows["ceiling"][4] == "100%", out
+    assert (tmp_path / "kv_routing.png").stat().st_size > 0
+    assert "python benchmarks/kv_routing.py --prefill 2" in (tmp_path / "kv_routing.md").read_text()
+
+
 def test_metrics_bench_prints_both_implementations_and_their_ratio() -> None:
     out = run("metrics_bench.py", "--requests", "200", "--rounds", "1")
     rows = {line.split()[0]: float(line.split()[1]) for line in out.splitlines()
