@@ -42,7 +42,7 @@ def with_source(module: str, digest: str) -> dict[str, Any]:
     (with_source("xpyd.sim.core", "0" * 64), "xpyd.sim.core changed since it was built"),
     (with_source("xpyd.traces", "1" * 64), "xpyd.traces changed since it was built"),
     ({**manifest(), "sources": {}}, "xpyd.autoscaler.observation, xpyd.kvcache.chains, xpyd.kvcache.index, "
-                                    "xpyd.kvcache.pool, "
+                                    "xpyd.kvcache.pool, xpyd.kvcache.scoring, "
                                     "xpyd.perf.model, xpyd.perf.shapes, xpyd.sim.core, xpyd.sim.policy, "
                                     "xpyd.sim.simulator, xpyd.traces changed since it was built"),
 ])
@@ -155,7 +155,8 @@ def test_the_command_line(monkeypatch: pytest.MonkeyPatch, tmp_path: Path, capsy
     write_manifest(tmp_path, json.dumps(native.fingerprint()))
     assert native.main(["build"]) == 0     # up to date: compiles nothing
     assert capsys.readouterr().out == (f"up to date: xpyd.sim.core, xpyd.sim.simulator, xpyd.perf.model, "
-                                       f"xpyd.kvcache.pool, xpyd.kvcache.chains, xpyd.kvcache.index in {tmp_path}\n")
+                                       f"xpyd.kvcache.pool, xpyd.kvcache.chains, xpyd.kvcache.index, xpyd.kvcache.scoring "
+                                       f"in {tmp_path}\n")
 
     for bad in ([], ["build", "--fast"], ["status", "extra"], ["compile"]):
         assert native.main(bad) == 2

@@ -39,7 +39,7 @@ from pathlib import Path
 from typing import Any
 
 MODULES = ("xpyd.sim.core", "xpyd.sim.simulator", "xpyd.perf.model", "xpyd.kvcache.pool", "xpyd.kvcache.chains",
-           "xpyd.kvcache.index")
+           "xpyd.kvcache.index", "xpyd.kvcache.scoring")
 """Compiled together (one mypyc group): calls between them stay native."""
 
 IMPORTED = ("xpyd.autoscaler.observation", "xpyd.perf.shapes", "xpyd.sim.policy", "xpyd.traces")

@@ -53,6 +53,7 @@ from xpyd.autoscaler.observation import Desired, Observation, Quantiles, RoleObs
 from xpyd.kvcache.chains import TraceKeys
 from xpyd.kvcache.index import PrefixIndex
 from xpyd.kvcache.pool import BlockKeys, BlockPool
+from xpyd.kvcache.scoring import decode_cost, hit_limit, prefill_cost
 from xpyd.sim.core import (
     ITL_BUCKETS,
     TTFT_BUCKETS,
@@ -416,13 +417,13 @@ class Simulator:
 
     def _route_kv(self, role: str, index: int, candidates: list[_Replica], keys: BlockKeys | None,
                   now: float) -> _Replica:
-        """KVAware: prefill to the least expected compute after this prompt (tokens it has to compute
-        plus `kv_weight` times this prompt's tokens not cached there), decode to the fewest outstanding
-        requests less `decode_credit` times the share of the prompt it holds; seeded random ties."""
+        """KVAware, scored as the proxy scores it (`kvcache.scoring`): prefill to the least expected
+        compute after this prompt, decode to the fewest outstanding requests less a credit for the
+        share of the prompt it holds; seeded random ties, drawn as `scoring.least` draws them."""
         routing = self.config.routing
         isl = self.trace[index].isl
         block_size = self.config.engine.block_size
-        limit = (isl - 1) // block_size
+        limit = hit_limit(isl, block_size)
         best = candidates[0]
         best_cost = 0.0
         best_hit = 0
@@ -435,9 +436,9 @@ class Simulator:
                 elif replica.core.pool is not None:
                     hit = replica.core.pool.lookup(keys, limit) * block_size
             if role == PREFILL:
-                cost = replica.outstanding_computed + routing.kv_weight * (isl - hit)
+                cost = prefill_cost(replica.outstanding_computed, isl, hit, routing.kv_weight)
             else:
-                cost = replica.outstanding_requests - routing.decode_credit * hit / isl
+                cost = decode_cost(replica.outstanding_requests, isl, hit, routing.decode_credit)
             if ties == 0 or cost < best_cost:
                 best, best_cost, best_hit, ties = replica, cost, hit, 1
             elif cost == best_cost:
