@@ -24,7 +24,7 @@ import math
 import tempfile
 from collections.abc import Iterator, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Final
 
 import requests
@@ -33,6 +33,7 @@ from prometheus_api_client.prometheus_connect import PrometheusConnect
 from urllib3.util.retry import Retry
 
 from xpyd.api.naming import LWS_GROUP_KEY_LABEL, LWS_SIZE_ANNOTATION, LWS_WORKER_INDEX_LABEL, ROLE_LABEL, SERVING_LABEL
+from xpyd.api.waiting import Held, held_by_pod
 from xpyd.autoscaler.observation import Observation, Quantiles, RoleObservation
 from xpyd.common.jsontypes import JSON
 from xpyd.common.netguard import NonLoopbackAddress, guard_url
@@ -309,6 +310,19 @@ def observation(results: Mapping[str, Samples], pods: Sequence[JSON], now: float
         ttft_seconds=_quantiles(results, "ttft") if proxied else Quantiles(),
         tpot_seconds=_quantiles(results, "tpot"),
         prefill=role_observation("prefill"), decode=role_observation("decode"))
+
+
+def held_requests(pods: Sequence[JSON]) -> Held:
+    """What the pool's proxies hold for a ready prefill and decode pair, summed over their pods'
+    `xpyd.io/RequestsWaiting` conditions (`api.waiting`): a pool at zero's demand, read from the
+    Kubernetes API (the operator's pod cache) rather than Prometheus, so it is seen at once."""
+    return sum((held_by_pod(pod) for pod in pods
+                if (pod.get("metadata", {}).get("labels") or {}).get(ROLE_LABEL) == "proxy"), Held())
+
+
+def with_held(observation: Observation, held: Held) -> Observation:
+    """`observation` with what the proxies hold."""
+    return replace(observation, held_requests=float(held.requests), held_prompt_tokens=float(held.prompt_tokens))
 
 
 def pods_only(pods: Sequence[JSON], now: float, window_s: float) -> Observation:

@@ -11,6 +11,12 @@ nothing is mutated; the same code runs in the operator and in `xpyd sim --policy
 
 The rules, in order (each named in the decision's CamelCase reason and message):
 
+0. Scale from zero: requests held by the proxies (`Observation.held_requests`, from their pods at
+   once, not from Prometheus) while a role has no ready replica bring both roles up together,
+   sized for what is held (`ScaleFromZero`): prefill drains the held prompt tokens within the
+   sizing horizon, decode admits every held request at once at its ITL/KV frontier batch. No metrics
+   are needed (a pool at zero has none), nothing ever shrinks here, and `scale_up.max_step` and the
+   bounds apply.
 1. Metrics check: missing, stale or contradictory metrics hold every role at its current size
    (`MetricsUnavailable`, `scaling_active=False`); bounds still apply, nothing else scales. Before the
    first finished request the pool holds as `NoTraffic` (requests arriving for two windows without
@@ -60,6 +66,14 @@ The rules, in order (each named in the decision's CamelCase reason and message):
    for at most twice the start-up time; min/max bounds apply last, at once.
 9. GPU budget: when P and D together want more GPUs than the budget, GPUs go one at a time to the
    role whose predicted SLO violation the next replica reduces most (`GPUBudgetBinding`).
+
+Scale to zero (only with `idle_s`, which `from_spec` sets when minReplicas is 0 on both roles), right
+after the metrics check: a pool with nothing arriving in the window, held, running or waiting is
+idle; once the decisions have seen it idle for `idle_s` both roles go to zero at once
+(`ScaleToZero`; any request or held one restarts the count). A pool at zero stays there
+(`IdleAtZero`) until requests are held (rule 0) or arrive without being held (no waiting room, or a
+full one: both roles to their minimum of one, `ScaleFromZero`). Missing metrics never scale a pool
+to zero: they hold it (rule 1).
 """
 
 from __future__ import annotations
@@ -106,9 +120,17 @@ BOUNDS = "ReplicaBounds"
 WITHIN_TARGETS = "WithinTargets"
 NO_TRAFFIC = "NoTraffic"
 METRICS_SETTLING = "MetricsSettling"
+SCALE_FROM_ZERO = "ScaleFromZero"
+SCALE_TO_ZERO = "ScaleToZero"
+IDLE_AT_ZERO = "IdleAtZero"
+
+#: Output tokens assumed for held requests while no answer has been seen yet (decode's batch at
+#: their context, `ISL + OSL/2`, sizes decode when the pool starts from zero).
+DEFAULT_WAKE_OSL = 256.0
 
 # Which reason speaks for the whole decision when several apply (first wins).
-_PRIORITY = (METRICS_UNAVAILABLE, INSUFFICIENT_GPUS, GPU_BUDGET, PREFILL_QUEUEING, DECODE_ADMISSION,
+_PRIORITY = (SCALE_FROM_ZERO, SCALE_TO_ZERO, IDLE_AT_ZERO,
+             METRICS_UNAVAILABLE, INSUFFICIENT_GPUS, GPU_BUDGET, PREFILL_QUEUEING, DECODE_ADMISSION,
              TPOT_OVER_TARGET, PREFILL_DEMAND, DECODE_DEMAND, BOUNDS, SCALE_DOWN, SCALE_DOWN_UNSAFE,
              SCALE_DOWN_GRACE, SCALE_DOWN_DEFERRED, WITHIN_TARGETS, NO_TRAFFIC, METRICS_SETTLING)
 
@@ -160,6 +182,7 @@ class AutoscalerConfig:
     burst_records: int = 16           # the most bursts remembered (the oldest go first)
     burst_max_utilisation: float = 0.8  # windows busier than this on average teach no burst
     queue_time_floor_s: float = 0.3   # vllm:request_queue_time_seconds' first bucket: below it no wait is visible
+    idle_s: float | None = None       # idle this long, both roles go to zero (None: never; minReplicas 0 on both)
 
     @property
     def grace_period_s(self) -> float:
@@ -193,7 +216,9 @@ class AutoscalerConfig:
             gpu_budget=spec.gpu_budget, prefill_gpus=prefill_gpus, decode_gpus=decode_gpus,
             interval_s=float(spec.interval_seconds), window_s=window_s, startup_s=float(spec.startup_seconds),
             scale_up=Pace(float(behavior.scale_up.stabilization_window_seconds), behavior.scale_up.max_step),
-            scale_down=Pace(float(behavior.scale_down.stabilization_window_seconds), behavior.scale_down.max_step))
+            scale_down=Pace(float(behavior.scale_down.stabilization_window_seconds), behavior.scale_down.max_step),
+            idle_s=float(spec.scale_to_zero.idle_seconds)
+            if spec.prefill.min_replicas == 0 and spec.decode.min_replicas == 0 else None)
 
 
 # --- state and decision ------------------------------------------------------------------------------
@@ -224,6 +249,7 @@ class AutoscalerState:
     osl: SeriesState = field(default_factory=SeriesState)
     isl_quantiles: Quantiles = field(default_factory=Quantiles)
     suspect_since_s: float = math.nan     # since when the metrics contradict themselves (or lack ISL/OSL)
+    idle_since_s: float = math.nan        # since when the decisions have seen the pool idle (scale to zero)
     prefill: RoleState = field(default_factory=RoleState)
     decode: RoleState = field(default_factory=RoleState)
 
@@ -434,6 +460,8 @@ def hold(observation: Observation, config: AutoscalerConfig, state: AutoscalerSt
 
 def decide(observation: Observation, config: AutoscalerConfig, state: AutoscalerState) -> Decision:
     """The replicas each role should have now, why, and the state for the next call (pure)."""
+    if waking(observation):
+        return _wake(observation, config, state)
     problem = metrics_problem(observation, state)
     if problem is not None:
         return hold(observation, config, state, problem)
@@ -446,6 +474,11 @@ def decide(observation: Observation, config: AutoscalerConfig, state: Autoscaler
             return hold(observation, config, waited, f"{suspicion} (for {now - since:.0f}s)")
         return hold(observation, config, waited, f"{suspicion}: waiting a window for the scrapes to agree",
                     METRICS_SETTLING)
+    if config.idle_s is not None:
+        zero = _zero(observation, config, state)
+        if isinstance(zero, Decision):
+            return zero
+        state = zero
     forecaster = config.forecaster
 
     # Forecast the load over the start-up delay.
@@ -543,13 +576,16 @@ def decide(observation: Observation, config: AutoscalerConfig, state: Autoscaler
         roles, budget_binding = _apply_budget(roles, config, plan, k_prefill)
 
     new_state = AutoscalerState(time_s=now, rate=rate_series, isl=isl_series, osl=osl_series,
-                                isl_quantiles=isl_quantiles, prefill=role_states[PREFILL], decode=role_states[DECODE])
+                                isl_quantiles=isl_quantiles, idle_since_s=state.idle_since_s,
+                                prefill=role_states[PREFILL], decode=role_states[DECODE])
     prefill, decode = roles[PREFILL], roles[DECODE]
     candidates = [r for r in (prefill, decode) if r.replicas != r.current] or [prefill, decode]
     lead = min(candidates, key=lambda r: _PRIORITY.index(r.reason))
     reason = GPU_BUDGET if budget_binding else lead.reason
     # The role that leads the decision speaks first (Events and the status show the message's start).
     message = "; ".join(r.message for r in sorted((prefill, decode), key=lambda r: r is not lead))
+    if config.idle_s is not None and math.isfinite(state.idle_since_s):
+        message += f"; idle {now - state.idle_since_s:.0f}s of the {config.idle_s:.0f}s before scaling to zero"
     return Decision(prefill, decode, reason, message, pd_ratio(plan.prefill_replicas, plan.decode.replicas),
                     new_state, scaling_active=True,
                     degraded_reason=INSUFFICIENT_GPUS if blocked else None, budget_binding=budget_binding)
@@ -907,3 +943,103 @@ def _apply_budget(roles: dict[str, RoleDecision], config: AutoscalerConfig, plan
                 f"{name[0].upper()} {decision.current}->{given[name]} (wanted {decision.replicas}): GPU budget "
                 f"{budget} binds; each GPU went to the role whose predicted SLO violation it cut most"))
     return out, True
+
+
+# --- scaling to zero and back --------------------------------------------------------------------------
+
+
+def waking(observation: Observation) -> bool:
+    """Whether rule 0 decides: requests are held while a role has no ready replica (no metrics needed)."""
+    return observation.held_requests > 0 and _cold(observation)
+
+
+def _cold(observation: Observation) -> bool:
+    """Whether the pool cannot serve now: a role has no ready replica."""
+    return observation.prefill.ready == 0 or observation.decode.ready == 0
+
+
+def _idle(observation: Observation) -> bool:
+    """Nothing arrived in the window, and nothing is held, running or waiting anywhere."""
+    roles = (observation.prefill, observation.decode)
+    return (observation.request_rate <= 0 and observation.held_requests <= 0
+            and all(r.num_requests_running <= 0 and r.num_requests_waiting <= 0 for r in roles))
+
+
+def _wake(observation: Observation, config: AutoscalerConfig, state: AutoscalerState) -> Decision:
+    """Requests held at a pool that cannot serve: both roles up together, each to at least one and to
+    what the held requests need (rule 0 of the module docstring); never down."""
+    now = observation.time_s
+    held, tokens = observation.held_requests, observation.held_prompt_tokens
+    known_isl = state.isl.level if state.isl.level > 0 else 1.0
+    isl = tokens / held if tokens > 0 else known_isl
+    osl = state.osl.level if state.osl.level > 0 else DEFAULT_WAKE_OSL
+    model = config.model
+    per_replica = model.mix_tokens_per_s(PromptMix.from_quantiles(isl, None, config.default_isl_cs2),
+                                         state.prefill.correction)
+    drain_s = drain_budget_s(config)
+    batch, _, limit = model.decode_frontier(isl + osl / 2.0, state.decode.correction)
+    needs = {PREFILL: math.ceil(held * isl / (per_replica * drain_s) - 1e-9), DECODE: math.ceil(held / batch - 1e-9)}
+    why = {PREFILL: f"{_kilo(held * isl)} prompt tokens drained within {drain_s:.0f}s at {_kilo(per_replica)} tok/s",
+           DECODE: f"{held:.0f} sequences at once at b*={batch} ({limit}-bound, ctx {isl + osl / 2:.0f})"}
+    sizes: dict[str, int] = {}
+    for name, role in ((PREFILL, observation.prefill), (DECODE, observation.decode)):
+        current = role.replicas + role.pending
+        bounds = config.bounds(name)
+        wanted = max(current, min(max(needs[name], 1), current + config.scale_up.max_step))
+        sizes[name] = min(max(wanted, bounds.min_replicas, 1), bounds.max_replicas)
+    gpus = {PREFILL: config.prefill_gpus, DECODE: config.decode_gpus}
+    while config.gpu_budget is not None and sum(sizes[n] * gpus[n] for n in sizes) > config.gpu_budget:
+        larger = max((n for n in sizes if sizes[n] > 1), key=lambda n: sizes[n] * gpus[n], default=None)
+        if larger is None:
+            break
+        sizes[larger] -= 1
+    roles: dict[str, RoleDecision] = {}
+    role_states: dict[str, RoleState] = {}
+    for name, role in ((PREFILL, observation.prefill), (DECODE, observation.decode)):
+        current = role.replicas + role.pending
+        letter = name[0].upper()
+        starting = f" ({role.starting + role.pending} starting)" if sizes[name] == current else ""
+        roles[name] = RoleDecision(current, sizes[name], max(needs[name], 1), SCALE_FROM_ZERO,
+                                   f"{letter} {current}->{sizes[name]}{starting}: {why[name]}")
+        role_state = state.role(name)
+        role_states[name] = replace(role_state, last_scale_up_s=now) if sizes[name] > current else role_state
+    missing = [n for n, r in ((PREFILL, observation.prefill), (DECODE, observation.decode)) if r.ready == 0]
+    message = (f"{held:.0f} request(s) held by the proxies ({_kilo(tokens)} prompt tokens) while "
+               f"{' and '.join(missing)} {'have' if len(missing) > 1 else 'has'} no ready replica: "
+               f"{roles[PREFILL].message}; {roles[DECODE].message}")
+    new_state = replace(state, idle_since_s=math.nan, prefill=role_states[PREFILL], decode=role_states[DECODE])
+    return Decision(roles[PREFILL], roles[DECODE], SCALE_FROM_ZERO, message,
+                    pd_ratio(sizes[PREFILL], sizes[DECODE]), new_state)
+
+
+def _zero(observation: Observation, config: AutoscalerConfig, state: AutoscalerState) -> Decision | AutoscalerState:
+    """The scale-to-zero rule (module docstring): a decision when it decides (to zero, from zero on
+    arrivals nobody held, or at zero), else the state with the idle time counted, for the other rules."""
+    assert config.idle_s is not None
+    now = observation.time_s
+    pool = (observation.prefill, observation.decode)
+    current = [role.replicas + role.pending for role in pool]
+    if not any(current):
+        if observation.request_rate > 0:  # arriving, not held: no waiting room, or a full one
+            sizes = [min(max(1, config.bounds(name).min_replicas), config.bounds(name).max_replicas)
+                     for name in (PREFILL, DECODE)]
+            message = f"{observation.request_rate:.2f} req/s arrive at a pool at zero (none held by the proxies)"
+            roles = [RoleDecision(0, size, size, SCALE_FROM_ZERO, f"{name[0].upper()} 0->{size}: {message}")
+                     for name, size in zip((PREFILL, DECODE), sizes, strict=True)]
+            woken = replace(state, time_s=now, idle_since_s=math.nan,
+                            prefill=replace(state.prefill, last_scale_up_s=now),
+                            decode=replace(state.decode, last_scale_up_s=now))
+            return Decision(roles[0], roles[1], SCALE_FROM_ZERO, message, pd_ratio(*sizes), woken)
+        message = "P and D at zero: nothing arrived in the window, nothing held, running or waiting"
+        roles = [RoleDecision(0, 0, 0, IDLE_AT_ZERO, message) for _ in pool]
+        return Decision(roles[0], roles[1], IDLE_AT_ZERO, message, "0:0", replace(state, time_s=now))
+    if not _idle(observation):
+        return replace(state, idle_since_s=math.nan)
+    since = state.idle_since_s if math.isfinite(state.idle_since_s) else now
+    if now - since < config.idle_s:
+        return replace(state, idle_since_s=since)
+    message = (f"idle for {now - since:.0f}s (at least {config.idle_s:.0f}s): nothing arrived in the "
+               f"{observation.window_s:.0f}s window, nothing held, running or waiting")
+    roles = [RoleDecision(n, 0, 0, SCALE_TO_ZERO, f"{name[0].upper()} {n}->0: {message}")
+             for name, n in zip((PREFILL, DECODE), current, strict=True)]
+    return Decision(roles[0], roles[1], SCALE_TO_ZERO, message, "0:0", replace(state, time_s=now, idle_since_s=since))

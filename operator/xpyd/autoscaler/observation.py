@@ -64,11 +64,15 @@ class Observation:
     tpot_seconds: Quantiles = field(default_factory=Quantiles)   # client-side TPOT at the proxy
     prefill: RoleObservation = field(default_factory=RoleObservation)
     decode: RoleObservation = field(default_factory=RoleObservation)
+    # Held in the proxies' waiting rooms for a ready prefill and decode pair (a pool at zero, starting):
+    # from the proxies' pods at once (their xpyd.io/RequestsWaiting condition), not from Prometheus.
+    held_requests: float = 0.0
+    held_prompt_tokens: float = 0.0     # their prompt tokens, as the proxies estimate them
 
 
 @dataclass(frozen=True)
 class Desired:
-    """Replica counts a policy wants (the simulator keeps at least one of each)."""
+    """Replica counts a policy wants (the simulator keeps at least its `min_replicas` of each)."""
 
     prefill: int
     decode: int

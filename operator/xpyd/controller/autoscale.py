@@ -52,6 +52,7 @@ from xpyd.autoscaler.decide import (
     Decision,
     decide,
     hold,
+    waking,
 )
 from xpyd.autoscaler.observation import Observation
 from xpyd.autoscaler.profile import ProfileError, perf_model
@@ -271,9 +272,14 @@ class Autoscaler:
 
     # --- one decision -----------------------------------------------------------------------------
 
-    def step(self, body: JSON) -> bool:
+    def step(self, body: JSON, wake: bool = False) -> bool:
         """One decision for `body` (read fresh by the caller, under its lock). Returns whether the
-        children's replicas must be reconciled (Auto mode and the desired replicas changed)."""
+        children's replicas must be reconciled (Auto mode and the desired replicas changed).
+
+        A pool whose proxies hold requests while a role has no ready replica (a pool at zero, or
+        starting from it) is decided from its pods alone, without Prometheus: its demand is in the
+        proxies' pod conditions, and a pool at zero has no engine metrics. With `wake` (a proxy's
+        condition changed: `controller.handlers`), only such a pool is decided, at once."""
         meta = body["metadata"]
         namespace, name = meta["namespace"], meta["name"]
         try:
@@ -294,7 +300,15 @@ class Autoscaler:
                 max_age = window + 2 * autoscaling.interval_seconds
                 memory = self._memory[(namespace, name)] = _Memory(
                     uid=meta.get("uid", ""), state=restored(namespace, name, old_status, now - max_age))
-        memory.last_run_s, memory.generation = now, meta.get("generation")
+        scope = collect.Scope(namespace, name, autoscaling.prometheus.window_seconds)
+        pods = self.kube.list_objects("v1", "Pod", namespace, collect.pool_selector(name))
+        held = collect.held_requests(pods)
+        bare = collect.with_held(collect.pods_only(pods, now, float(scope.window_s)), held)
+        if wake and not waking(bare):
+            return False  # it can serve, or nothing is held: the regular decisions see to it
+        if not wake:
+            memory.last_run_s = now
+        memory.generation = meta.get("generation")
         stamp = rfc3339(now)
 
         try:
@@ -307,16 +321,18 @@ class Autoscaler:
                 self.kube.event(body, "Warning", PROFILE_UNAVAILABLE, str(error))
             return False
         config = config_for(serving, perf)
-        pods = self.kube.list_objects("v1", "Pod", namespace, collect.pool_selector(name))
-        scope = collect.Scope(namespace, name, autoscaling.prometheus.window_seconds)
-        try:
-            access = prometheus_access(autoscaling.prometheus, lambda kind, ref: self._read(kind, namespace, ref))
-            results = self.prometheus(autoscaling.prometheus.url, access).collect(scope, now)
-            observation = collect.observation(results, pods, now, scope)
+        if waking(bare):
+            observation = bare
             decision = decide(observation, config, memory.state)
-        except collect.MetricsError as error:
-            observation = collect.pods_only(pods, now, float(scope.window_s))
-            decision = hold(observation, config, memory.state, str(error))
+        else:
+            try:
+                access = prometheus_access(autoscaling.prometheus, lambda kind, ref: self._read(kind, namespace, ref))
+                results = self.prometheus(autoscaling.prometheus.url, access).collect(scope, now)
+                observation = collect.with_held(collect.observation(results, pods, now, scope), held)
+                decision = decide(observation, config, memory.state)
+            except collect.MetricsError as error:
+                observation = bare
+                decision = hold(observation, config, memory.state, str(error))
         memory.state = decision.state
         self.metrics.decisions.labels(namespace, name, decision.reason).inc()
         if not decision.scaling_active:
@@ -328,7 +344,10 @@ class Autoscaler:
         previous = (old_status.get("autoscaler") or {}).get("lastDecision") or {}
         recorded = {"time": stamp, "prefill": decision.prefill.replicas, "decode": decision.decode.replicas,
                     "reason": decision.reason, "message": decision.message[:4096]}
-        autoscaler_status = {"lastDecision": recorded, "observed": observed_load(observation, config.percentile),
+        observed = (observed_load(observation, config.percentile) if not waking(observation)
+                    else dict((old_status.get("autoscaler") or {}).get("observed") or {}))  # no metrics read
+        observed["heldRequests"] = held.requests
+        autoscaler_status = {"lastDecision": recorded, "observed": observed,
                              "recommendedRatio": decision.recommended_ratio, "profile": perf.description}
         if previous and all(previous.get(k) == recorded[k] for k in ("prefill", "decode", "reason", "message")):
             autoscaler_status["lastDecision"] = previous  # nothing new was decided: keep its time

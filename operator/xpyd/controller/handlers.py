@@ -17,6 +17,10 @@
   deleting a DisaggregatedServing hang whenever the operator is not running) starts a decision for
   every object whose decision is due, each in its own worker, so one slow Prometheus delays no
   other pool; a decision that changes replicas in Auto mode queues the pool's reconcile.
+- The demand signal of a pool at zero: when the pod watch sees a proxy's `xpyd.io/RequestsWaiting`
+  condition report held requests (`api.waiting`), a decision starts at once (`wake`), outside the
+  loop's schedule, and decides from the pool's pods alone (`Autoscaler.step(wake=True)`): the
+  scale-up from zero waits neither for the loop's tick nor for Prometheus.
 - With leader election (`elector`, see xpyd.controller.leader), every replica keeps its caches
   warm, but only the one holding the Lease runs workers, resyncs and autoscaler decisions: they
   start (every pool queued) when it acquires the Lease and stop when it loses it. Its writes are
@@ -40,7 +44,8 @@ import kopf
 
 from xpyd.api import models
 from xpyd.api.conditions import KV_TRANSFER_POD_CONDITION
-from xpyd.api.naming import FIELD_MANAGER, SERVING_LABEL
+from xpyd.api.naming import FIELD_MANAGER, ROLE_LABEL, SERVING_LABEL
+from xpyd.api.waiting import Held, held_by_pod
 from xpyd.common.jsontypes import JSON
 from xpyd.controller.autoscale import Autoscaler
 from xpyd.controller.leader import LeaderElector
@@ -105,6 +110,13 @@ def pod_signal(pod: JSON | None) -> tuple[Any, ...]:
     return bool((pod.get("metadata") or {}).get("deletionTimestamp")), tuple(read), tuple(waiting)
 
 
+def held_signal(pod: JSON | None) -> Held:
+    """What a proxy pod says it holds for a ready pair (nothing for any other pod)."""
+    if pod is None or ((pod.get("metadata") or {}).get("labels") or {}).get(ROLE_LABEL) != "proxy":
+        return Held()
+    return held_by_pod(pod)
+
+
 def is_urgent(kind: Kind, old: JSON | None, new: JSON | None) -> bool:
     """Whether an event may need a child written (a new or changed DisaggregatedServing, a deleted
     or edited child), rather than only a status refreshed (a child's or a pod's status moved; the
@@ -156,6 +168,10 @@ class OperatorState:
     _locks_guard: threading.Lock = field(default_factory=threading.Lock)
     _threads: list[threading.Thread] = field(default_factory=list)
     _deciding: set[Key] = field(default_factory=set)
+    #: Pools woken while a decision of theirs ran: decided again when it ends.
+    _rewake: set[Key] = field(default_factory=set)
+    #: How many wake-ups started a decision (for tests and the operator's log).
+    wakes: int = 0
     _decisions: ThreadPoolExecutor | None = None
     tasks: list[asyncio.Task[None]] = field(default_factory=list)
     lws: LeaderWorkerSetSupport = field(init=False)
@@ -207,15 +223,17 @@ class OperatorState:
             log.info("reconciled %s/%s: created %s, updated %s, status %s", namespace, name,
                      outcome.created or "-", outcome.updated or "-", "written" if outcome.status_written else "-")
 
-    def autoscale(self, namespace: str, name: str) -> None:
-        """One autoscaler decision for the object; in Auto mode, a change of replicas queues its reconcile."""
+    def autoscale(self, namespace: str, name: str, wake: bool = False) -> None:
+        """One autoscaler decision for the object (`wake`: only if it is cold with requests held); in
+        Auto mode, a change of replicas queues its reconcile."""
         assert self.autoscaler is not None
         with self.lock(namespace, name):
             body = self.kube.get(models.API_VERSION, models.KIND, namespace, name)
             if body is None or body["metadata"].get("deletionTimestamp"):
-                self.autoscaler.forget(namespace, name)
+                if not wake:
+                    self.autoscaler.forget(namespace, name)
                 return
-            actuate = self.autoscaler.step(body)
+            actuate = self.autoscaler.step(body, wake=wake)
         if actuate:
             self.queue.add((namespace, name), urgent=True)
 
@@ -224,8 +242,14 @@ class OperatorState:
     def changed(self, kind: Kind, old: JSON | None, new: JSON | None) -> None:
         """A watch event (from a reflector's thread): queue the pool it concerns, urgently when the
         event may need a write to a child (see `is_urgent`)."""
-        if kind.kind == "Pod" and pod_signal(old) == pod_signal(new):
-            return
+        if kind.kind == "Pod":
+            held = held_signal(new)
+            if held.requests > 0 and held != held_signal(old):
+                key = owner_of(kind, new or {})
+                if key is not None:
+                    self.wake(key)
+            if pod_signal(old) == pod_signal(new):
+                return
         key = owner_of(kind, new or old or {})
         if key is not None:
             self.queue.add(key, urgent=is_urgent(kind, old, new))
@@ -330,9 +354,29 @@ class OperatorState:
             self._decisions.submit(self._decide, key)
         self.autoscaler.forget_absent({_key(body) for body in bodies}, listed)
 
-    def _decide(self, key: Key) -> None:
+    def wake(self, key: Key) -> None:
+        """A proxy of the pool reports held requests (from a reflector's thread): decide now, from
+        the pool's pods (see the module docstring); once more after a decision already running."""
+        if self.autoscaler is None or not self.acting():
+            return
+        with self._locks_guard:
+            if key in self._deciding:
+                self._rewake.add(key)
+                return
+            self._deciding.add(key)
+            if self._decisions is None:
+                self._decisions = ThreadPoolExecutor(max_workers=self.workers, thread_name_prefix="autoscale")
+            self.wakes += 1
+            decisions = self._decisions
         try:
-            self.autoscale(*key)
+            decisions.submit(self._decide, key, True)
+        except RuntimeError:  # shut down: the operator is stopping
+            with self._locks_guard:
+                self._deciding.discard(key)
+
+    def _decide(self, key: Key, wake: bool = False) -> None:
+        try:
+            self.autoscale(*key, wake=wake)
         except (KubeError, InvalidSpec) as error:
             log.warning("autoscaler decision for %s/%s failed, will retry: %s", *key, error)
         except Exception:  # a bug in one object's decision must not stop the others' (or the loop)
@@ -340,6 +384,10 @@ class OperatorState:
         finally:
             with self._locks_guard:
                 self._deciding.discard(key)
+                again = key in self._rewake
+                self._rewake.discard(key)
+            if again:
+                self.wake(key)
 
 
 def configure_settings(settings: kopf.OperatorSettings) -> None:

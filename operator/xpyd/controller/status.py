@@ -148,7 +148,12 @@ def compute_status(spec: DisaggregatedServingSpec, observed: Observed, old_statu
         "proxy": proxy_status["readyReplicas"],
     }
     missing = [c for c, n in ready_counts.items() if n == 0]
-    if all(observed.desired[c] == 0 for c in ready_counts):
+    at_zero = spec.autoscaling.scales_to_zero and observed.desired["prefill"] == observed.desired["decode"] == 0
+    if at_zero and ready_counts["proxy"] > 0:
+        ready = ConditionValue(ConditionType.READY, True, reasons.IDLE_AT_ZERO,
+                               f"prefill and decode are scaled to zero (idle); {ready_counts['proxy']} proxy pod(s) "
+                               f"ready hold requests for up to {spec.autoscaling.wait_seconds} s while both start")
+    elif all(observed.desired[c] == 0 for c in ready_counts):
         ready = ConditionValue(ConditionType.READY, False, reasons.SCALED_TO_ZERO, "every pool has 0 replicas")
     elif missing:
         ready = ConditionValue(ConditionType.READY, False, reasons.role_unavailable(missing[0]),
