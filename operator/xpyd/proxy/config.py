@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import aiohttp
 
 from xpyd.api.models import Connector, RoutingPolicy
 from xpyd.proxy import protocol
+from xpyd.proxy.kvrouting import KVSettings
 
 
 @dataclass(frozen=True)
@@ -51,6 +52,8 @@ class ProxyConfig:
     lmcache_init_port: int = protocol.LMCACHE_INIT_PORT
     lmcache_alloc_port: int = protocol.LMCACHE_ALLOC_PORT
     decode_tensor_parallel_size: int = 1
+    #: KVAware routing's index, weights and what the engines hash with (`--kv-*`).
+    kv: KVSettings = field(default_factory=KVSettings)
     seed: int | None = None
 
 

@@ -24,6 +24,7 @@ from xpyd.common.jsontypes import JSON
 from xpyd.proxy import protocol
 from xpyd.proxy.config import ProxyConfig
 from xpyd.proxy.health import HealthProber
+from xpyd.proxy.kvrouting import KVRequest
 from xpyd.proxy.metrics import ProxyMetrics
 from xpyd.proxy.pool import Instance, Pool
 from xpyd.proxy.validation import ClientRequest, error_body
@@ -82,6 +83,8 @@ class Context:
     #: Every reference proxy does the same (`toy_proxy_server.py`, `toy_push_proxy_server.py`,
     #: `mooncake_connector_proxy.py`: a new uuid4 per request, the same on both legs).
     upstream_id: str = ""
+    #: KVAware routing's view of the prompt (None under the other policies).
+    kv: KVRequest | None = None
 
     def new_attempt(self) -> str:
         """Start an attempt: count it and mint its upstream id (returned)."""
@@ -287,7 +290,8 @@ class Legs:
                            extra_headers: dict[str, str] | None = None) -> JSON:
         """The prefill leg; its JSON answer, PrefillFailed, or UpstreamAnswer for a 4xx."""
         tokens = context.parsed.prompt_tokens
-        instance.acquire(tokens)
+        computed = context.kv.computed(instance.url) if context.kv is not None else None
+        instance.acquire(tokens, computed)
         started = time.monotonic()
         result = "error"
         status: int | None = None
@@ -331,7 +335,7 @@ class Legs:
             result = "cancelled"
             raise
         finally:
-            instance.release(tokens)
+            instance.release(tokens, computed)
             if status is not None:
                 instance.answered(time.monotonic())
             self.pools["prefill"].forget_if_done(instance)

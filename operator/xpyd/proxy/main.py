@@ -44,7 +44,7 @@ from xpyd.api.models import (
     Connector,
     RoutingPolicy,
 )
-from xpyd.proxy import protocol
+from xpyd.proxy import kvrouting, protocol
 from xpyd.proxy.config import ProxyConfig
 from xpyd.proxy.server import API_KEY_ENV, Proxy
 
@@ -65,7 +65,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--routing-policy", default=RoutingPolicy.LEAST_LOADED.value,
                         choices=[p.value for p in RoutingPolicy],
                         help="LeastLoaded: fewest outstanding prompt tokens (prefill) or requests (decode), ties "
-                        "random; PowerOfTwo: the less loaded of two random instances; RoundRobin")
+                        "random; PowerOfTwo: the less loaded of two random instances; RoundRobin; KVAware: where the "
+                        "prompt's prefix is cached, weighed against load (see the --kv-* flags)")
     parser.add_argument("--served-model-name", default=None,
                         help="model name clients must use (others get 404); unset: any name passes through")
     where = parser.add_argument_group("engines (Kubernetes pods, or fixed URLs)")
@@ -143,6 +144,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     connectors.add_argument("--decode-tensor-parallel-size", type=int, default=1, metavar="N",
                             help="LMCacheConnectorV1: the decode engines' --tensor-parallel-size (one init and "
                             "one alloc port per rank)")
+    kvrouting.add_arguments(parser)
     parser.add_argument("--event-loop", default="auto", choices=("auto", "uvloop", "asyncio"),
                         help="auto (default): uvloop where it is installed (a dependency except on Windows), "
                         "else asyncio's")
@@ -189,6 +191,7 @@ def config_from_args(args: argparse.Namespace) -> ProxyConfig:
         lmcache_init_port=args.lmcache_init_port,
         lmcache_alloc_port=args.lmcache_alloc_port,
         decode_tensor_parallel_size=args.decode_tensor_parallel_size,
+        kv=kvrouting.settings_from_args(args),
     )
 
 
@@ -198,6 +201,8 @@ def _check(args: argparse.Namespace) -> str | None:
     static = bool(args.prefill or args.decode)
     if kube == static:
         return "give either --prefill-selector and --decode-selector (Kubernetes) or --prefill and --decode URLs"
+    if (kv_problem := kvrouting.problem(args)) is not None:
+        return kv_problem
     if kube and not (args.prefill_selector and args.decode_selector):
         return "--prefill-selector and --decode-selector go together"
     if static and not args.decode:

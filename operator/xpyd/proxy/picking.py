@@ -11,6 +11,8 @@ breaking keeps them from herding onto the same idle instance.
 - PowerOfTwo: two distinct candidates drawn at random, the less loaded of the two (ties random);
   nearly as balanced as LeastLoaded and less prone to herding when many proxies share a pool.
 - RoundRobin: candidates in a stable order (by name), one after another, ignoring load.
+- KVAware: scored per request by `xpyd.proxy.kvrouting` (where the prompt's prefix is cached, weighed
+  against load); a pick without a request (`/v1/models`, the decode-only fallback) is LeastLoaded's.
 
 Pairing: a prefill and a decode instance may serve one request only when their KV compatibility
 hashes (the pods' `xpyd.io/kv-compat` label, `xpyd.render.compat`) are equal; an instance without

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import math
 import random
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Final
 from urllib.parse import urlsplit
@@ -84,6 +84,9 @@ class Instance:
     evidence: int = 0
     outstanding_requests: int = 0
     outstanding_tokens: int = 0
+    #: Prefill: the prompt tokens of its legs it is expected to compute (those KVAware routing expected
+    #: cached there left out; every token under the other policies).
+    outstanding_computed: int = 0
     zmq_address: str | None = None
     #: NixlPushConnector: the prefill engine's identity per data-parallel rank, learnt from its answers.
     push_identities: dict[int, dict[str, Any]] = field(default_factory=dict)
@@ -123,15 +126,18 @@ class Instance:
         """Outstanding prompt tokens for prefill, outstanding requests for decode."""
         return float(self.outstanding_tokens if self.role == "prefill" else self.outstanding_requests)
 
-    def acquire(self, tokens: int = 0) -> None:
-        """Count a leg (and its prompt tokens) against this instance."""
+    def acquire(self, tokens: int = 0, computed: int | None = None) -> None:
+        """Count a leg (and its prompt tokens, of which `computed` are expected to be computed: all of
+        them when None) against this instance."""
         self.outstanding_requests += 1
         self.outstanding_tokens += tokens
+        self.outstanding_computed += tokens if computed is None else computed
 
-    def release(self, tokens: int = 0) -> None:
+    def release(self, tokens: int = 0, computed: int | None = None) -> None:
         """A leg counted by `acquire` finished."""
         self.outstanding_requests -= 1
         self.outstanding_tokens -= tokens
+        self.outstanding_computed -= tokens if computed is None else computed
 
     def answered(self, now: float) -> None:
         """The engine's answer to a leg ended at `now` (time.monotonic()): it was busy until then."""
@@ -244,11 +250,15 @@ class Pool:
         """The candidate the routing policy picks, or None."""
         return self.choose(self.candidates(now, exclude))
 
-    def choose(self, candidates: Sequence[Instance]) -> Instance | None:
-        """The one of `candidates` (some of this pool's `candidates()`) the routing policy picks, or None."""
+    def choose(self, candidates: Sequence[Instance],
+               chooser: Callable[[Sequence[Instance]], Instance] | None = None) -> Instance | None:
+        """The one of `candidates` (some of this pool's `candidates()`) the routing policy picks, or None.
+        `chooser`: the request's own pick (KVAware routing scores each candidate for its prompt)."""
         if not candidates:
             return None
         self.turn += 1
+        if chooser is not None:
+            return chooser(candidates)
         return pick(self.policy, candidates, load=Instance.load, name=lambda i: i.url, rng=self.rng, turn=self.turn)
 
     def counts(self) -> dict[str, int]:

@@ -46,6 +46,7 @@ from typing import Final
 import aiohttp
 from aiohttp import web
 
+from xpyd.api.models import RoutingPolicy
 from xpyd.api.naming import KV_COMPAT_LABEL, ROLES, Role
 from xpyd.common import exposition
 from xpyd.common.jsontypes import JSON
@@ -53,6 +54,7 @@ from xpyd.proxy import protocol
 from xpyd.proxy.config import ProxyConfig, client_timeouts
 from xpyd.proxy.health import HealthProber
 from xpyd.proxy.kvhealth import EngineTransferFailures, PairHealth
+from xpyd.proxy.kvrouting import KVRouting
 from xpyd.proxy.legs import Context, DecodeFailed, Legs, PrefillFailed, UpstreamAnswer
 from xpyd.proxy.metrics import Gauge, GaugeSample, ProxyMetrics
 from xpyd.proxy.picking import pairable, partners
@@ -108,6 +110,7 @@ class Proxy:
         self.kv_health = PairHealth()
         self.kv_engines = EngineTransferFailures()
         self.waiting = WaitingRoom(config.wait_max_requests, config.wait_max_bytes, config.wait_timeout)
+        self.kv = KVRouting(config.kv, self.rng) if config.routing_policy == RoutingPolicy.KV_AWARE else None
         self._timeouts = client_timeouts(config)
         self._sources: dict[Role, dict[str, list[Endpoint]]] = {role: {} for role in ROLES}
         self.in_flight = 0
@@ -142,7 +145,8 @@ class Proxy:
         m = self.metrics
         self.registry = exposition.registry([m.requests, m.rejected, m.ttft, m.stream_ttft, m.duration, m.legs,
                                              m.retries, m.fallbacks, m.breaker_trips, m.kv_handoff_failures,
-                                             *self._gauges, *self.waiting.collectors()])
+                                             *self._gauges, *self.waiting.collectors(),
+                                             *(self.kv.collectors(self.pools) if self.kv else ())])
 
     # -- life ----------------------------------------------------------------------------------
 
@@ -185,6 +189,8 @@ class Proxy:
     async def close(self) -> None:
         """Stop probing and close upstream connections."""
         tasks = [t for t in (self._prober, *self._tasks) if t is not None]
+        if self.kv is not None:
+            await self.kv.close()
         for task in tasks:
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
@@ -218,6 +224,8 @@ class Proxy:
         instances = {url for pool in self.pools.values() for url in pool.instances}
         self.kv_health.forget({url for pair in self.kv_health.pairs for url in pair} - instances)
         self.kv_engines.forget(set(self.kv_engines.last) - instances)
+        if self.kv is not None:
+            self.kv.update(self.pools)
         self.waiting.poke()
 
     def _spawn(self, coroutine: Awaitable[None]) -> None:
@@ -322,6 +330,8 @@ class Proxy:
         retrying: str | None = None  # the role whose failed leg the next attempt sends again
         kv_compat: str | None = None  # the compatibility hash of the prefill whose KV is reusable
         kv_source: Instance | None = None  # the prefill whose KV the next decode leg reads
+        if self.kv is not None:  # KVAware: the prompt's block keys (its token ids from /tokenize if need be)
+            context.kv = await self.kv.prepare(context, self.candidates(time.monotonic())[0], self._session)
         while True:
             prefills, decodes = self.candidates(time.monotonic(), tried_prefill, tried_decode)
             if reusable is not None and not partners(decodes, kv_compat, _compat):
@@ -336,7 +346,8 @@ class Proxy:
                 if not decodes:
                     raise RequestError(503, "No decode instance is available.")
                 prefill = self.pools["prefill"].choose(self._healthy_pairs(pairable(prefills, decodes, _compat),
-                                                                           decodes, time.monotonic()))
+                                                                           decodes, time.monotonic()),
+                                                       self.kv.chooser("prefill", context.kv) if self.kv else None)
                 if prefill is None and decode_failures:  # pairs there were; the request's failed
                     raise RequestError(503, f"Decode failed on {decode_failures} instance(s); no other decode "
                                             "instance pairs with a prefill instance.")
@@ -345,7 +356,8 @@ class Proxy:
                     return await self._without_prefill(context, reason, tried_decode)
                 kv_compat, kv_source = prefill.compat, prefill
             decode = self.pools["decode"].choose(self._healthy_partners(
-                kv_source, partners(decodes, kv_compat, _compat), time.monotonic()))
+                kv_source, partners(decodes, kv_compat, _compat), time.monotonic()),
+                self.kv.chooser("decode", context.kv) if self.kv else None)
             assert decode is not None  # a prefill is only chosen with partners, a reuse only kept with some
             if retrying is not None:  # counted once there is an instance to retry on
                 self.metrics.retries.inc(retrying)
