@@ -64,9 +64,9 @@ class EventMetrics:
         self.gaps = Counter("xpyd_proxy_kv_event_gaps_total", "Gaps in an engine's KV event numbers, by outcome: "
                             "replayed, or lost (the engine's index cleared and rebuilt), or restart.", ("outcome",))
         self.malformed = Counter("xpyd_proxy_kv_event_malformed_total", "KV event messages that could not be "
-                                 "decoded (skipped).", ())
+                                 "decoded (skipped), by role.", ("role",))
         self.lag = Histogram("xpyd_proxy_kv_event_lag_seconds", "From an engine's scheduler step (the batch's "
-                             "timestamp) to its events in the proxy's index.", (), buckets=LAG_BUCKETS)
+                             "timestamp) to its events in the proxy's index, by role.", ("role",), buckets=LAG_BUCKETS)
 
     def collectors(self) -> list[Counter | Histogram]:
         return [self.batches, self.gaps, self.malformed, self.lag]
@@ -128,7 +128,7 @@ class Subscriber:
                 try:
                     _, seq, batch = events.parse_published(frames)
                 except (events.DecodeError, UnicodeDecodeError, ValueError) as error:
-                    self.metrics.malformed.inc()
+                    self.metrics.malformed.inc(self.role)
                     log.warning("KV events of %s rank %d: a malformed message skipped: %s", self.url, self.rank, error)
                     continue
                 await self.receive(seq, batch)
@@ -178,7 +178,7 @@ class Subscriber:
                 if len(frames) == 3:        # 0.32+: topic, sequence, payload
                     frames = frames[1:]
                 if len(frames) != 2 or len(frames[0]) != 8:
-                    self.metrics.malformed.inc()
+                    self.metrics.malformed.inc(self.role)
                     return False
                 seq = int.from_bytes(frames[0], "big", signed=True)
                 if seq == _END:
@@ -192,7 +192,7 @@ class Subscriber:
                 try:
                     batch = events.decode_batch(frames[1])
                 except events.DecodeError:
-                    self.metrics.malformed.inc()
+                    self.metrics.malformed.inc(self.role)
                     return False
                 if self.next_seq is None or seq >= self.next_seq:
                     self.apply(seq, batch)
@@ -226,7 +226,7 @@ class Subscriber:
         self.next_seq = seq + 1
         self.last_ts = max(self.last_ts, batch.ts)
         self.metrics.batches.inc(self.role)
-        self.metrics.lag.observe(max(0.0, time.time() - batch.ts))
+        self.metrics.lag.observe(max(0.0, time.time() - batch.ts), self.role)
 
 
 class Hub:

@@ -181,8 +181,8 @@ class KVRouter:
             "xpyd_proxy_kv_tokenize_failures_total", "Requests KVAware routing placed by load alone because "
             "/tokenize failed, by reason.", ("reason",))
         self.tokenize_seconds = Histogram(
-            "xpyd_proxy_kv_tokenize_seconds", "Time to a prompt's token ids from a prefill engine's /tokenize.",
-            (), buckets=TOKENIZE_BUCKETS)
+            "xpyd_proxy_kv_tokenize_seconds", "Time to a prompt's token ids from a prefill engine's /tokenize, "
+            "by endpoint.", ("endpoint",), buckets=TOKENIZE_BUCKETS)
 
     # -- indexes ----------------------------------------------------------------------------------
 
@@ -252,7 +252,7 @@ class KVRouter:
             if ids is None:
                 reason = "malformed"
                 continue
-            self.tokenize_seconds.observe(time.monotonic() - started)
+            self.tokenize_seconds.observe(time.monotonic() - started, "chat" if chat else "completions")
             return ids
         self.tokenize_failures.inc(reason)
         log.debug("KVAware: no token ids from /tokenize (%s): routed by load alone", reason)
@@ -318,8 +318,12 @@ class KVRouting:
         headers = {"X-Request-Id": context.request_id}
         if context.authorization:
             headers["Authorization"] = context.authorization
-        return await self.router.prepare(parsed.body, parsed.endpoint == "chat", parsed.prompt_tokens, prefills,
-                                         session, headers)
+        try:
+            return await self.router.prepare(parsed.body, parsed.endpoint == "chat", parsed.prompt_tokens, prefills,
+                                             session, headers)
+        except Exception:  # a bug here must cost the request its cache hits, never the request
+            log.exception("KVAware: request %s routed by load alone", context.request_id)
+            return KVRequest(parsed.prompt_tokens)
 
     def chooser(self, role: Role, request: KVRequest | None) -> Callable[[Sequence[Instance]], Instance] | None:
         return self.router.chooser(role, request)
