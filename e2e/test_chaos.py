@@ -16,13 +16,16 @@ docs/operations.md#chaos."""
 
 from __future__ import annotations
 
+import asyncio
 import json
+import math
 import os
 import signal
+import threading
 import time
 import urllib.request
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -41,7 +44,7 @@ from e2e.cluster import (
     serving_of,
     wait_ready,
 )
-from e2e.service import Arrived, SteadyLoad
+from e2e.service import Arrived, SteadyLoad, forwarded
 from xpyd.api.conditions import KV_TRANSFER_POD_CONDITION
 from xpyd.api.load import load_servings
 from xpyd.cluster.controlplane import ControlPlane
@@ -355,3 +358,175 @@ def test_stop_prometheus(pool: Cluster) -> None:
         run(pool, "stop Prometheus", event, lambda: reason() not in ("", "MetricsUnavailable"))
     finally:
         plane.start_prometheus()
+
+
+# ------------------------------------------------------------------------------------------------
+# Cold start: a pool of its own, scaled to zero, takes a burst (issue 31).
+
+COLD_NAMESPACE = "e2e-chaos-cold"
+COLD = "cold"
+#: The emulated engines' model load: what a pool at zero waits for (their pods' start comes on top).
+COLD_ENGINE_START_SECONDS = 6
+COLD_BURST = 50
+COLD_IDLE_SECONDS = 15
+
+
+def cold_manifest(prometheus_url: str) -> str:
+    """A NIXL pool at zero (Auto, minReplicas 0 on both roles, back to zero after 15 idle seconds),
+    one proxy, engines that take COLD_ENGINE_START_SECONDS to load."""
+    start = [f"--startup-delay-s={COLD_ENGINE_START_SECONDS}"]
+    return yaml.safe_dump({
+        "apiVersion": "xpyd.io/v1alpha1", "kind": "DisaggregatedServing", "metadata": {"name": COLD},
+        "spec": {
+            "model": {"name": "meta-llama/Llama-3.1-8B-Instruct", "servedModelName": MODEL},
+            "prefill": {"replicas": 0, "gpu": {"product": "NVIDIA-H200"}, "extraArgs": start},
+            "decode": {"replicas": 0, "gpu": {"product": "NVIDIA-H200"}, "extraArgs": start},
+            "proxy": {"replicas": 1},
+            "autoscaling": {
+                "mode": "Auto", "prometheus": {"url": prometheus_url, "windowSeconds": 15},
+                "prefill": {"minReplicas": 0, "maxReplicas": 2}, "decode": {"minReplicas": 0, "maxReplicas": 2},
+                "intervalSeconds": 5, "startupSeconds": 15, "profile": {"name": "h200_llama31_8b_fp8_tp1"},
+                "scaleToZero": {"idleSeconds": COLD_IDLE_SECONDS},
+            },
+        },
+    })
+
+
+@dataclass
+class Scaling:
+    """When the pool's Deployments first asked for replicas after `since` (the scale-up applied) and
+    when both roles first had a Ready one, watched every 50 ms through the API (no kubectl)."""
+
+    kube: Kube
+    since: float = 0.0
+    scaled_at: float | None = None
+    paired_at: float | None = None
+    _stop: threading.Event = field(default_factory=threading.Event)
+    _thread: threading.Thread | None = None
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            now = time.monotonic()
+            found = [self.kube.get("apps/v1", "Deployment", COLD_NAMESPACE, f"{COLD}-{role}") or {}
+                     for role in ("prefill", "decode")]
+            if self.scaled_at is None and all(d.get("spec", {}).get("replicas", 0) > 0 for d in found):
+                self.scaled_at = now
+            if self.paired_at is None and all(d.get("status", {}).get("readyReplicas", 0) > 0 for d in found):
+                self.paired_at = now
+            self._stop.wait(0.05)
+
+    def __enter__(self) -> Scaling:
+        self._thread = threading.Thread(target=self._run, name="cold-scaling", daemon=True)
+        self._thread.start()
+        return self
+
+    def __exit__(self, *_: Any) -> None:
+        self._stop.set()
+        assert self._thread is not None
+        self._thread.join(timeout=10)
+
+
+@dataclass
+class Answer:
+    sent: float
+    first_byte: float | None
+    finished: float
+    status: int
+    complete: bool
+    error: str = ""
+
+
+async def _burst(url: str, count: int) -> list[Answer]:
+    """`count` streamed completions at once, each read to its end."""
+    import aiohttp
+
+    async def one(session: aiohttp.ClientSession, n: int) -> Answer:
+        sent = time.monotonic()
+        first: float | None = None
+        body = b""
+        try:
+            async with session.post(url + "/v1/completions", json={
+                    "model": MODEL, "prompt": f"cold start request {n}: " + "word " * 200, "max_tokens": 16,
+                    "stream": True}) as response:
+                async for chunk in response.content.iter_any():
+                    first = first or time.monotonic()
+                    body += chunk
+                return Answer(sent, first, time.monotonic(), response.status,
+                              response.status == 200 and b"data: [DONE]" in body, body[-300:].decode(errors="replace"))
+        except Exception as error:  # a request without an answer is a failure, counted
+            return Answer(sent, first, time.monotonic(), 0, False, repr(error))
+
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=120)) as session:
+        return await asyncio.gather(*(one(session, n) for n in range(count)))
+
+
+def _ready_reason(cluster: Cluster) -> tuple[str | None, str | None]:
+    ready = condition(serving_of(cluster, COLD_NAMESPACE, COLD), "Ready")
+    return ready.get("status"), ready.get("reason")
+
+
+def _zero(cluster: Cluster) -> bool:
+    deployments = [cluster.get("deployment", "-n", COLD_NAMESPACE, f"{COLD}-{role}") for role in ("prefill", "decode")]
+    return all(d["spec"]["replicas"] == 0 and not d.get("status", {}).get("replicas") for d in deployments)
+
+
+def test_cold_start_a_burst_at_zero_then_back_to_zero(operator: Cluster) -> None:
+    """A pool at zero gets a burst of COLD_BURST requests through its Service: its proxy is Ready at
+    zero (so the Service keeps it) and holds them, reports them on its Pod, the operator decides the
+    scale-up from that at once (within 2 s of the first request), and every request is answered,
+    the first within the pool's start-up (scale-up to both roles Ready) + 2 s. After the idle
+    window the pool returns to zero and the proxy stays up (the same pod, Ready, never restarted)."""
+    assert operator.state.prometheus_url is not None
+    operator.kubectl("create", "namespace", COLD_NAMESPACE)
+    kube = Kube.from_kubeconfig(Path(operator.state.kubeconfig))
+    try:
+        operator.apply(cold_manifest(operator.state.prometheus_url), COLD_NAMESPACE)
+        eventually(lambda: _ready_reason(operator) == ("True", "IdleAtZero"), timeout=90,
+                   what="the pool at zero, Ready (IdleAtZero): its proxy ready to hold requests")
+        (proxy_before,) = pods_of(operator, COLD_NAMESPACE, COLD, "proxy")
+        assert not [pod for role in ("prefill", "decode") for pod in pods_of(operator, COLD_NAMESPACE, COLD, role)]
+
+        with forwarded(kube, COLD_NAMESPACE, f"{COLD}-proxy") as url, Scaling(kube) as scaling:
+            started = time.monotonic()
+            scaling.since = started
+            answers = asyncio.run(_burst(url, COLD_BURST))
+            ended = max(a.finished for a in answers)
+        failed = [(n, a.status, a.error) for n, a in enumerate(answers) if not a.complete]
+        first_request = min(a.sent for a in answers)
+        first_byte = min(a.first_byte for a in answers if a.first_byte is not None) if len(failed) < COLD_BURST \
+            else math.inf
+        assert scaling.scaled_at is not None and scaling.paired_at is not None, "the pool never scaled up"
+        decided_s = scaling.scaled_at - first_request
+        startup_s = scaling.paired_at - scaling.scaled_at
+        first_byte_s = first_byte - first_request
+        ttfts = sorted(a.first_byte - a.sent for a in answers if a.first_byte is not None)
+        print(f"cold start: {COLD_BURST} requests, {len(failed)} failed; scale-up applied {decided_s:.2f} s after the "
+              f"first request; start-up (scaled to both roles Ready) {startup_s:.2f} s; first byte "
+              f"{first_byte_s:.2f} s after the first request; p99 TTFT {1000 * percentile(ttfts, 0.99):,.0f} ms")
+        ROWS.append(Row(f"cold start: {COLD_BURST} requests at zero", COLD_BURST, len(failed), "0",
+                        1000.0 * percentile(ttfts, 0.99) if ttfts else None, ended - started))
+        assert not failed, failed
+        assert decided_s <= 2.0, f"the scale-up came {decided_s:.2f} s after the first request"
+        assert first_byte_s <= startup_s + 2.0, (first_byte_s, startup_s)
+        reasons = [e["reason"] for e in operator.get("events", "-n", COLD_NAMESPACE, "--field-selector",
+                                                     f"involvedObject.name={COLD}")["items"]]
+        assert "ScaleFromZero" in reasons, reasons
+
+        # Back to zero once idle; the proxy stays.
+        eventually(lambda: _zero(operator), timeout=120, interval=1.0, what="the pool back at zero")
+        back = time.monotonic() - ended
+        obj = eventually(lambda: (lambda o: o if condition(o, "Ready").get("reason") == "IdleAtZero" else None)(
+            serving_of(operator, COLD_NAMESPACE, COLD)), timeout=30, what="Ready IdleAtZero again")
+        print(f"cold start: back at zero {back:.0f} s after the last answer (idle window {COLD_IDLE_SECONDS} s)")
+        assert back >= COLD_IDLE_SECONDS
+        assert obj["status"]["autoscaler"]["lastDecision"]["reason"] in ("ScaleToZero", "IdleAtZero")
+        reasons = [e["reason"] for e in operator.get("events", "-n", COLD_NAMESPACE, "--field-selector",
+                                                     f"involvedObject.name={COLD}")["items"]]
+        assert "ScaleToZero" in reasons, reasons
+        (proxy_after,) = pods_of(operator, COLD_NAMESPACE, COLD, "proxy")
+        assert proxy_after["metadata"]["uid"] == proxy_before["metadata"]["uid"] and ready(proxy_after)
+        assert proxy_after["status"]["containerStatuses"][0]["restartCount"] == 0
+        columns = operator.kubectl("get", "xpyd", COLD, "-n", COLD_NAMESPACE).stdout
+        assert "SCALING" in columns.splitlines()[0] and ("ScaleToZero" in columns or "IdleAtZero" in columns), columns
+    finally:
+        delete_namespace(operator, COLD_NAMESPACE)
