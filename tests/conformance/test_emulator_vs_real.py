@@ -89,8 +89,6 @@ NOT_MODELLED: dict[str, str] = {
     "vllm:estimated_flops_per_gpu_total": "no FLOP model (0 on the CPU build too)",
     "vllm:estimated_read_bytes_per_gpu_total": "no memory-traffic model",
     "vllm:estimated_write_bytes_per_gpu_total": "no memory-traffic model",
-    "vllm:prefix_cache_queries_total": "no local prefix cache",
-    "vllm:prefix_cache_hits_total": "no local prefix cache",
     "vllm:mm_cache_queries_total": "text only: no multi-modal cache",
     "vllm:mm_cache_hits_total": "text only: no multi-modal cache",
     "vllm:admission_rejections_total": "no --max-num-queued-* admission limits",

@@ -95,7 +95,11 @@ async def one_request(session: aiohttp.ClientSession, prefill: str, decode: str,
     """Send one request at its (scaled) arrival through the NIXL pull flow; (TTFT, TPOT) in modelled s."""
     await asyncio.sleep(max(0.0, start + request.arrival_s / TIME_SCALE - time.perf_counter()))
     request_id = uuid.uuid4().hex
-    body: dict[str, Any] = {"model": NAME, "prompt": token_prompt(request.isl), "max_tokens": request.osl}
+    # A prompt of its own: the Azure trace shares no prefixes, so the engines' prefix caches find nothing,
+    # as the simulator's do.
+    first = int(request_id[:8], 16) * 1_000_000
+    body: dict[str, Any] = {"model": NAME, "prompt": [first + token for token in token_prompt(request.isl)],
+                            "max_tokens": request.osl}
     sent = time.perf_counter()
     params = await prefill_leg(session, prefill, body, request_id)
     times = await decode_leg(session, decode, {**body, "kv_transfer_params": params}, request_id)

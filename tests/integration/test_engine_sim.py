@@ -343,7 +343,7 @@ GAUGES = ("vllm:num_requests_running", "vllm:num_requests_waiting", "vllm:kv_cac
 COUNTERS = ("vllm:prompt_tokens_total", "vllm:generation_tokens_total", "vllm:request_success_total",
             "vllm:prompt_tokens_by_source_total", "vllm:prompt_tokens_cached_total", "vllm:num_preemptions_total",
             "vllm:prompt_tokens_cached_by_source_total", "vllm:external_prefix_cache_queries_total",
-            "vllm:external_prefix_cache_hits_total",
+            "vllm:external_prefix_cache_hits_total", "vllm:prefix_cache_queries_total", "vllm:prefix_cache_hits_total",
             "vllm:nixl_num_failed_transfers_total", "vllm:nixl_num_kv_expired_reqs_total",
             "vllm:nixl_num_failed_notifications_total", "vllm:nixl_num_notifications_after_expiry_total")
 HISTOGRAMS: dict[str, Sequence[float]] = {
@@ -372,8 +372,9 @@ HISTOGRAMS: dict[str, Sequence[float]] = {
 async def test_metrics_names_types_labels_and_buckets() -> None:
     started = time.time()
     async with engine(kv_role="kv_both") as server, engine() as plain, client_session() as session:
-        for _ in range(3):
-            await post(session, f"{server.url}/v1/completions", {"prompt": token_prompt(100), "max_tokens": 10})
+        for request in range(3):   # prompts of their own: nothing in the prefix cache to find
+            await post(session, f"{server.url}/v1/completions",
+                       {"prompt": [1000 * request + token for token in token_prompt(100)], "max_tokens": 10})
         metrics = await scrape(session, server)
         without_connector = await scrape(session, plain)
     for name in GAUGES:
@@ -423,6 +424,8 @@ async def test_metrics_names_types_labels_and_buckets() -> None:
     # The connector is asked about every prompt; nothing came from another engine; the engine is awake.
     assert metrics.value("vllm:external_prefix_cache_queries_total") == 300
     assert metrics.value("vllm:external_prefix_cache_hits_total") == 0
+    assert metrics.value("vllm:prefix_cache_queries_total") == 300
+    assert metrics.value("vllm:prefix_cache_hits_total") == 0
     assert sum(v for n, _, v in metrics.samples if n == "vllm:prompt_tokens_cached_by_source_total") == 0
     assert sum(v for n, _, v in metrics.samples if n == "vllm:num_requests_kv_fetch_by_stage") == 0
     assert {lab["sleep_state"]: v for n, lab, v in metrics.samples if n == "vllm:engine_sleep_state"} == {
@@ -755,12 +758,14 @@ def test_rendered_vllm_args_configure_the_engine(monkeypatch: pytest.MonkeyPatch
     monkeypatch.setenv("VLLM_NIXL_SIDE_CHANNEL_PORT", "5611")
     for role, kv_role in (("prefill", "kv_producer"), ("decode", "kv_consumer")):
         args = rendered_args(role)
-        config, perf, ignored = config_from_args([*args, "--gpu-memory-utilization", "0.9", "--enable-prefix-caching"])
+        config, perf, ignored = config_from_args([*args, "--gpu-memory-utilization", "0.9", "--enable-prefix-caching",
+                                                  "--swap-space", "4"])
         assert config.role == role and config.kv_role == kv_role and config.kv_load_failure_policy == "fail"
         assert config.model == "meta-llama/Llama-3.1-8B-Instruct" and config.model_name == NAME
         assert config.port == 8000 and config.host == HOST and config.side_channel_port == 5611
         assert config.kv_lease_s == 30 and config.shutdown_timeout_s == 60
-        assert ignored == ["--gpu-memory-utilization", "0.9", "--enable-prefix-caching"]
+        assert ignored == ["--gpu-memory-utilization", "0.9", "--swap-space", "4"]
+        assert config.enable_prefix_caching and config.block_size == 16 and config.prefix_caching_hash_algo == "sha256"
         assert perf.kv_transfer_seconds(1000) == pytest.approx(PERF.kv_transfer_seconds(1000))
     config, _, _ = config_from_args(["m", "--role", "decode", "--kv-transfer-config.kv_load_failure_policy",
                                      "recompute", "--kv-transfer-config.kv_role=kv_consumer", "--max-model-len", "32k",

@@ -3,17 +3,21 @@
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+import os
+from dataclasses import dataclass, field, fields
+from typing import Any
 
+from xpyd import vllm
 from xpyd.common.netguard import require_loopback
+from xpyd.kvcache.hashing import HASH_ALGOS
 from xpyd.sim.core import EnginePerf
 
 EMULATED_VLLM_VERSION = "0.33.0"
 DEFAULT_MODEL = "meta-llama/Llama-3.1-8B-Instruct"
 DEFAULT_SIDE_CHANNEL_PORT = 5600
 DEFAULT_LINK_GBPS = 100.0
-BLOCK_SIZE = 16
-"""Tokens per KV block (vLLM's default on CUDA): sizes the synthetic `remote_block_ids`."""
+BLOCK_SIZE = vllm.DEFAULT_BLOCK_SIZE_GPU
+"""`--block-size` by default: vLLM's on GPUs (16)."""
 KEEPALIVE_TIMEOUT_S = 5.0
 """uvicorn's idle keep-alive, which vLLM keeps: a proxy holding idle connections longer gets resets."""
 MAX_LAG_S = 0.05
@@ -28,8 +32,65 @@ CHAT_MESSAGE_FRAMING_TOKENS = 5
 CHAT_ASSISTANT_HEADER_TOKENS = 4
 FAILURE_POLICIES = ("fail", "recompute")
 KV_ROLES = {"kv_producer": "prefill", "kv_consumer": "decode", "kv_both": "both"}
+KV_EVENTS_PUBLISHERS = ("null", "zmq")
 
 
+def env_flag(name: str, default: bool) -> bool:
+    """A boolean vLLM environment variable as vLLM reads it (`bool(int(value))`; a non-integer counts as unset)."""
+    value = os.environ.get(name)
+    if value is None:
+        return default
+    try:
+        return bool(int(value))
+    except ValueError:
+        return default
+
+
+@dataclass(frozen=True)
+class KVEventsConfig:
+    """vLLM 0.33's `KVEventsConfig` (`--kv-events-config`), field for field, with its defaults."""
+
+    enable_kv_cache_events: bool = False
+    publisher: str | None = None               # None: "zmq" when events are enabled, else "null"
+    endpoint: str = "tcp://*:5557"
+    replay_endpoint: str | None = None
+    buffer_steps: int = 10_000
+    hwm: int = 100_000
+    max_queue_size: int = 100_000
+    topic: str = ""
+
+    def __post_init__(self) -> None:
+        if self.publisher is None:
+            object.__setattr__(self, "publisher", "zmq" if self.enable_kv_cache_events else "null")
+        if self.publisher not in KV_EVENTS_PUBLISHERS:
+            raise ValueError(f"--kv-events-config publisher must be one of {', '.join(KV_EVENTS_PUBLISHERS)}, "
+                             f"not {self.publisher!r}")
+        if min(self.buffer_steps, self.hwm, self.max_queue_size) < 0:
+            raise ValueError("--kv-events-config buffer_steps, hwm and max_queue_size must not be negative")
+
+    @property
+    def publishes(self) -> bool:
+        """Events are made and sent over ZMQ."""
+        return self.enable_kv_cache_events and self.publisher == "zmq"
+
+    @staticmethod
+    def parse(value: dict[str, Any]) -> KVEventsConfig:
+        """From `--kv-events-config` JSON: unknown keys and wrong types are refused, as vLLM's config
+        class (extra="forbid") refuses them."""
+        names = {f.name: f for f in fields(KVEventsConfig)}
+        unknown = sorted(set(value) - set(names))
+        if unknown:
+            raise ValueError(f"--kv-events-config: unknown field(s) {', '.join(unknown)} (vLLM's are "
+                             f"{', '.join(names)})")
+        kinds: dict[str, tuple[type, ...]] = {
+            "enable_kv_cache_events": (bool,), "publisher": (str, type(None)), "endpoint": (str,),
+            "replay_endpoint": (str, type(None)), "buffer_steps": (int,), "hwm": (int,), "max_queue_size": (int,),
+            "topic": (str,)}
+        for key, item in value.items():
+            if not isinstance(item, kinds[key]) or (isinstance(item, bool) and bool not in kinds[key]):
+                raise ValueError(f"--kv-events-config: {key} must be {' or '.join(k.__name__ for k in kinds[key])}, "
+                                 f"not {item!r}")
+        return KVEventsConfig(**value)
 
 
 @dataclass(frozen=True)
@@ -56,6 +117,14 @@ class EmulatorConfig:
     startup_delay_s: float = 0.0               # modelled
     shutdown_timeout_s: float = 0.0            # wall
     seed: int | None = None
+    enable_prefix_caching: bool = vllm.PREFIX_CACHING_DEFAULT
+    block_size: int = BLOCK_SIZE
+    prefix_caching_hash_algo: str = HASH_ALGOS[0]
+    none_hash_seed: str | None = None          # None: vLLM's rule (PYTHONHASHSEED, else per algorithm)
+    enable_prompt_tokens_details: bool = False
+    kv_events: KVEventsConfig = field(default_factory=KVEventsConfig)
+    kv_events_int_hashes: bool = vllm.KV_EVENTS_INT_BLOCK_HASHES_DEFAULT   # VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES
+    data_parallel_rank: int = 0
 
     def __post_init__(self) -> None:
         if not self.time_scale > 0 or not math.isfinite(self.time_scale):
@@ -71,6 +140,13 @@ class EmulatorConfig:
         if min(self.max_model_len, self.max_num_batched_tokens, self.max_num_seqs, self.tensor_parallel_size) < 1:
             raise ValueError("--max-model-len, --max-num-batched-tokens, --max-num-seqs and "
                              "--tensor-parallel-size must be at least 1")
+        if self.block_size < 1:
+            raise ValueError(f"--block-size must be a positive integer, not {self.block_size}")
+        if self.prefix_caching_hash_algo not in HASH_ALGOS:
+            raise ValueError(f"--prefix-caching-hash-algo must be one of {', '.join(HASH_ALGOS)}, "
+                             f"not {self.prefix_caching_hash_algo!r}")
+        if self.data_parallel_rank < 0:
+            raise ValueError("--data-parallel-rank must not be negative")
         require_loopback(self.host, "--host")
         require_loopback(self.side_channel_host or self.host, "NIXL side-channel host")
 

@@ -8,6 +8,7 @@ import heapq
 import itertools
 import logging
 import math
+import os
 import random
 import uuid
 from collections.abc import Callable, Coroutine
@@ -18,9 +19,10 @@ from urllib.parse import quote
 import aiohttp
 
 from xpyd.common.netguard import NonLoopbackAddress, require_loopback
+from xpyd.kvcache.hashing import BlockHasher, none_hash_seed
+from xpyd.kvcache.pool import BlockKeys
 from xpyd.sim.core import EngineConfig, EngineCore, EnginePerf, EngineRequest, Event, EventKind, Phase, Step
 from xpyd.sim.emulator.config import (
-    BLOCK_SIZE,
     KEEPALIVE_TIMEOUT_S,
     LAG_WARNING_INTERVAL_S,
     MAX_LAG_S,
@@ -30,6 +32,7 @@ from xpyd.sim.emulator.config import (
     ScaledPerf,
 )
 from xpyd.sim.emulator.exposition import KV_FETCH_STAGES, ConnectorMetrics, render_metrics
+from xpyd.sim.emulator.kvevents import KVEventRecorder, RequestTokens, ZmqPublisher
 from xpyd.sim.emulator.wire import system_fingerprint
 
 log = logging.getLogger(__name__)
@@ -55,14 +58,20 @@ class RemoteKV:
 
 
 class Stream:
-    """One request's progress as its HTTP handler sees it: tokens so far, finished, or an error."""
+    """One request's progress as its HTTP handler sees it: tokens so far, finished, or an error; and,
+    from its first token, the prompt tokens it found cached (`cached_tokens`, as vLLM reports them in
+    `prompt_tokens_details`) and those its prefill wrote to the prefix cache (`created_cache_tokens`)."""
 
-    __slots__ = ("cancelled", "error", "finished", "parked", "remote", "request", "tokens", "total", "verified",
-                 "waiter")
+    __slots__ = ("cached_tokens", "cancelled", "created_cache_tokens", "error", "finished", "parked", "remote",
+                 "remote_cached_tokens", "request", "tokens", "total", "verified", "waiter")
 
     def __init__(self, request: EngineRequest, remote: RemoteKV | None = None) -> None:
         self.request = request
         self.remote = remote
+        self.cached_tokens = 0
+        self.created_cache_tokens = 0
+        #: A decode leg's `remote_prefill_cached_tokens`: what it reports as cached, as vLLM 0.32+ does.
+        self.remote_cached_tokens: int | None = None
         self.total = 1 if request.do_remote_decode else request.max_tokens   # tokens this engine generates
         self.tokens = 0
         self.finished = False
@@ -96,7 +105,22 @@ class Engine:
         self.core = EngineCore(ScaledPerf(perf, config.time_scale), EngineConfig(
             max_num_batched_tokens=config.max_num_batched_tokens, max_num_seqs=config.max_num_seqs,
             max_kv_tokens=config.max_kv_tokens, kv_lease_seconds=config.kv_lease_s / config.time_scale,
-            max_model_len=config.max_model_len))
+            max_model_len=config.max_model_len, enable_prefix_caching=config.enable_prefix_caching,
+            block_size=config.block_size))
+        #: vLLM's block hashes of each request's token ids (None without prefix caching).
+        self.hasher: BlockHasher | None = None
+        if config.enable_prefix_caching:
+            seed = config.none_hash_seed
+            if seed is None:
+                seed = none_hash_seed(config.prefix_caching_hash_algo, os.environ.get("PYTHONHASHSEED"))
+            self.hasher = BlockHasher(config.block_size, config.prefix_caching_hash_algo, seed)
+            BlockHasher(1, config.prefix_caching_hash_algo, seed).hashes([0])   # xxhash without its package fails now
+        #: The block pool's KV events (with `--kv-events-config` and prefix caching), and their publisher.
+        self.kv_events: KVEventRecorder | None = None
+        self.publisher: ZmqPublisher | None = None
+        if config.kv_events.enable_kv_cache_events and self.core.pool is not None:
+            self.kv_events = KVEventRecorder(config.block_size, config.kv_events_int_hashes)
+            self.core.pool.listener = self.kv_events
         if self.core.capacity < config.max_model_len:
             raise ValueError(f"the model's max seq len ({config.max_model_len}) is larger than the maximum number "
                              f"of tokens that can be stored in KV cache ({self.core.capacity}): lower "
@@ -116,6 +140,8 @@ class Engine:
         self._streams: dict[EngineRequest, Stream] = {}
         self._held: dict[str, EngineRequest] = {}
         self._awaiting_kv: set[Stream] = set()
+        self._unverified: set[Stream] = set()   # decode legs whose producer has not confirmed the KV yet
+        self._relookups: set[Stream] = set()    # decode legs queued again after an admitted attempt
         self._inbox: list[tuple[float, int, Stream]] = []
         self._seq = itertools.count()
         self._next_block = 0
@@ -140,6 +166,11 @@ class Engine:
         self._session = aiohttp.ClientSession(
             connector=aiohttp.TCPConnector(keepalive_timeout=KEEPALIVE_TIMEOUT_S / 2),
             timeout=aiohttp.ClientTimeout(total=SIDE_CHANNEL_TIMEOUT_S))
+        if self.kv_events is not None and self.config.kv_events.publishes:
+            self.publisher = ZmqPublisher(self.config.kv_events, self.config.host, self.config.data_parallel_rank)
+            self.publisher.start()
+            log.info("KV events published on %s (replay: %s)", self.publisher.endpoint,
+                     self.publisher.replay_endpoint or "none")
         self._task = loop.create_task(self._run(), name="engine-sim loop")
         self._task.add_done_callback(_report_crash)
 
@@ -154,6 +185,9 @@ class Engine:
                     await task
         if self._session is not None:
             await self._session.close()
+        if self.publisher is not None:
+            await self.publisher.stop()
+            self.publisher = None
 
     def now(self) -> float:
         """Wall seconds since start: the core's clock."""
@@ -177,15 +211,27 @@ class Engine:
 
     # --- requests ---
 
-    def submit(self, request_id: str, prompt_tokens: int, max_tokens: int,
-               kv_transfer_params: dict[str, Any] | None) -> Stream:
-        """Queue a request (see the module docstring for what `kv_transfer_params` do)."""
+    def submit(self, request_id: str, token_ids: list[int], max_tokens: int,
+               kv_transfer_params: dict[str, Any] | None, cache_salt: str | None = None,
+               session_id: str | None = None) -> Stream:
+        """Queue a request (see the module docstring for what `kv_transfer_params` do): its prompt's full
+        blocks keyed by vLLM's hashes of its token ids (`cache_salt` keys the first), for the prefix cache."""
         arrival = self.now()
         params = kv_transfer_params if self.config.kv_role is not None and kv_transfer_params else {}
-        request = EngineRequest(self._internal_id(request_id), prompt_tokens, max_tokens,
+        keys: BlockKeys | None = None
+        if self.hasher is not None:
+            hashes = self.hasher.hashes(token_ids, cache_salt)
+            if hashes:
+                keys = BlockKeys.of(hashes)
+                if self.kv_events is not None:
+                    self.kv_events.track(keys, RequestTokens(token_ids, cache_salt, session_id))
+        request = EngineRequest(self._internal_id(request_id), len(token_ids), max_tokens,
                                 do_remote_decode=bool(params.get("do_remote_decode")),
-                                do_remote_prefill=bool(params.get("do_remote_prefill")))
+                                do_remote_prefill=bool(params.get("do_remote_prefill")), block_keys=keys)
         stream = Stream(request)
+        cached = params.get("remote_prefill_cached_tokens")
+        if request.do_remote_prefill and isinstance(cached, int) and not isinstance(cached, bool):
+            stream.remote_cached_tokens = cached
         if request.do_remote_prefill:
             try:
                 stream.remote = _remote_kv(params)
@@ -194,6 +240,7 @@ class Engine:
             else:
                 # Until the producer answers, its lease is taken to have started now.
                 stream.verified = False
+                self._unverified.add(stream)
                 request.remote_kv_deadline = arrival + self.core.config.kv_lease_seconds
                 self._spawn(self._verify(stream))
         if not stream.finished:
@@ -222,13 +269,16 @@ class Engine:
             self._kv_load_failed(stream, error)
             return
         stream.verified = True
+        self._unverified.discard(stream)
         if stream.cancelled:
             return
         request = stream.request
         if stream.parked:   # its KV "arrived" before the answer: load it again, from the original arrival
             stream.parked = False
             stream.request = EngineRequest(request.request_id, request.prompt_tokens, request.max_tokens,
-                                           do_remote_prefill=True, remote_kv_deadline=self.now() + remaining)
+                                           do_remote_prefill=True, remote_kv_deadline=self.now() + remaining,
+                                           block_keys=request.block_keys)
+            self._relookups.add(stream)
             self._enqueue(request.arrival_time, stream)
         elif request.phase is Phase.WAITING:
             request.remote_kv_deadline = self.now() + remaining
@@ -242,6 +292,7 @@ class Engine:
         in_core = request in self._streams
         waiting = request.phase is Phase.WAITING   # queued, not admitted yet
         stream.verified = True
+        self._unverified.discard(stream)
         stream.parked = False
         if self.config.kv_load_failure_policy == "fail":
             log.warning("KV load failed for %s (kv_load_failure_policy=fail): %s", request.request_id, error)
@@ -261,7 +312,9 @@ class Engine:
             del self._streams[request]
             self.core.abort(request, self.now())
         stream.request = EngineRequest(request.request_id, request.prompt_tokens, request.max_tokens,
-                                       do_remote_prefill=True, remote_kv_deadline=-math.inf)
+                                       do_remote_prefill=True, remote_kv_deadline=-math.inf,
+                                       block_keys=request.block_keys)
+        self._relookups.add(stream)
         self._enqueue(request.arrival_time, stream)
 
     def _spawn(self, coroutine: Coroutine[Any, Any, None]) -> None:
@@ -274,6 +327,7 @@ class Engine:
         if stream.finished or stream.cancelled:
             return
         stream.cancelled = True
+        self._done(stream)
         self.connector.aborted_total += 1
         self._awaiting_kv.discard(stream)
         if self._streams.pop(stream.request, None) is not None:
@@ -297,10 +351,27 @@ class Engine:
         self._kick()
         return released
 
+    def reset_prefix_cache(self, reset_running_requests: bool = False) -> bool:
+        """vLLM's `reset_prefix_cache`: forget every cached block, which needs no request to hold KV.
+        Preempting the running requests first (`reset_running_requests`) is not emulated: the reset then
+        fails like one with requests running."""
+        pool = self.core.pool
+        if pool is None:
+            return True   # vLLM's pool without caching resets trivially
+        if self.core.kv_reserved_tokens:
+            if reset_running_requests:
+                log.warning("reset_prefix_cache with reset_running_requests: preempting running requests is not "
+                            "emulated; the reset fails while requests hold KV")
+            else:
+                log.warning("Failed to reset prefix cache because some blocks are not freed yet")
+            return False
+        return pool.reset()
+
     def kv_transfer_params(self, stream: Stream) -> dict[str, Any]:
         """What a prefill leg returns for the decode leg (NixlConnector's `request_finished`)."""
-        blocks = -(-stream.request.prompt_tokens // BLOCK_SIZE)
-        pool = max(1, self.core.capacity // BLOCK_SIZE)
+        block_size = self.config.block_size
+        blocks = -(-stream.request.prompt_tokens // block_size)
+        pool = max(1, self.core.capacity // block_size)
         first = self._next_block
         self._next_block = (first + blocks) % pool
         host, port = self.side_channel
@@ -308,14 +379,14 @@ class Engine:
         # One block list per KV-cache group (a dense model has one). A prefill engine sends no expiry time
         # (vLLM sets it only for blocks pinned on a decode engine); its registration generation (0.33; 0.32
         # has none) counts the handshake payloads published, one per (pp, tp) rank at start-up. The
-        # scheduler adds the prompt tokens the prefill engine found cached: none, without a prefix cache.
+        # scheduler adds the prompt tokens the prefill engine found in its prefix cache.
         return {"do_remote_prefill": True, "do_remote_decode": False,
                 "remote_block_ids": [[(first + i) % pool for i in range(blocks)]],
                 "remote_engine_id": self.engine_id, "remote_request_id": stream.request.request_id,
                 "remote_host": host, "remote_port": port, "tp_size": tp_size, "dcp_size": 1, "pp_size": 1,
                 "remote_num_tokens": stream.request.prompt_tokens, "remote_blocks_expiry_time": None,
                 "remote_registration_generation": tp_size, "transfer_mode": "pull",
-                "remote_prefill_cached_tokens": 0}
+                "remote_prefill_cached_tokens": stream.request.cached_tokens}
 
     def metrics_text(self) -> str:
         """The `/metrics` exposition."""
@@ -341,15 +412,19 @@ class Engine:
         t = self.now()
         while True:
             self._admit(t)
-            self._on_events(core.poll(t))
+            self._on_events(self._poll(t))
             self._expire_waiting(t)
             step = core.next_step(t)
+            if self._relookups:
+                self._count_relookups()
             if step is None:
                 t = await self._idle(t)
                 continue
             await self._sleep_until(step.end)
             self._on_events(core.complete(step, step.end))
             self._deliver(step)
+            if self.kv_events is not None:
+                self._publish_kv_events()
             t = step.end
             lag = self.now() - t
             if lag > MAX_LAG_S:
@@ -423,7 +498,50 @@ class Engine:
                 self._fail(stream, "KV transfer failed: the prefill engine's KV lease expired before the request "
                            "was scheduled")
 
+    def _poll(self, t: float) -> list[Event]:
+        """The core's `poll`, except that a decode leg whose (modelled) transfer lands before its producer
+        confirmed the KV caches nothing: it is parked and loads again (see `_on_events`), or fails, and
+        KV that never arrived must not be found in the prefix cache."""
+        aside: list[tuple[EngineRequest, BlockKeys]] = []
+        for stream in self._unverified:
+            request = stream.request
+            if request.phase is Phase.TRANSFERRING and request.block_keys is not None:
+                aside.append((request, request.block_keys))
+                request.block_keys = None
+        try:
+            return self.core.poll(t)
+        finally:
+            for request, keys in aside:
+                request.block_keys = keys
+
+    def _count_relookups(self) -> None:
+        """A decode leg admitted again (parked, or recomputing after its transfer had started) was looked up
+        in the prefix cache at its first admission already: its second lookup is not vLLM's to count."""
+        metrics = self.connector
+        for stream in list(self._relookups):
+            request = stream.request
+            if request.phase is not Phase.WAITING:
+                self._relookups.discard(stream)
+                if self.core.pool is not None:
+                    metrics.repeated_prefix_cache_queries += request.prompt_tokens
+                    metrics.repeated_prefix_cache_hits += request.cached_tokens
+
+    def _publish_kv_events(self) -> None:
+        """The step's KV events as one batch, as vLLM's scheduler publishes them after each step."""
+        assert self.kv_events is not None
+        events = self.kv_events.take()
+        if events and self.publisher is not None:
+            self.publisher.publish(events)
+
+    def _done(self, stream: Stream) -> None:
+        """A request that caches no more blocks: its tokens are no longer needed for KV events."""
+        self._unverified.discard(stream)
+        self._relookups.discard(stream)
+        if self.kv_events is not None:
+            self.kv_events.forget(stream.request.block_keys)
+
     def _fail(self, stream: Stream, message: str) -> None:
+        self._done(stream)
         stream.error = message
         stream.finished = True
         self.connector.errored_total += 1
@@ -443,9 +561,11 @@ class Engine:
                 continue
             if kind is EventKind.FIRST_TOKEN:
                 stream.tokens = max(stream.tokens, 1)
+                self._count_cached(stream)
             elif kind is EventKind.FINISHED:
                 stream.tokens = request.limit
                 stream.finished = True
+                self._done(stream)
                 del self._streams[request]
                 if request.do_remote_decode:
                     self._held[request.request_id] = request
@@ -458,6 +578,16 @@ class Engine:
                 stream.parked = True
                 continue
             stream.notify()
+
+    def _count_cached(self, stream: Stream) -> None:
+        """At the first token, as vLLM's output processor: the prompt tokens found cached (its local hits and
+        the KV it loaded; a decode leg reports the prefill engine's hits instead when it was told them), and
+        those the prefill wrote to the prefix cache (its full blocks less what it found)."""
+        request = stream.request
+        found = request.cached_tokens + (0 if request.local_prefill else request.prompt_tokens - request.cached_tokens)
+        cached_blocks = request.prompt_tokens // self.config.block_size if self.core.pool is not None else 0
+        stream.created_cache_tokens = max(0, cached_blocks * self.config.block_size - found)
+        stream.cached_tokens = found if stream.remote_cached_tokens is None else stream.remote_cached_tokens
 
     def _on_kv_loaded(self, stream: Stream, time_s: float) -> None:
         request = stream.request

@@ -13,11 +13,17 @@ tests/conformance/test_emulator_vs_real.py pins all of this against recordings o
 As in vLLM, the `vllm:nixl_*` families exist only on an engine with a KV connector (`kv_role` set),
 and `vllm:num_requests_kv_fetch_by_stage` only on a KV consumer (`kv_consumer`, `kv_both`).
 
+The prefix cache's families are the engine model's (`sim.core`, its `kvcache.BlockPool` keyed by
+vLLM's hashes of the emulator's token ids): `vllm:prefix_cache_queries` and `vllm:prefix_cache_hits`
+count prompt tokens looked up and found at admission (0 with `--no-enable-prefix-caching`, as in
+vLLM), the `device` series of `vllm:prompt_tokens_cached_by_source` the same hits, and
+`vllm:prompt_tokens_by_source{source="local_cache_hit"}` and `vllm:prompt_tokens_cached` (local +
+external) the requests' hits once their prompt is done; `vllm:external_prefix_cache_queries` counts
+what the local cache left to the connector.
+
 Families vLLM 0.33 has and the emulator leaves out, because it does not model what they count (any
 value would be invented): `vllm:nixl_post_time_seconds` and `vllm:nixl_num_descriptors` (NIXL's
-posting and descriptor lists), `vllm:prefix_cache_queries`/`_hits` (there is no local prefix cache;
-vLLM reports 0 only when prefix caching is off, which the emulated engine's flags need not say),
-`vllm:mm_cache_*` (text only), `vllm:estimated_*_per_gpu` (no FLOP or byte model),
+posting and descriptor lists), `vllm:mm_cache_*` (text only), `vllm:estimated_*_per_gpu` (no FLOP or byte model),
 `vllm:admission_rejections` (no `--max-num-queued-*` limits), `vllm:cache_config_info` (CacheConfig's
 fields: most are not modelled), the KV-block residency histograms, LoRA, spec-decode and sleep-mode
 transitions; and the non-vLLM families of vLLM's process: `python_*`, `process_*` (prometheus_client's
@@ -101,6 +107,10 @@ class ConnectorMetrics:
     nixl_num_failed_transfers_total: int = 0
     nixl_num_kv_expired_reqs_total: int = 0
     nixl_num_notifications_after_expiry_total: int = 0   # a release for KV no longer held
+    #: Prefix-cache lookups the core counted twice: a decode leg admitted again after its first attempt
+    #: was parked or failed (the engine's `_relookups`); vLLM looks a request up once.
+    repeated_prefix_cache_queries: int = 0
+    repeated_prefix_cache_hits: int = 0
     nixl_xfer_time_seconds: BucketHistogram = field(default_factory=lambda: BucketHistogram(NIXL_XFER_TIME_BUCKETS))
     nixl_bytes_transferred: BucketHistogram = field(default_factory=lambda: BucketHistogram(NIXL_BYTES_BUCKETS))
 
@@ -245,12 +255,18 @@ def render_metrics(core: EngineCore, connector: ConnectorMetrics, model_name: st
     out.gauges("vllm:engine_sleep_state", SLEEP_STATE_HELP,
                [({"sleep_state": state}, 1.0 if state == "awake" else 0.0) for state in SLEEP_STATES])
     out.gauge("vllm:kv_cache_usage_perc", "KV-cache usage. 1 means 100 percent usage.", core.kv_cache_usage_perc)
-    # The connector is asked about every prompt (no local prefix cache takes a share first); its hits
-    # are the KV pulled from a prefill engine. Both count when the prompt is done, not at admission.
+    # The local prefix cache is asked at admission about every prompt (nothing counts without prefix
+    # caching); the connector about what it left, and its hits are the KV pulled from a prefill engine.
+    # The connector's count when the prompt is done, not at admission.
+    hits = metrics.prefix_cache_hits - connector.repeated_prefix_cache_hits
+    out.counter("vllm:prefix_cache_queries", "Prefix cache queries, in terms of number of queried tokens.",
+                [({}, metrics.prefix_cache_queries - connector.repeated_prefix_cache_queries)])
+    out.counter("vllm:prefix_cache_hits", "Prefix cache hits, in terms of number of cached tokens.", [({}, hits)])
     external = metrics.prompt_tokens_external_kv_transfer
+    local = metrics.prompt_tokens_local_cache_hit
     out.counter("vllm:external_prefix_cache_queries", "External prefix cache queries from KV connector "
                 "cross-instance cache sharing, in terms of number of queried tokens.",
-                [({}, metrics.prompt_tokens_total if connector.kv_connector else 0)])
+                [({}, metrics.prompt_tokens_total - local if connector.kv_connector else 0)])
     out.counter("vllm:external_prefix_cache_hits", "External prefix cache hits from KV connector cross-instance "
                 "cache sharing, in terms of number of cached tokens.", [({}, external)])
     out.counter("vllm:num_preemptions", "Cumulative number of preemption from the engine.",
@@ -258,13 +274,16 @@ def render_metrics(core: EngineCore, connector: ConnectorMetrics, model_name: st
     out.counter("vllm:prompt_tokens", "Number of prefill tokens processed.", [({}, metrics.prompt_tokens_total)])
     out.counter("vllm:prompt_tokens_by_source", "Number of prompt tokens by source.", [
         ({"source": "local_compute"}, metrics.prompt_tokens_local_compute),
-        ({"source": "local_cache_hit"}, 0),
+        ({"source": "local_cache_hit"}, local),
         ({"source": "external_kv_transfer"}, external),
     ])
-    out.counter("vllm:prompt_tokens_cached", "Number of cached prompt tokens (local + external).", [({}, external)])
-    # NIXL's hits come from another vLLM instance: p2p. No device (prefix cache) or offloading tier.
+    out.counter("vllm:prompt_tokens_cached", "Number of cached prompt tokens (local + external).",
+                [({}, local + external)])
+    # The prefix cache's hits are the device tier's (counted at admission, as prefix_cache_hits); NIXL's
+    # come from another vLLM instance: p2p. No offloading tier.
+    by_source = {"device": hits, "p2p": external}
     out.counter("vllm:prompt_tokens_cached_by_source", CACHED_BY_SOURCE_HELP,
-                [({"source": source}, external if source == "p2p" else 0) for source in CACHE_HIT_SOURCES])
+                [({"source": source}, by_source.get(source, 0)) for source in CACHE_HIT_SOURCES])
     out.counter("vllm:generation_tokens", "Number of generation tokens processed.",
                 [({}, metrics.generation_tokens_total)])
     # Every emulated request generates exactly max_tokens tokens, so it finishes by length.

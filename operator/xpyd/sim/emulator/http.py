@@ -11,7 +11,7 @@ from typing import Any
 from aiohttp import web
 
 from xpyd.sim.core import EnginePerf
-from xpyd.sim.emulator.config import EMULATED_VLLM_VERSION, KEEPALIVE_TIMEOUT_S, EmulatorConfig
+from xpyd.sim.emulator.config import EMULATED_VLLM_VERSION, KEEPALIVE_TIMEOUT_S, EmulatorConfig, env_flag
 from xpyd.sim.emulator.engine import Engine, Stream
 from xpyd.sim.emulator.exposition import CONTENT_TYPE
 from xpyd.sim.emulator.wire import (
@@ -22,6 +22,7 @@ from xpyd.sim.emulator.wire import (
     error_response,
     full_response,
     parse_generation,
+    prompt_tokens_details,
     random_uuid,
     sse_event,
 )
@@ -29,6 +30,8 @@ from xpyd.sim.emulator.wire import (
 log = logging.getLogger(__name__)
 
 ENGINE: web.AppKey[Engine] = web.AppKey("engine", Engine)
+SESSION_ID_HEADER = "X-Session-ID"
+"""vLLM's session header: a request's `session_id` when its body has none (BlockStored's `session_id`)."""
 
 
 def _not_ready(engine: Engine) -> web.Response | None:
@@ -53,7 +56,7 @@ async def _generate(request: web.Request, chat: bool) -> web.StreamResponse:
             body = json.loads(await request.read())
         except ValueError as error:
             raise ApiError(400, f"Invalid JSON body: {error}") from None
-        generation = parse_generation(body, chat, config)
+        generation = parse_generation(body, chat, config, request.headers.get(SESSION_ID_HEADER))
     except ApiError as error:
         return error_response(error.status, error.message, error.error_type, error.param)
     base = request.headers.get("X-Request-Id") or random_uuid()
@@ -67,14 +70,14 @@ async def _generate(request: web.Request, chat: bool) -> web.StreamResponse:
     try:
         if generation.stream:
             return await _stream(request, engine, generation, response_id, internal_id)
-        stream = engine.submit(internal_id, generation.prompt_tokens, generation.max_tokens,
-                               generation.kv_transfer_params)
+        stream = _submit(engine, internal_id, generation)
         while not stream.finished:
             await stream.wait()
         if stream.error is not None:
             return error_response(500, stream.error, "InternalServerError")
         params = engine.kv_transfer_params(stream) if stream.request.do_remote_decode else None
-        return web.json_response(_full_response(engine, generation, response_id, stream.tokens, "length", params))
+        return web.json_response(_full_response(engine, generation, response_id, stream.tokens, "length", params,
+                                                _details(engine, generation, stream)))
     finally:
         engine.in_flight -= 1
         if stream is not None:
@@ -106,9 +109,21 @@ async def _rejected(request: web.Request, engine: Engine, generation: Generation
 
 
 def _full_response(engine: Engine, generation: Generation, response_id: str, tokens: int, finish_reason: str,
-                   params: dict[str, Any] | None) -> dict[str, Any]:
+                   params: dict[str, Any] | None, details: dict[str, Any] | None = None) -> dict[str, Any]:
     return full_response(generation, response_id, engine.config.model_name, int(time.time()), tokens, finish_reason,
-                         params, engine.system_fingerprint)
+                         params, engine.system_fingerprint, details)
+
+
+def _submit(engine: Engine, internal_id: str, generation: Generation) -> Stream:
+    return engine.submit(internal_id, generation.token_ids, generation.max_tokens, generation.kv_transfer_params,
+                         generation.cache_salt, generation.session_id)
+
+
+def _details(engine: Engine, generation: Generation, stream: Stream) -> dict[str, Any] | None:
+    """`usage.prompt_tokens_details`: with `--enable-prompt-tokens-details` only, as in vLLM."""
+    if not engine.config.enable_prompt_tokens_details:
+        return None
+    return prompt_tokens_details(generation.chat, stream.cached_tokens, stream.created_cache_tokens)
 
 
 async def _stream(request: web.Request, engine: Engine, generation: Generation,
@@ -118,8 +133,7 @@ async def _stream(request: web.Request, engine: Engine, generation: Generation,
     chunks = Chunks(response_id, engine.config.model_name, int(time.time()), generation, engine.system_fingerprint)
     if generation.chat:
         await response.write(chunks.role().encode())
-    stream = engine.submit(internal_id, generation.prompt_tokens, generation.max_tokens,
-                           generation.kv_transfer_params)
+    stream = _submit(engine, internal_id, generation)
     try:
         sent = 0
         total = stream.total
@@ -137,7 +151,7 @@ async def _stream(request: web.Request, engine: Engine, generation: Generation,
                 sent += count
             if stream.finished:
                 if generation.include_usage:
-                    await response.write(chunks.usage(sent).encode())
+                    await response.write(chunks.usage(sent, _details(engine, generation, stream)).encode())
                 break
         await response.write(b"data: [DONE]\n\n")
         await response.write_eof()
@@ -192,6 +206,15 @@ async def version(request: web.Request) -> web.Response:
 async def metrics(request: web.Request) -> web.Response:
     """`GET /metrics`: Prometheus text format 0.0.4."""
     return web.Response(body=request.app[ENGINE].metrics_text().encode(), headers={"Content-Type": CONTENT_TYPE})
+
+
+async def reset_prefix_cache(request: web.Request) -> web.Response:
+    """`POST /reset_prefix_cache` (vLLM serves it only with VLLM_SERVER_DEV_MODE=1): `{"success": bool}`,
+    false while requests hold KV. An `AllBlocksCleared` KV event goes out with the next step's batch."""
+    engine = request.app[ENGINE]
+    running = request.query.get("reset_running_requests", "false").lower() in ("1", "true", "yes", "on")
+    log.info("Resetting prefix cache...")
+    return web.json_response({"success": engine.reset_prefix_cache(running)})
 
 
 async def kv_lookup(request: web.Request) -> web.Response:
@@ -257,6 +280,8 @@ def build_app(engine: Engine) -> web.Application:
     app.router.add_post("/xpyd/kv/{request_id}/release", kv_release)
     app.router.add_get("/xpyd/faults", faults)
     app.router.add_put("/xpyd/faults", faults)
+    if env_flag("VLLM_SERVER_DEV_MODE", False):   # vLLM's development endpoints
+        app.router.add_post("/reset_prefix_cache", reset_prefix_cache)
     return app
 
 

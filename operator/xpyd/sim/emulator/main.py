@@ -13,17 +13,23 @@ import sys
 from collections.abc import Sequence
 from typing import Any
 
+from xpyd import vllm
 from xpyd.common.netguard import NonLoopbackAddress
+from xpyd.kvcache.hashing import HASH_ALGOS
 from xpyd.perf.model import DEFAULT_PROFILE
 from xpyd.sim.core import EnginePerf
 from xpyd.sim.emulator.config import (
+    BLOCK_SIZE,
     DEFAULT_LINK_GBPS,
     DEFAULT_MODEL,
     DEFAULT_SIDE_CHANNEL_PORT,
     EmulatorConfig,
+    KVEventsConfig,
+    env_flag,
 )
 from xpyd.sim.emulator.group import GroupFailed, GroupLeader, GroupSpec, run_worker
 from xpyd.sim.emulator.http import start_server
+from xpyd.sim.emulator.kvevents import local_endpoint
 
 log = logging.getLogger(__name__)
 
@@ -68,6 +74,23 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--time-scale", type=float, default=1.0, help="run K times faster than real time: every "
                         "modelled duration is divided by K")
     parser.add_argument("--seed", type=int, default=None, help="seed of the engine id and block ids")
+    cache = parser.add_argument_group("prefix cache and KV events (vLLM's flags)")
+    cache.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction,
+                       default=vllm.PREFIX_CACHING_DEFAULT, help="keep prompt blocks for later requests (vLLM's "
+                       "default: on)")
+    cache.add_argument("--block-size", type=int, default=BLOCK_SIZE, help=f"tokens per KV block (default "
+                       f"{BLOCK_SIZE}, vLLM's on GPUs)")
+    cache.add_argument("--prefix-caching-hash-algo", choices=HASH_ALGOS, default=HASH_ALGOS[0],
+                       help="block hash (default sha256; the xxhash ones need the xxhash package)")
+    cache.add_argument("--num-gpu-blocks-override", type=int, default=None, help="KV blocks of the engine, "
+                       "vLLM's null block among them: the KV capacity is (N - 1) x --block-size tokens "
+                       "(overrides --max-kv-tokens)")
+    cache.add_argument("--kv-events-config", default=None, help="vLLM KVEventsConfig JSON (enable_kv_cache_events, "
+                       "publisher, endpoint, replay_endpoint, buffer_steps, hwm, max_queue_size, topic)")
+    cache.add_argument("--enable-prompt-tokens-details", action=argparse.BooleanOptionalAction, default=False,
+                       help="usage.prompt_tokens_details (cached_tokens) in answers")
+    parser.add_argument("--data-parallel-rank", "-dpn", type=int, default=0, help="this engine's data-parallel "
+                        "rank: offsets the KV events ports and is stamped on their batches")
     group = parser.add_argument_group("multi-node engine (vLLM's multiprocessing launch)")
     group.add_argument("--nnodes", "-n", type=int, default=1, help="nodes of the engine (default 1)")
     group.add_argument("--node-rank", "-r", type=int, default=0, help="this node's rank; 0 runs the API server")
@@ -89,24 +112,41 @@ def _token_count(text: str) -> int:
         raise argparse.ArgumentTypeError(f"not a token count: {text!r}") from None
 
 
-def _split_dotted(argv: Sequence[str]) -> tuple[list[str], dict[str, Any]]:
-    """Take `--kv-transfer-config.KEY VALUE` / `=VALUE` (vLLM's dotted form) out of argv."""
+DOTTED = ("--kv-transfer-config", "--kv-events-config")
+"""The JSON flags whose fields vLLM also takes one by one (`--flag.KEY VALUE`)."""
+
+
+def _split_dotted(argv: Sequence[str]) -> tuple[list[str], dict[str, dict[str, Any]]]:
+    """Take `--kv-transfer-config.KEY VALUE` / `=VALUE` (vLLM's dotted form, for each of `DOTTED`) out
+    of argv: (the rest, the fields by flag)."""
     rest: list[str] = []
-    dotted: dict[str, Any] = {}
+    dotted: dict[str, dict[str, Any]] = {flag: {} for flag in DOTTED}
     items = iter(argv)
-    prefix = "--kv-transfer-config."
     for arg in items:
-        if not arg.startswith(prefix):
+        flag = next((f for f in DOTTED if arg.startswith(f + ".")), None)
+        if flag is None:
             rest.append(arg)
             continue
-        key, _, value = arg[len(prefix):].partition("=")
+        key, _, value = arg[len(flag) + 1:].partition("=")
         if not _:
             value = next(items, "")
         try:
-            dotted[key] = json.loads(value)
+            dotted[flag][key] = json.loads(value)
         except ValueError:
-            dotted[key] = value
+            dotted[flag][key] = value
     return rest, dotted
+
+
+def _json_flag(text: str | None, flag: str) -> dict[str, Any]:
+    if not text:
+        return {}
+    try:
+        value = json.loads(text)
+    except ValueError as error:
+        raise ValueError(f"{flag} is not JSON: {error}") from None
+    if not isinstance(value, dict):
+        raise ValueError(f"{flag} must be a JSON object")
+    return value
 
 
 def group_from_args(argv: Sequence[str]) -> GroupSpec | None:
@@ -129,15 +169,19 @@ def config_from_args(argv: Sequence[str]) -> tuple[EmulatorConfig, EnginePerf, l
 
     argv, dotted = _split_dotted(argv)
     args, ignored = build_parser().parse_known_args(argv)
-    kv: dict[str, Any] = {}
-    if args.kv_transfer_config:
-        try:
-            kv = json.loads(args.kv_transfer_config)
-        except ValueError as error:
-            raise ValueError(f"--kv-transfer-config is not JSON: {error}") from None
-        if not isinstance(kv, dict):
-            raise ValueError("--kv-transfer-config must be a JSON object")
-    kv.update(dotted)
+    kv = _json_flag(args.kv_transfer_config, "--kv-transfer-config")
+    kv.update(dotted["--kv-transfer-config"])
+    events = _json_flag(args.kv_events_config, "--kv-events-config")
+    events.update(dotted["--kv-events-config"])
+    kv_events = KVEventsConfig.parse(events)
+    for endpoint in (kv_events.endpoint, kv_events.replay_endpoint) if kv_events.publishes else ():
+        if endpoint is not None:
+            local_endpoint(endpoint, args.host)   # refuses what it cannot bind or dial now
+    max_kv_tokens = args.max_kv_tokens
+    if args.num_gpu_blocks_override is not None:
+        if args.num_gpu_blocks_override < 2:
+            raise ValueError("--num-gpu-blocks-override must be at least 2 (one is vLLM's null block)")
+        max_kv_tokens = (args.num_gpu_blocks_override - 1) * args.block_size
     kv_role = kv.get("kv_role")
     role_of = {"prefill": "kv_producer", "decode": "kv_consumer"}
     if args.role is not None:
@@ -166,8 +210,13 @@ def config_from_args(argv: Sequence[str]) -> tuple[EmulatorConfig, EnginePerf, l
         side_channel_port=int(side_port) if side_port else DEFAULT_SIDE_CHANNEL_PORT,
         tensor_parallel_size=args.tensor_parallel_size, max_model_len=args.max_model_len,
         max_num_batched_tokens=args.max_num_batched_tokens, max_num_seqs=args.max_num_seqs,
-        max_kv_tokens=args.max_kv_tokens, kv_lease_s=lease, kv_bytes_per_token=kv_bytes, time_scale=args.time_scale,
-        startup_delay_s=args.startup_delay_s, shutdown_timeout_s=args.shutdown_timeout, seed=args.seed)
+        max_kv_tokens=max_kv_tokens, kv_lease_s=lease, kv_bytes_per_token=kv_bytes, time_scale=args.time_scale,
+        startup_delay_s=args.startup_delay_s, shutdown_timeout_s=args.shutdown_timeout, seed=args.seed,
+        enable_prefix_caching=args.enable_prefix_caching, block_size=args.block_size,
+        prefix_caching_hash_algo=args.prefix_caching_hash_algo,
+        enable_prompt_tokens_details=args.enable_prompt_tokens_details, kv_events=kv_events,
+        kv_events_int_hashes=env_flag("VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES", vllm.KV_EVENTS_INT_BLOCK_HASHES_DEFAULT),
+        data_parallel_rank=args.data_parallel_rank)
     perf = PerfModel.from_profile(args.profile).with_kv_transfer(kv_bytes, args.link_gbps)
     return config, perf, ignored
 
@@ -251,8 +300,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     except GroupFailed as error:  # vLLM's engine dies with a rank of its group
         sys.stderr.write(f"xpyd engine-sim: {error}\n")
         return 1
-    except ValueError as error:   # a configuration the engine cannot run
-        sys.stderr.write(f"xpyd engine-sim: {error}\n")
+    except (ValueError, RuntimeError) as error:   # a configuration the engine cannot run (pyzmq missing, a
+        sys.stderr.write(f"xpyd engine-sim: {error}\n")   # KV events endpoint outside loopback)
         return 2
     except OSError as error:      # cannot bind
         sys.stderr.write(f"xpyd engine-sim: {error}\n")

@@ -12,13 +12,12 @@ from typing import Any
 from aiohttp import web
 
 from xpyd.sim.emulator.config import (
-    CHAT_ASSISTANT_HEADER_TOKENS,
-    CHAT_MESSAGE_FRAMING_TOKENS,
     COMPLETION_DEFAULT_MAX_TOKENS,
     EMULATED_VLLM_VERSION,
     TOKEN_TEXT,
     EmulatorConfig,
 )
+from xpyd.sim.emulator.tokens import chat_ids, prompt_ids
 
 
 def random_uuid() -> str:
@@ -71,22 +70,29 @@ def text_tokens(text: str) -> int:
     return max(1, -(-len(text) // 4))
 
 
-def _prompt_tokens(prompt: Any) -> int:
+MAX_TOKEN_ID = 2**63 - 1
+"""The largest token id the emulator takes (it has no vocabulary; vLLM bounds ids by its model's)."""
+
+
+def _prompt_ids(prompt: Any) -> list[int]:
     if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str | list):
         prompt = prompt[0]   # a batch of one
     if isinstance(prompt, str):
-        return text_tokens(prompt)
+        return prompt_ids(prompt)
     if isinstance(prompt, list) and prompt and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
-        return len(prompt)
+        for bound in (min(prompt), max(prompt)):
+            if not 0 <= bound <= MAX_TOKEN_ID:   # vLLM's renderer: validate_token_ids
+                raise ApiError(400, f"Token id {bound} is out of vocabulary")
+        return list(prompt)
     if isinstance(prompt, list) and prompt and all(isinstance(p, str | list) for p in prompt):
         raise ApiError(400, "batched prompts are not emulated: send one prompt per request")
     raise ApiError(400, "prompt must be a non-empty string or a non-empty list of token ids")
 
 
-def _chat_prompt_tokens(messages: Any) -> int:
+def _chat_prompt_ids(messages: Any) -> list[int]:
     if not isinstance(messages, list) or not messages:
         raise ApiError(400, "messages must be a non-empty list")
-    total = 1 + CHAT_ASSISTANT_HEADER_TOKENS
+    turns: list[tuple[str, str]] = []
     for message in messages:
         if not isinstance(message, dict) or not isinstance(message.get("role"), str):
             raise ApiError(400, "every message needs a string role")
@@ -104,8 +110,26 @@ def _chat_prompt_tokens(messages: Any) -> int:
             text = "".join(parts)
         else:
             raise ApiError(400, "message content must be a string, a list of parts or null")
-        total += CHAT_MESSAGE_FRAMING_TOKENS + -(-len(text) // 4)
-    return total
+        turns.append((message["role"], text))
+    return chat_ids(turns)
+
+
+CACHE_SALT_MAX_LENGTH = 128
+CACHE_SALT_FORBIDDEN = frozenset("@/\\\x00")
+"""vLLM 0.33's `validate_cache_salt` bounds."""
+
+
+def _cache_salt(body: dict[str, Any]) -> str | None:
+    """`cache_salt`, checked as vLLM's `validate_cache_salt` checks it."""
+    salt = body.get("cache_salt")
+    if salt is None:
+        return None
+    if not isinstance(salt, str) or not salt:
+        raise validation_error("Parameter 'cache_salt' must be a non-empty string if provided.", "cache_salt", salt)
+    if len(salt) > CACHE_SALT_MAX_LENGTH or any(char in CACHE_SALT_FORBIDDEN for char in salt):
+        raise validation_error("Parameter 'cache_salt' must be at most 128 characters and must not contain '@', "
+                               "'/', '\\\\', or NUL.", "cache_salt", salt)
+    return salt
 
 
 def _optional_int(body: dict[str, Any], name: str) -> int | None:
@@ -124,23 +148,37 @@ class Generation:
     """A validated `/v1/completions` or `/v1/chat/completions` body."""
 
     chat: bool
-    prompt_tokens: int
+    token_ids: list[int]
     max_tokens: int
     stream: bool
     include_usage: bool
     continuous_usage: bool
     kv_transfer_params: dict[str, Any] | None
+    cache_salt: str | None = None
+    session_id: str | None = None
+
+    @property
+    def prompt_tokens(self) -> int:
+        """The prompt's length in tokens."""
+        return len(self.token_ids)
 
 
-def parse_generation(body: Any, chat: bool, config: EmulatorConfig) -> Generation:
+def parse_generation(body: Any, chat: bool, config: EmulatorConfig, session_header: str | None = None) -> Generation:
     """Validate a request body in vLLM's order; raises ApiError. First the body's shape (vLLM's protocol
     models); then the model (404, naming the served names); then `max_tokens` against `--max-model-len`
     (`TokenizeParams`); then the prompt's length (the renderer: longer than the context; the engine's
     input processor: no room for one output token). A `max_tokens` that fits the context but not beside
-    the prompt is lowered to what is left, as vLLM's `get_max_tokens` does."""
+    the prompt is lowered to what is left, as vLLM's `get_max_tokens` does. The session (BlockStored's
+    `session_id`) is the body's `session_id`, else the `X-Session-ID` header (`session_header`)."""
     if not isinstance(body, dict):
         raise ApiError(400, "the request body must be a JSON object")
-    prompt_tokens = _chat_prompt_tokens(body.get("messages")) if chat else _prompt_tokens(body.get("prompt"))
+    cache_salt = _cache_salt(body)
+    token_ids = _chat_prompt_ids(body.get("messages")) if chat else _prompt_ids(body.get("prompt"))
+    prompt_tokens = len(token_ids)
+    session_id = body.get("session_id")
+    if session_id is not None and not isinstance(session_id, str):
+        raise ApiError(400, "session_id must be a string")
+    session_id = session_id or session_header or None
     stream = body.get("stream")
     if stream is not None and not isinstance(stream, bool):
         raise ApiError(400, "stream must be a boolean")
@@ -187,13 +225,23 @@ def parse_generation(body: Any, chat: bool, config: EmulatorConfig) -> Generatio
     max_tokens = max_len - prompt_tokens if requested is None else min(requested, max_len - prompt_tokens)
     include_usage = bool(options is not None and options.get("include_usage", True))
     continuous = bool(options is not None and options.get("continuous_usage_stats", False))
-    return Generation(chat, prompt_tokens, max_tokens, bool(stream), include_usage, continuous, kv_transfer_params)
+    return Generation(chat, token_ids, max_tokens, bool(stream), include_usage, continuous, kv_transfer_params,
+                      cache_salt, session_id)
 
 
-def usage_body(prompt_tokens: int, completion_tokens: int) -> dict[str, Any]:
+def prompt_tokens_details(chat: bool, cached_tokens: int, created_cache_tokens: int) -> dict[str, Any]:
+    """vLLM's `PromptTokenUsageInfo` as `--enable-prompt-tokens-details` adds it to an answer's usage: the
+    prompt tokens found cached (locally or, on a decode leg, what the prefill engine found: its
+    `remote_prefill_cached_tokens`), and for chat the tokens its prefill wrote to the prefix cache."""
+    return {"cached_tokens": cached_tokens, "created_cache_tokens": created_cache_tokens if chat else None,
+            "multimodal_tokens": None}
+
+
+def usage_body(prompt_tokens: int, completion_tokens: int, details: dict[str, Any] | None = None) -> dict[str, Any]:
     """vLLM's `UsageInfo` in a response body (every field)."""
     return {"prompt_tokens": prompt_tokens, "total_tokens": prompt_tokens + completion_tokens,
-            "completion_tokens": completion_tokens, "prompt_tokens_details": None, "completion_tokens_details": None}
+            "completion_tokens": completion_tokens, "prompt_tokens_details": details,
+            "completion_tokens_details": None}
 
 
 def _stream_usage(prompt_tokens: int, completion_tokens: int) -> dict[str, Any]:
@@ -203,11 +251,12 @@ def _stream_usage(prompt_tokens: int, completion_tokens: int) -> dict[str, Any]:
 
 
 def full_response(generation: Generation, response_id: str, model: str, created: int, tokens: int,
-                  finish_reason: str, params: dict[str, Any] | None, fingerprint: str) -> dict[str, Any]:
+                  finish_reason: str, params: dict[str, Any] | None, fingerprint: str,
+                  details: dict[str, Any] | None = None) -> dict[str, Any]:
     """A non-streamed answer: vLLM's `CompletionResponse` or `ChatCompletionResponse`, every field
-    (vLLM writes the whole model), with `tokens` tokens of text."""
+    (vLLM writes the whole model), with `tokens` tokens of text; `details`: `prompt_tokens_details`."""
     text = TOKEN_TEXT * tokens
-    usage = usage_body(generation.prompt_tokens, tokens)
+    usage = usage_body(generation.prompt_tokens, tokens, details)
     if generation.chat:
         # ChatMessage drops `tool_calls` when it is empty.
         message = {"role": "assistant", "content": text, "refusal": None, "annotations": None, "audio": None,
@@ -302,7 +351,9 @@ class Chunks:
         usage = self._usage(0) if self.generation.continuous_usage else None
         return sse_event(self.event("abort", usage, text=""))
 
-    def usage(self, completion_tokens: int) -> str:
+    def usage(self, completion_tokens: int, details: dict[str, Any] | None = None) -> str:
         """The usage event after the last token (`include_usage`): null fields dropped."""
         usage = _stream_usage(self.generation.prompt_tokens, completion_tokens)
+        if details is not None:
+            usage["prompt_tokens_details"] = {key: value for key, value in details.items() if value is not None}
         return sse_event({**self.head, "choices": [], "usage": usage, "system_fingerprint": self.fingerprint})
