@@ -34,7 +34,12 @@ from xpyd.proxy.kvrouting import KVRequest, KVRouter, KVSettings, block_keys
 from xpyd.proxy.pool import Instance
 
 BLOCK = 16
-WORDS = "the quick brown fox jumps over lazy dogs while seven wizards quietly hex jovial sphinx".split()
+WORDS = ["the", "quick", "brown", "fox", "jumps", "over", "lazy", "dogs", "while", "seven", "wizards", "quietly",
+         "hex", "jovial", "sphinx"]
+
+
+def say(line: str) -> None:
+    sys.stdout.write(line + "\n")
 
 
 def percentiles(samples: list[float]) -> str:
@@ -76,7 +81,7 @@ def decision_cost(instances: int, blocks: int, decisions: int, prompt_tokens: in
         router.choose("prefill", nodes, request, 1.0)
         router.choose("decode", decodes, request, 1.0)
         samples.append((time.perf_counter_ns() - started) / 1000)
-    print(f"decision (prefill over {instances}, decode over 2), {total:,} blocks indexed, "
+    say(f"decision (prefill over {instances}, decode over 2), {total:,} blocks indexed, "
           f"{prompt_tokens}-token prompts: {percentiles(samples)} µs")
 
 
@@ -89,7 +94,7 @@ def hashing_cost(lengths: list[int], rounds: int) -> None:
             started = time.perf_counter_ns()
             block_keys(router.hasher, tokens)
             samples.append((time.perf_counter_ns() - started) / 1000)
-        print(f"hashing {length:6d} tokens ({length // BLOCK} blocks, sha256): {percentiles(samples)} µs")
+        say(f"hashing {length:6d} tokens ({length // BLOCK} blocks, sha256): {percentiles(samples)} µs")
 
 
 def text(tokens: int, rng: random.Random) -> str:
@@ -100,11 +105,11 @@ def tokenizers_cost(lengths: list[int], rounds: int) -> None:
     try:
         import tokenizers
     except ModuleNotFoundError:
-        print("tokenizers in the proxy: the tokenizers package is not installed (pip install tokenizers)")
+        say("tokenizers in the proxy: the tokenizers package is not installed (pip install tokenizers)")
         return
     models = sorted((Path.home() / ".cache" / "xpyd" / "models").glob("*/tokenizer.json"))
     if not models:
-        print("tokenizers in the proxy: no tokenizer.json under ~/.cache/xpyd/models (make tools builds one)")
+        say("tokenizers in the proxy: no tokenizer.json under ~/.cache/xpyd/models (make tools builds one)")
         return
     tokenizer = tokenizers.Tokenizer.from_file(str(models[0]))
     rng = random.Random(0)
@@ -116,7 +121,7 @@ def tokenizers_cost(lengths: list[int], rounds: int) -> None:
             started = time.perf_counter_ns()
             tokenizer.encode(prompt)
             samples.append((time.perf_counter_ns() - started) / 1000)
-        print(f"tokenizers {tokenizers.__version__} in the proxy ({models[0].parent.name}), {count:6d} tokens: "
+        say(f"tokenizers {tokenizers.__version__} in the proxy ({models[0].parent.name}), {count:6d} tokens: "
               f"{percentiles(samples)} µs")
 
 
@@ -146,7 +151,7 @@ async def tokenize_endpoint_cost(lengths: list[int], rounds: int) -> None:
                                             json={"model": "m", "prompt": prompt}) as response:
                         await response.json()
                     samples.append((time.perf_counter_ns() - started) / 1000)
-                print(f"/tokenize round trip over loopback, {length:6d} words: {percentiles(samples)} µs")
+                say(f"/tokenize round trip over loopback, {length:6d} words: {percentiles(samples)} µs")
     finally:
         await runner.cleanup()
 
