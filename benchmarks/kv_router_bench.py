@@ -44,7 +44,10 @@ def say(line: str) -> None:
 
 def percentiles(samples: list[float]) -> str:
     ordered = sorted(samples)
-    p = lambda q: ordered[min(len(ordered) - 1, int(q * len(ordered)))]  # noqa: E731
+
+    def p(q: float) -> float:
+        return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
+
     return f"p50 {p(0.5):8.1f}  p99 {p(0.99):8.1f}  max {ordered[-1]:9.1f}"
 
 
