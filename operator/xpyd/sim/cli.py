@@ -59,6 +59,12 @@ def add_parser(subparsers: Any) -> None:
     sim.add_argument("--startup-delay-s", type=float, default=120.0, help="time a new replica takes to serve")
     sim.add_argument("--interval-s", type=float, default=30.0, help="seconds between policy decisions")
     sim.add_argument("--window-s", type=float, default=60.0, help="metrics window the policy sees")
+    sim.add_argument("--scale-to-zero", type=float, default=None, metavar="IDLE_S",
+                     help="let the pool go to zero (policy xpyd: after IDLE_S idle seconds; --prefill/--decode may "
+                     "be 0): the proxy holds requests while no pair is ready, up to 2 x start-up + 60 s, and a held "
+                     "request brings a decision forward by --signal-delay-s")
+    sim.add_argument("--signal-delay-s", type=float, default=1.0,
+                     help="with --scale-to-zero: how soon a held request makes the policy decide (default 1)")
     sim.add_argument("--max-num-batched-tokens", type=int, default=8192, help="engine token budget per step")
     sim.add_argument("--max-num-seqs", type=int, default=256, help="engine running-request limit")
     sim.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True,
@@ -95,7 +101,8 @@ def run(args: argparse.Namespace) -> int:
             seed=args.seed, engine=EngineConfig(max_num_batched_tokens=args.max_num_batched_tokens,
                                                 max_num_seqs=args.max_num_seqs,
                                                 enable_prefix_caching=args.enable_prefix_caching,
-                                                block_size=args.block_size))
+                                                block_size=args.block_size),
+            **(scale_to_zero(args.startup_delay_s, args.signal_delay_s) if args.scale_to_zero is not None else {}))
         trace = load_trace(args.trace, speedup=args.speedup, start_s=args.start, duration_s=args.duration,
                            rate_scale=args.rate_scale, seed=args.seed)
         perf = _load_profile(args.profile, args.model, args.kv_dtype, args.link_gbps)
@@ -103,7 +110,7 @@ def run(args: argparse.Namespace) -> int:
         return fail(str(error))
     progress = ProgressBar(sys.stderr) if args.progress or sys.stderr.isatty() else None
     started = wallclock.perf_counter()
-    result = simulate_policy(args.policy, trace, perf, config, progress)
+    result = simulate_policy(args.policy, trace, perf, config, progress, idle_s=args.scale_to_zero)
     wall_s = wallclock.perf_counter() - started
     report = build_report(result, trace_name=Path(args.trace).name, speedup=args.speedup,
                           rate_scale=args.rate_scale)
@@ -117,6 +124,15 @@ def run(args: argparse.Namespace) -> int:
         return fail(f"cannot write: {error}")
     sys.stdout.write(summary(report, wall_s) + "\n")
     return 0
+
+
+def scale_to_zero(startup_delay_s: float, signal_delay_s: float) -> dict[str, Any]:
+    """The `SimConfig` fields of a pool that scales to zero, as the operator renders its proxies: the
+    waiting room holds a request up to 2 x start-up + 60 s (`autoscaling.scaleToZero.waitSeconds`'
+    default), 256 at most (`maxWaitingRequests`'), and the demand signal reaches the policy in
+    `signal_delay_s`."""
+    return {"min_replicas": 0, "wait_timeout_s": 2 * startup_delay_s + 60.0, "wait_max_requests": 256,
+            "signal_delay_s": signal_delay_s}
 
 
 def _load_profile(prefix: str, model: str, kv_dtype: str, link_gbps: float) -> EnginePerf:

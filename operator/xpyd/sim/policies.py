@@ -63,10 +63,11 @@ def pool_model(context: PolicyContext, percentile: float = SIM_PERCENTILE) -> Po
 
 def xpyd_config(context: PolicyContext, percentile: float = SIM_PERCENTILE) -> AutoscalerConfig:
     """The `xpyd` policy's config in the simulator: the CRD's defaults (pace, windows) with the run's
-    SLOs, interval and start-up delay, bounds 1..`SIM_MAX_REPLICAS`, no GPU budget."""
-    bounds = RoleBounds(1, SIM_MAX_REPLICAS)
+    SLOs, interval and start-up delay, bounds 1..`SIM_MAX_REPLICAS` (0.. with `context.idle_s`: the
+    pool scales to zero after that idle time), no GPU budget."""
+    bounds = RoleBounds(0 if context.idle_s is not None else 1, SIM_MAX_REPLICAS)
     return AutoscalerConfig(model=pool_model(context, percentile), prefill=bounds, decode=bounds,
-                            interval_s=context.interval_s, startup_s=context.startup_delay_s)
+                            interval_s=context.interval_s, startup_s=context.startup_delay_s, idle_s=context.idle_s)
 
 
 @dataclass
@@ -208,13 +209,16 @@ def build_policy(name: str, context: PolicyContext) -> Policy:
 
 
 def simulate_policy(name: str, trace: Sequence[TraceRequest], perf: EnginePerf, config: SimConfig,
-                    progress: ProgressCallback | None = None) -> SimResult:
+                    progress: ProgressCallback | None = None, idle_s: float | None = None) -> SimResult:
     """Replay `trace` under the registered policy `name`, built with the config's sizes, SLO and timing
     (the hindsight baselines also get the trace and the engines' arguments). A fixed policy
-    (`static-peak`, `static-mean`) starts at its own sizes: its pool is there from t=0."""
+    (`static-peak`, `static-mean`) starts at its own sizes: its pool is there from t=0. With `idle_s`
+    the `xpyd` policy scales the pool to zero (the config's `min_replicas` must be 0)."""
+    if idle_s is not None and config.min_replicas != 0:
+        raise ValueError("scaling to zero (idle_s) needs SimConfig.min_replicas 0")
     context = PolicyContext(initial=Desired(config.prefill, config.decode), slo=config.slo, perf=perf,
                             interval_s=config.interval_s, startup_delay_s=config.startup_delay_s, trace=trace,
-                            engine=config.engine)
+                            engine=config.engine, idle_s=idle_s)
     policy = build_policy(name, context)
     if isinstance(policy, FixedPolicy):
         config = replace(config, prefill=policy.desired.prefill, decode=policy.desired.decode)

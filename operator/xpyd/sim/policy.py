@@ -35,6 +35,9 @@ class PolicyContext:
     startup_delay_s: float
     trace: Sequence[TraceRequest] = ()
     engine: EngineConfig | None = None
+    #: The `xpyd` policy scales the pool to zero after this many idle seconds (minReplicas 0 on both
+    #: roles; the simulator's `SimConfig.min_replicas` 0 and its waiting room go with it). None: never.
+    idle_s: float | None = None
 
 
 class Policy(Protocol):

@@ -15,6 +15,9 @@ Definitions (DESIGN.md's keys):
   `computed_tokens` (prefilled there) and `transferred_tokens` (loaded from the prefill engine: the
   rest; 0 on prefill). The timeline has each role's hit rate per bin, by arrival.
 - `busy_gpu_hours_by_role`: GPU time of the engines' steps, the part of `gpu_hours_by_role` at work.
+- `held` (a pool that scales to zero): the requests that arrived with no ready prefill and decode
+  pair and waited in the proxy's waiting room (`requests`), those dropped from it (`overflow`,
+  `expired`), their attainment and their TTFT.
 """
 
 from __future__ import annotations
@@ -139,7 +142,19 @@ def build_report(result: SimResult, trace_name: str = "", speedup: float = 1.0, 
                        "decode_before": d.decode_before, "prefill": d.prefill, "decode": d.decode}
                       for d in result.decisions],
         "timeline": timeline(result),
+        **({"held": held(result)} if any(result.held) else {}),
     }
+
+
+def held(result: SimResult) -> dict[str, Any]:
+    """The requests that arrived at a pool without a ready pair (at zero, or starting from it)."""
+    _, met = result.meets(result.config.slo)
+    indexes = [i for i, was in enumerate(result.held) if was]
+    return {"requests": len(indexes), "overflow": result.dropped.get("overflow", 0),
+            "expired": result.dropped.get("expired", 0),
+            "attainment": round(sum(met[i] for i in indexes) / len(indexes), 6),
+            "served": round(sum(not math.isnan(result.ttft_s[i]) for i in indexes) / len(indexes), 6),
+            "ttft_ms": summary_ms([result.ttft_s[i] for i in indexes])}
 
 
 def summary(report: dict[str, Any], wall_s: float | None = None) -> str:
@@ -165,6 +180,9 @@ def summary(report: dict[str, Any], wall_s: float | None = None) -> str:
                else f"loaded {cache['transferred_tokens']:,}"
                + (f", computed {cache['computed_tokens']:,}" if cache["computed_tokens"] else ""))
             for role, cache in report["prefix_cache"].items())),
+        *([f"  held without a ready pair {held['requests']:,}: served {held['served']:.1%}, attainment "
+           f"{held['attainment']:.1%}, TTFT ms {ms(held['ttft_ms'])}, dropped {held['overflow']} full, "
+           f"{held['expired']} timed out"] if (held := report.get("held")) else []),
         f"  scaling actions {report['scaling_actions']}"
         + (f"   rejected {report['rejected']}" if report["rejected"] else "")
         + (f"   wall {wall_s:.2f} s" if wall_s is not None else ""),

@@ -28,6 +28,15 @@ replicas, then drains ready ones (out of routing, they finish what they hold, KV
 A replica uses its GPUs from its start until it has drained. The run ends when every request has
 finished.
 
+Scaling to zero (`SimConfig.min_replicas` 0): the policy may leave a role with no replica, and the
+proxy's waiting room holds every request that arrives while the pool has no routable prefill and
+decode pair (`SimResult.held`), sending them on as soon as it has one; a request held beyond
+`wait_timeout_s`, or arriving at a room of `wait_max_requests`, is dropped (`SimResult.dropped`:
+`expired`, `overflow`; NaN latencies). The demand signal (`signal_delay_s`): a request held while
+no policy call is due within that delay brings one forward to then, outside the interval's
+schedule, as the proxies' pod condition brings the operator's decision forward; the observation
+carries what is held (`Observation.held_requests`).
+
 Per request: TTFT is arrival to the decode engine's first token (prefill queue, prefill, proxy hop,
 decode admission, KV transfer, first decode step); TPOT is (e2e - TTFT) / (OSL - 1), 0 for OSL 1.
 
@@ -115,10 +124,20 @@ class SimConfig:
     gpus_per_replica: int = 1
     max_decode_steps: int = 1 << 30   # fused decode passes per step (1: pass by pass; same results, slower)
     routing: Routing = field(default_factory=Routing)
+    min_replicas: int = 1             # the fewest replicas a policy leaves a role (0: the pool scales to zero)
+    wait_timeout_s: float = math.inf  # min_replicas 0: how long the waiting room holds a request
+    wait_max_requests: int = 1 << 30  # min_replicas 0: the most requests it holds
+    signal_delay_s: float | None = None  # min_replicas 0: a held request calls the policy this soon (None: ticks only)
 
     def __post_init__(self) -> None:
-        if self.prefill < 1 or self.decode < 1:
-            raise ValueError("--prefill and --decode must be at least 1")
+        if self.min_replicas not in (0, 1):
+            raise ValueError("min_replicas must be 0 (scale to zero) or 1")
+        if self.prefill < self.min_replicas or self.decode < self.min_replicas:
+            raise ValueError(f"--prefill and --decode must be at least {self.min_replicas}")
+        if not (self.wait_timeout_s > 0 and self.wait_max_requests >= 1
+                and (self.signal_delay_s is None or self.signal_delay_s >= 0)):
+            raise ValueError("wait_timeout_s must be positive, wait_max_requests at least 1, signal_delay_s not "
+                             "negative")
         for name in ("startup_delay_s", "window_s"):
             if not getattr(self, name) >= 0:
                 raise ValueError(f"{name} must not be negative")
@@ -175,6 +194,8 @@ class SimResult:
     replicas_started: int
     replicas_stopped: int
     events: int                    # discrete events processed
+    held: list[bool] = field(default_factory=list)           # per request: arrived with no ready pair (at zero)
+    dropped: dict[str, int] = field(default_factory=dict)    # held requests dropped: overflow, expired
 
     def tpot_s(self) -> list[float]:
         """Per-request time per output token: (e2e - TTFT) / (OSL - 1), 0 for one-token outputs."""
@@ -190,7 +211,7 @@ class SimResult:
 
 ProgressCallback = Callable[[int, int, float], None]
 
-_STEP, _TIMER, _READY, _TICK = 0, 1, 2, 3
+_STEP, _TIMER, _READY, _TICK, _EXPIRE, _SIGNAL = 0, 1, 2, 3, 4, 5
 _FIRST_TOKEN, _FINISHED, _KV_LOADED = EventKind.FIRST_TOKEN, EventKind.FINISHED, EventKind.KV_LOADED
 
 # The vllm:* series `observe()` reads (the autoscaler's queries): only these are summed per tick.
@@ -269,6 +290,12 @@ class Simulator:
         self._arrived = 0
         self._client_ttft = BucketHistogram(TTFT_BUCKETS)
         self._client_tpot = BucketHistogram(ITL_BUCKETS)
+        self._holding = config.min_replicas == 0
+        self._waiting: dict[int, None] = {}      # held requests, in arrival order
+        self._waiting_tokens = 0
+        self._held = [False] * n
+        self._dropped = {"overflow": 0, "expired": 0}
+        self._signal_pending = False
         self._history: deque[tuple[float, int, dict[str, _RoleMetrics], BucketHistogram, BucketHistogram]] = deque()
         probe = EngineCore(perf, config.engine)
         self._capacity = probe.capacity
@@ -318,8 +345,13 @@ class Simulator:
                 elif kind == _READY:
                     assert replica is not None
                     self._on_ready(replica, now)
-                else:
+                elif kind == _TICK:
                     self._on_tick(now)
+                elif kind == _EXPIRE:
+                    self._on_expire(token, now)
+                else:
+                    self._signal_pending = False
+                    self._decide(now)
             else:
                 now = next_arrival
                 self._on_arrival(index, now)
@@ -343,7 +375,7 @@ class Simulator:
             rejected=self._rejected, end_s=end_s, gpu_seconds=gpu_seconds, busy_seconds=busy_seconds,
             cached_tokens=self._cached, computed_tokens=self._computed, replicas=self._samples,
             decisions=self._decisions, scaling_actions=self._scaling_actions, replicas_started=self._started,
-            replicas_stopped=self._stopped, events=events)
+            replicas_stopped=self._stopped, events=events, held=self._held, dropped=dict(self._dropped))
 
     # --- request flow -------------------------------------------------------------------------
 
@@ -353,11 +385,48 @@ class Simulator:
             self._rejected += 1
             self._done += 1
             return
+        if self._holding and not (self._routable[PREFILL] and self._routable[DECODE]):
+            self._hold(index, now)
+            return
         replica = self._route(PREFILL, index, now)
         if replica is None:
             self._proxy_queue[PREFILL].append(index)
         else:
             self._send_prefill(index, replica, now)
+
+    def _hold(self, index: int, now: float) -> None:
+        """The waiting room: hold a request that found no pair, or drop it when the room is full;
+        a held request calls the policy within `signal_delay_s` (the demand signal)."""
+        config = self.config
+        self._held[index] = True
+        if len(self._waiting) >= config.wait_max_requests:
+            self._dropped["overflow"] += 1
+            self._done += 1
+            return
+        self._waiting[index] = None
+        self._waiting_tokens += self.trace[index].isl
+        if math.isfinite(config.wait_timeout_s):
+            self._push(now + config.wait_timeout_s, _EXPIRE, None, index)
+        if config.signal_delay_s is not None and not self._signal_pending:
+            self._signal_pending = True
+            self._push(now + config.signal_delay_s, _SIGNAL, None, 0)
+
+    def _on_expire(self, index: int, now: float) -> None:
+        if index in self._waiting:
+            del self._waiting[index]
+            self._waiting_tokens -= self.trace[index].isl
+            self._dropped["expired"] += 1
+            self._done += 1
+
+    def _release(self, now: float) -> None:
+        """A pair is routable: every held request goes on, in arrival order."""
+        held = list(self._waiting)
+        self._waiting.clear()
+        self._waiting_tokens = 0
+        for index in held:
+            target = self._route(PREFILL, index, now)
+            assert target is not None
+            self._send_prefill(index, target, now)
 
     def _send_prefill(self, index: int, replica: _Replica, now: float) -> None:
         request = self.trace[index]
@@ -573,6 +642,8 @@ class Simulator:
                 self._send_prefill(index, target, now)
             else:
                 self._send_decode(index, target, now)
+        if self._waiting and self._routable[PREFILL] and self._routable[DECODE]:
+            self._release(now)
 
     def _stop(self, replica: _Replica, now: float) -> None:
         replica.stopped_s = now
@@ -601,10 +672,16 @@ class Simulator:
     # --- the policy loop ----------------------------------------------------------------------------
 
     def _on_tick(self, now: float) -> None:
+        self._decide(now)
+        self._push(now + self.config.interval_s, _TICK, None, 0)
+
+    def _decide(self, now: float) -> None:
+        """One policy call at `now` (a tick, or the demand signal's) and its scaling."""
         self._snapshot(now)
         observation = self.observe(now)
         desired = self.policy.decide(observation)
-        wanted = {PREFILL: max(1, int(desired.prefill)), DECODE: max(1, int(desired.decode))}
+        least = self.config.min_replicas
+        wanted = {PREFILL: max(least, int(desired.prefill)), DECODE: max(least, int(desired.decode))}
         before = {PREFILL: observation.prefill.replicas, DECODE: observation.decode.replicas}
         self._decisions.append(PolicyCall(now, before[PREFILL], before[DECODE], wanted[PREFILL], wanted[DECODE]))
         changed = False
@@ -615,7 +692,6 @@ class Simulator:
                 changed = True
         if changed:
             self._sample(now)
-        self._push(now + self.config.interval_s, _TICK, None, 0)
 
     def _snapshot(self, now: float) -> None:
         roles: dict[str, _RoleMetrics] = {}
@@ -660,6 +736,8 @@ class Simulator:
             now_metrics, then = roles1[role], roles0[role]
             hists = {name: h.minus(then.histograms[name]) if name in then.histograms else h
                      for name, h in now_metrics.histograms.items()}
+            for name in _WINDOW_HISTOGRAMS:  # a role that never had a replica (a pool that starts at zero)
+                hists.setdefault(name, BucketHistogram(TTFT_BUCKETS))
             counts = {name: v - then.counters.get(name, 0) for name, v in now_metrics.counters.items()}
             return hists, counts
 
@@ -695,7 +773,8 @@ class Simulator:
             osl_mean=outputs.sum / outputs.count if outputs.count else math.nan,
             isl_quantiles=quantiles(prompts),
             ttft_seconds=quantiles(ttft1.minus(ttft0)), tpot_seconds=quantiles(tpot1.minus(tpot0)),
-            prefill=role_observation(PREFILL), decode=role_observation(DECODE))
+            prefill=role_observation(PREFILL), decode=role_observation(DECODE),
+            held_requests=float(len(self._waiting)), held_prompt_tokens=float(self._waiting_tokens))
 
     def _sample(self, now: float) -> None:
         counts: dict[str, list[int]] = {}
