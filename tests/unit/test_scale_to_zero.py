@@ -70,18 +70,19 @@ def wake_sizes(held: float, isl: float, config: AutoscalerConfig = ZERO) -> tupl
     """What the wake-up rule should ask for, computed here from the model's own terms."""
     model = config.model
     per_replica = model.mix_tokens_per_s(PromptMix.from_quantiles(isl, None, config.default_isl_cs2))
-    batch, _, _ = model.decode_frontier(isl + DEFAULT_WAKE_OSL / 2)
+    drain_s = drain_budget_s(config)
+    decode = model.size_decode(held / drain_s, isl, DEFAULT_WAKE_OSL)
     step = config.scale_up.max_step  # from zero, at most one step up per decision
-    return (min(step, max(1, math.ceil(held * isl / (per_replica * drain_budget_s(config)) - 1e-9))),
-            min(step, max(1, math.ceil(held / batch - 1e-9))))
+    return (min(step, max(1, math.ceil(held * isl / (per_replica * drain_s) - 1e-9))), min(step, decode.replicas))
 
 
 @pytest.mark.parametrize(("held", "isl", "roles", "expected"), [
     # One request at zero: one of each, together.
     (1, 1000, {}, (1, 1)),
-    # A burst big enough to need more than one decode batch (and, at long prompts, more prefill).
-    (300, 1000, {}, "model"),
-    (6000, 8000, {}, "model"),
+    # Bursts big enough to need more than one of decode as a backlog admitted within the horizon
+    # (and, at long prompts, more prefill than one step up gives).
+    (10000, 1000, {}, "model"),
+    (20000, 8000, {}, "model"),
     # Replicas already starting (a second signal, more held): never fewer than in force.
     (1, 1000, {"prefill": RoleObservation(replicas=2, starting=2), "decode": RoleObservation(replicas=1, starting=1)},
      (2, 1)),
@@ -100,8 +101,8 @@ def test_held_requests_at_a_cold_pool_bring_both_roles_up(held: float, isl: floa
     assert f"{held:.0f} request(s) held" in decision.message
     if expected == "model":
         assert want[1] > 1  # the case is there to need more than one of decode
-    if held == 6000:
-        assert want == (4, 4)  # and this one more of both than one step gives
+    if held == 20000:
+        assert want == (4, 4)  # one step up (4) caps both
     grew = [name for name, d in (("prefill", decision.prefill), ("decode", decision.decode)) if d.replicas > d.current]
     for name in ("prefill", "decode"):  # a role that grew starts its grace period (no scale-down on its heels)
         assert (decision.state.role(name).last_scale_up_s == 600.0) == (name in grew)
@@ -129,7 +130,7 @@ def test_waking_needs_no_metrics_and_keeps_the_decision_clock() -> None:
                       gpu_budget=3), "budget"),
 ])
 def test_the_wake_up_keeps_the_bounds_the_pace_and_the_budget(config: AutoscalerConfig, expected: Any) -> None:
-    held, isl = 6000.0, 8000.0
+    held, isl = 20000.0, 8000.0
     unbounded = wake_sizes(held, isl, AutoscalerConfig(model=CONFIG.model, scale_up=Pace(0.0, 64)))
     assert unbounded[0] > 2 and unbounded[1] > 2  # the burst needs more than any bound here allows
     decision = decide(at_zero(held=held, tokens=held * isl), config, AutoscalerState())
@@ -473,3 +474,14 @@ def test_a_proxy_pod_reporting_held_requests_starts_a_decision_at_once() -> None
     state.changed(pods, after, after)     # the same report again: no second wake-up
     assert state.wakes == 1 and threading.active_count() >= 1
     state.stop()
+
+
+@pytest.mark.parametrize(("woken_ago", "learnt"), [
+    (math.inf, True),      # never woken: a burst as usual
+    (100.0, False),        # the window holds the release of the requests held while the pool started
+    (CONFIG.startup_s + 60.0 + 2 * CONFIG.interval_s, True),  # long after: bursts count again
+])
+def test_the_release_after_a_start_from_zero_teaches_no_burst(woken_ago: float, learnt: bool) -> None:
+    from tests.unit.test_autoscaler_decide import bursty
+    state = dataclasses.replace(settled(2, 3), woken_s=600.0 - woken_ago)
+    assert bool(decide(bursty(), CONFIG, state).state.prefill.bursts) == learnt

@@ -13,10 +13,11 @@ The rules, in order (each named in the decision's CamelCase reason and message):
 
 0. Scale from zero: requests held by the proxies (`Observation.held_requests`, from their pods at
    once, not from Prometheus) while a role has no ready replica bring both roles up together,
-   sized for what is held (`ScaleFromZero`): prefill drains the held prompt tokens within the
-   sizing horizon, decode admits every held request at once at its ITL/KV frontier batch. No metrics
+   sized for what is held (`ScaleFromZero`), as a backlog (rule 6): prefill drains the held prompt
+   tokens within the sizing horizon, decode admits the held requests within it. No metrics
    are needed (a pool at zero has none), nothing ever shrinks here, and `scale_up.max_step` and the
-   bounds apply.
+   bounds apply. The release of the held requests, all at once when the pair serves, is a backlog:
+   no burst (rule 4) is learnt from the windows that hold it.
 1. Metrics check: missing, stale or contradictory metrics hold every role at its current size
    (`MetricsUnavailable`, `scaling_active=False`); bounds still apply, nothing else scales. Before the
    first finished request the pool holds as `NoTraffic` (requests arriving for two windows without
@@ -250,6 +251,7 @@ class AutoscalerState:
     isl_quantiles: Quantiles = field(default_factory=Quantiles)
     suspect_since_s: float = math.nan     # since when the metrics contradict themselves (or lack ISL/OSL)
     idle_since_s: float = math.nan        # since when the decisions have seen the pool idle (scale to zero)
+    woken_s: float = -math.inf            # when the pool last started from zero (its held requests' release)
     prefill: RoleState = field(default_factory=RoleState)
     decode: RoleState = field(default_factory=RoleState)
 
@@ -576,7 +578,7 @@ def decide(observation: Observation, config: AutoscalerConfig, state: Autoscaler
         roles, budget_binding = _apply_budget(roles, config, plan, k_prefill)
 
     new_state = AutoscalerState(time_s=now, rate=rate_series, isl=isl_series, osl=osl_series,
-                                isl_quantiles=isl_quantiles, idle_since_s=state.idle_since_s,
+                                isl_quantiles=isl_quantiles, idle_since_s=state.idle_since_s, woken_s=state.woken_s,
                                 prefill=role_states[PREFILL], decode=role_states[DECODE])
     prefill, decode = roles[PREFILL], roles[DECODE]
     candidates = [r for r in (prefill, decode) if r.replicas != r.current] or [prefill, decode]
@@ -638,6 +640,8 @@ def _burst(observation: Observation, config: AutoscalerConfig, state: Autoscaler
     steady = prefill.starting == 0 and prefill.draining == 0 and not math.isfinite(state.prefill.starting_since_s)
     if memory <= 0 or prefill.ready < 1 or not ttft_breach or not steady:
         return kept
+    if now - state.woken_s < config.startup_s + observation.window_s + 2 * config.interval_s:
+        return kept       # the held requests released at once after a start from zero: a backlog, not a pattern
     per_replica = config.model.saturated_tokens_per_s(k)
     capacity = prefill.ready * per_replica
     offered = observation.request_rate * observation.isl_mean
@@ -977,10 +981,11 @@ def _wake(observation: Observation, config: AutoscalerConfig, state: AutoscalerS
     per_replica = model.mix_tokens_per_s(PromptMix.from_quantiles(isl, None, config.default_isl_cs2),
                                          state.prefill.correction)
     drain_s = drain_budget_s(config)
-    batch, _, limit = model.decode_frontier(isl + osl / 2.0, state.decode.correction)
-    needs = {PREFILL: math.ceil(held * isl / (per_replica * drain_s) - 1e-9), DECODE: math.ceil(held / batch - 1e-9)}
+    decode = model.size_decode(held / drain_s, isl, osl, state.decode.correction)
+    needs = {PREFILL: math.ceil(held * isl / (per_replica * drain_s) - 1e-9), DECODE: decode.replicas}
     why = {PREFILL: f"{_kilo(held * isl)} prompt tokens drained within {drain_s:.0f}s at {_kilo(per_replica)} tok/s",
-           DECODE: f"{held:.0f} sequences at once at b*={batch} ({limit}-bound, ctx {isl + osl / 2:.0f})"}
+           DECODE: f"{held:.0f} requests admitted within {drain_s:.0f}s at b*={decode.batch} ({decode.limit}-bound, "
+                   f"OSL {osl:.0f})"}
     sizes: dict[str, int] = {}
     for name, role in ((PREFILL, observation.prefill), (DECODE, observation.decode)):
         current = role.replicas + role.pending
@@ -1007,7 +1012,8 @@ def _wake(observation: Observation, config: AutoscalerConfig, state: AutoscalerS
     message = (f"{held:.0f} request(s) held by the proxies ({_kilo(tokens)} prompt tokens) while "
                f"{' and '.join(missing)} {'have' if len(missing) > 1 else 'has'} no ready replica: "
                f"{roles[PREFILL].message}; {roles[DECODE].message}")
-    new_state = replace(state, idle_since_s=math.nan, prefill=role_states[PREFILL], decode=role_states[DECODE])
+    new_state = replace(state, idle_since_s=math.nan, prefill=role_states[PREFILL], decode=role_states[DECODE],
+                        woken_s=now if any(sizes[n] > roles[n].current for n in sizes) else state.woken_s)
     return Decision(roles[PREFILL], roles[DECODE], SCALE_FROM_ZERO, message,
                     pd_ratio(sizes[PREFILL], sizes[DECODE]), new_state)
 
@@ -1026,7 +1032,7 @@ def _zero(observation: Observation, config: AutoscalerConfig, state: AutoscalerS
             message = f"{observation.request_rate:.2f} req/s arrive at a pool at zero (none held by the proxies)"
             roles = [RoleDecision(0, size, size, SCALE_FROM_ZERO, f"{name[0].upper()} 0->{size}: {message}")
                      for name, size in zip((PREFILL, DECODE), sizes, strict=True)]
-            woken = replace(state, time_s=now, idle_since_s=math.nan,
+            woken = replace(state, time_s=now, idle_since_s=math.nan, woken_s=now,
                             prefill=replace(state.prefill, last_scale_up_s=now),
                             decode=replace(state.decode, last_scale_up_s=now))
             return Decision(roles[0], roles[1], SCALE_FROM_ZERO, message, pd_ratio(*sizes), woken)

@@ -334,6 +334,9 @@ class Autoscaler:
                 observation = bare
                 decision = hold(observation, config, memory.state, str(error))
         memory.state = decision.state
+        previous = (old_status.get("autoscaler") or {}).get("lastDecision") or {}
+        if wake and not decision.changed and previous.get("reason") == decision.reason:
+            return False  # more held, nothing more to start: no write (the proxies report twice a second)
         self.metrics.decisions.labels(namespace, name, decision.reason).inc()
         if not decision.scaling_active:
             self.metrics.errors.labels(namespace, name).inc()
@@ -341,7 +344,6 @@ class Autoscaler:
         with self._guard:
             memory.desired = {"prefill": decision.prefill.replicas, "decode": decision.decode.replicas}
 
-        previous = (old_status.get("autoscaler") or {}).get("lastDecision") or {}
         recorded = {"time": stamp, "prefill": decision.prefill.replicas, "decode": decision.decode.replicas,
                     "reason": decision.reason, "message": decision.message[:4096]}
         observed = (observed_load(observation, config.percentile) if not waking(observation)
