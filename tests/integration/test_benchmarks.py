@@ -78,6 +78,24 @@ def test_kv_routing_prints_a_row_per_policy_and_writes_its_table_and_plot(tmp_pa
     assert "python benchmarks/kv_routing.py --prefill 2" in (tmp_path / "kv_routing.md").read_text()
 
 
+def test_cold_start_bench_times_the_overflow_and_the_release() -> None:
+    out = run("cold_start_bench.py", "--held", "4", "--overflow", "20", "--rounds", "1")
+    overflow = re.search(r"overflow \(429 from a full waiting room of 4\): 20 requests, p50 ([\d.]+) ms", out)
+    assert overflow and float(overflow.group(1)) > 0, out
+    assert re.search(r"release \(4 held, engines listening -> first byte\): first \d+ ms; last \d+ ms; failed 0",
+                     out), out
+
+
+def test_scale_to_zero_eval_compares_each_run_with_min_replicas_one(tmp_path: Path) -> None:
+    out = run("scale_to_zero_eval.py", "--startups", "30", "--idles", "300", "--duration", "3000", "--out",
+              str(tmp_path / "zero.json"))
+    rows = {line.split()[1]: line.split() for line in out.splitlines() if line.strip().startswith("30s")}
+    assert set(rows) == {"min1", "zero/300", "zero/300/room-4096", "zero/300/no-signal"}, out
+    report = json.loads((tmp_path / "zero.json").read_text())["runs"]["startup30"]
+    assert report["zero/300"]["gpu_hours"] < report["min1"]["gpu_hours"], report
+    assert report["zero/300"]["held"]["requests"] > 0 and report["zero/300"]["cold_starts"] >= 1, report
+
+
 def test_metrics_bench_prints_both_implementations_and_their_ratio() -> None:
     out = run("metrics_bench.py", "--requests", "200", "--rounds", "1")
     rows = {line.split()[0]: float(line.split()[1]) for line in out.splitlines()

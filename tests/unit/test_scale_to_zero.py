@@ -485,3 +485,23 @@ def test_the_release_after_a_start_from_zero_teaches_no_burst(woken_ago: float, 
     from tests.unit.test_autoscaler_decide import bursty
     state = dataclasses.replace(settled(2, 3), woken_s=600.0 - woken_ago)
     assert bool(decide(bursty(), CONFIG, state).state.prefill.bursts) == learnt
+
+
+def test_a_wake_up_that_changes_nothing_writes_nothing() -> None:
+    """The proxies report held requests up to twice a second while they pile up: a wake-up that
+    orders nothing new (the replicas already starting) writes no status and no Event."""
+    from tests.unit.test_autoscaler_operator import FakeKube, FakePrometheus, autoscaler
+    kube, now = FakeKube([_proxy(Held(2, 20, 200))]), [1000.0]
+    scaler = autoscaler(kube, FakePrometheus(None), now)
+    obj = _zero_body()
+    obj["status"].update(prefill={"desiredReplicas": 0}, decode={"desiredReplicas": 0})
+    assert scaler.step(obj, wake=True) is True
+    obj["status"] = {**obj["status"], **kube.status_patches[-1]}
+    starting = {"metadata": {"name": "p", "labels": {"xpyd.io/serving": "llama", "xpyd.io/role": "prefill"}},
+                "spec": {"nodeName": "gpu-0"}, "status": {"phase": "Pending", "conditions": [
+                    {"type": "PodScheduled", "status": "True"}, {"type": "Ready", "status": "False"}]}}
+    decoding = {**starting, "metadata": {"name": "d", "labels": {"xpyd.io/serving": "llama", "xpyd.io/role": "decode"}}}
+    kube.pods = [_proxy(Held(9, 90, 900)), starting, decoding]
+    now[0] += 1.0
+    assert scaler.step(obj, wake=True) is False
+    assert len(kube.status_patches) == 1 and len(kube.events) == 1

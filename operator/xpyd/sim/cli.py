@@ -62,7 +62,8 @@ def add_parser(subparsers: Any) -> None:
     sim.add_argument("--scale-to-zero", type=float, default=None, metavar="IDLE_S",
                      help="let the pool go to zero (policy xpyd: after IDLE_S idle seconds; --prefill/--decode may "
                      "be 0): the proxy holds requests while no pair is ready, up to 2 x start-up + 60 s, and a held "
-                     "request brings a decision forward by --signal-delay-s")
+                     "request brings a decision forward by --signal-delay-s; the room holds 512 requests (two "
+                     "proxies' default)")
     sim.add_argument("--signal-delay-s", type=float, default=1.0,
                      help="with --scale-to-zero: how soon a held request makes the policy decide (default 1)")
     sim.add_argument("--max-num-batched-tokens", type=int, default=8192, help="engine token budget per step")
@@ -126,12 +127,12 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-def scale_to_zero(startup_delay_s: float, signal_delay_s: float) -> dict[str, Any]:
+def scale_to_zero(startup_delay_s: float, signal_delay_s: float | None, room: int = 2 * 256) -> dict[str, Any]:
     """The `SimConfig` fields of a pool that scales to zero, as the operator renders its proxies: the
     waiting room holds a request up to 2 x start-up + 60 s (`autoscaling.scaleToZero.waitSeconds`'
-    default), 256 at most (`maxWaitingRequests`'), and the demand signal reaches the policy in
-    `signal_delay_s`."""
-    return {"min_replicas": 0, "wait_timeout_s": 2 * startup_delay_s + 60.0, "wait_max_requests": 256,
+    default) and `room` requests at most (default: `maxWaitingRequests`' 256 in each of the default
+    two proxies), and the demand signal reaches the policy in `signal_delay_s` (None: no signal)."""
+    return {"min_replicas": 0, "wait_timeout_s": 2 * startup_delay_s + 60.0, "wait_max_requests": room,
             "signal_delay_s": signal_delay_s}
 
 
