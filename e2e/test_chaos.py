@@ -10,6 +10,9 @@ many requests failed: 0 wherever a healthy instance could serve, else the bound 
 that case that no failure was a refusal (a 5xx) a healthy instance could have served. Scenarios
 run in order on the same pool and each leaves it as it found it (1/2/2, every pod ready).
 
+The cold-start scenario runs a pool of its own instead, scaled to zero, and sends it a burst of 50
+requests (issue 31).
+
 Every scenario adds a row (requests, failed, p99 TTFT of the requests sent during the event) to a
 table printed at the end; with XPYD_UPDATE_DOCS=1 the table replaces the one in
 docs/operations.md#chaos."""
@@ -505,6 +508,7 @@ def test_cold_start_a_burst_at_zero_then_back_to_zero(operator: Cluster) -> None
               f"{first_byte_s:.2f} s after the first request; p99 TTFT {1000 * percentile(ttfts, 0.99):,.0f} ms")
         ROWS.append(Row(f"cold start: {COLD_BURST} requests at zero", COLD_BURST, len(failed), "0",
                         1000.0 * percentile(ttfts, 0.99) if ttfts else None, ended - started))
+        print(ROWS[-1].markdown())
         assert not failed, failed
         assert decided_s <= 2.0, f"the scale-up came {decided_s:.2f} s after the first request"
         assert first_byte_s <= startup_s + 2.0, (first_byte_s, startup_s)

@@ -72,7 +72,8 @@ No delete: children are garbage-collected through their ownerReferences. The Dis
 and everything the operator creates are listed and watched: its reads come from watch-fed caches.
 Only the status of a DisaggregatedServing is written. Pods are read for the status and the
 autoscaler, and because the operator grants its proxies pods get/list/watch and pods/status patch
-(their KV-transfer health condition on their own pods) in a Role, which RBAC allows only to a
+(their KV-transfer health and held-requests conditions on their own pods: the latter is the demand
+signal of a pool at zero, which the operator reads from its pod watch) in a Role, which RBAC allows only to a
 holder of the same permissions. The operator itself never patches a pod's status. Secrets: get only, of the ones an autoscaled
 object names for its Prometheus (bearer token, CA); never listed or watched.
 */}}
