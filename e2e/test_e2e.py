@@ -129,7 +129,7 @@ def test_sample_becomes_ready_on_matching_gpu_nodes(operator: Cluster, namespace
             require_loopback(pod["status"]["podIP"])
 
     table = operator.kubectl("get", "xpyd", "-n", namespace).stdout.splitlines()
-    assert table[0].split() == ["NAME", "PREFILL", "DECODE", "READY", "AGE"]
+    assert table[0].split() == ["NAME", "PREFILL", "DECODE", "READY", "SCALING", "AGE"]
     row = table[1].split()
     assert row[:4] == [name, f"{spec.prefill.replicas}/{spec.prefill.replicas}",
                        f"{spec.decode.replicas}/{spec.decode.replicas}", "True"]

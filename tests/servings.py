@@ -18,6 +18,9 @@ def serving(spec: dict[str, Any] | None = None, name: str = "llama") -> dict[str
 
 VALID = {
     "minimal": serving(),
+    "scale to zero": serving({"autoscaling": {"mode": "Auto", "prometheus": {"url": "http://p:9090"},
+                                              "prefill": {"minReplicas": 0}, "decode": {"minReplicas": 0},
+                                              "scaleToZero": {"idleSeconds": 900, "waitSeconds": 400}}}),
     "nixl hetero tp": serving({"prefill": {"tensorParallelSize": 2}, "decode": {"tensorParallelSize": 4}}),
     "nixl push 0.24": serving({"kvTransfer": {"connector": "NixlPushConnector"}, "engine": {"vllmVersion": "0.24"}}),
     "p2pnccl 0.23": serving({"kvTransfer": {"connector": "P2pNcclConnector"}, "engine": {"vllmVersion": "0.23.1"}}),
@@ -100,6 +103,13 @@ INVALID = [
      "engine.vllmVersion must be at least 0.10"),
     ("min above max", serving({"autoscaling": {"decode": {"minReplicas": 5, "maxReplicas": 2}}}),
      "minReplicas must not exceed maxReplicas"),
+    ("zero on one role", serving({"autoscaling": {"prefill": {"minReplicas": 0}}}),
+     "minReplicas 0 scales the pool to zero, which takes both roles"),
+    ("idle window under an interval", serving({"autoscaling": {"intervalSeconds": 60,
+                                                               "scaleToZero": {"idleSeconds": 30}}}),
+     "autoscaling.scaleToZero.idleSeconds must be at least intervalSeconds"),
+    ("wait not above start-up", serving({"autoscaling": {"startupSeconds": 300, "scaleToZero": {"waitSeconds": 300}}}),
+     "autoscaling.scaleToZero.waitSeconds must exceed startupSeconds"),
     ("lmcache without settings", serving({"kvTransfer": {"connector": "LMCacheConnectorV1"}}),
      "LMCacheConnectorV1 needs kvTransfer.lmcache.configMapRef"),
     ("mooncake block with nixl", serving({"kvTransfer": {"mooncake": {}}}),
