@@ -287,6 +287,43 @@ def test_every_real_family_is_emulated_or_listed_as_not_modelled(emulated: Sessi
     assert not listed_but_exposed, f"NOT_MODELLED lists families the emulator exposes: {listed_but_exposed}"
 
 
+def helps(text: str) -> dict[str, str]:
+    """Each family's HELP text."""
+    out = {}
+    for line in text.splitlines():
+        if line.startswith("# HELP "):
+            name, _, help_text = line[len("# HELP "):].partition(" ")
+            out[name] = help_text
+    return out
+
+
+@pytest.mark.parametrize("role", ROLES)
+def test_every_emulated_family_has_real_vllms_help_text(emulated: Session, role: str) -> None:
+    real, emulator = helps(recorded_metrics(role)), helps(emulated.metrics[role])
+    problems = [f"{name}: {text!r}, real vLLM's {real[name]!r}" for name, text in emulator.items()
+                if name in real and text != real[name]]
+    assert not problems, "\n".join(problems)
+    assert "vllm:prefix_cache_queries_total" in emulator and "vllm:prefix_cache_hits_total" in emulator
+
+
+def test_the_prefix_cache_series_count_what_the_emulator_found(emulated: Session) -> None:
+    """The emulated prefill engine gets the 300-token completion prompt twice: the second time it finds
+    its first 288 tokens (whole blocks of 16, at most prompt - 1), counted in every series vLLM counts
+    its hits in (the recorded engine, with the CPU backend's blocks of 128, found 512 of 1,414)."""
+    samples = {(metric.name, sample.name, tuple(sorted(sample.labels.items()))): sample.value
+               for metric in text_string_to_metric_families(emulated.metrics["prefill"])
+               for sample in metric.samples}
+
+    def value(name: str, **labels: str) -> float:
+        wanted = tuple(sorted({"engine": "0", "model_name": MODEL, **labels}.items()))
+        return next(v for (_, sample, found), v in samples.items() if sample == name and found == wanted)
+
+    assert value("vllm:prefix_cache_hits_total") == 288
+    assert value("vllm:prompt_tokens_cached_by_source_total", source="device") == 288
+    assert value("vllm:prompt_tokens_by_source_total", source="local_cache_hit") == 288
+    assert emulated.answers["prefill_completion"]["kv_transfer_params"]["remote_prefill_cached_tokens"] == 0
+
+
 def test_not_modelled_lists_only_recorded_families() -> None:
     recorded = set(families(recorded_metrics("prefill"))) | set(families(recorded_metrics("decode")))
     stale = sorted(set(NOT_MODELLED) - recorded)

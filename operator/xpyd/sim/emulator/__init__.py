@@ -4,9 +4,12 @@ The engine is an `EngineCore` (the continuous-batching model the cluster simulat
 the wall clock: the loop asks the core for the next step, sleeps through it, applies it and hands
 the tokens to the HTTP handlers. Behind it is an aiohttp server with vLLM 0.33's OpenAI-compatible
 surface: `/v1/completions`, `/v1/chat/completions` (streamed or not), `/v1/models`, `/health`,
-`/ping`, `/version` and `/metrics` (the `vllm:*` families the engine model drives: see `exposition`).
-tests/conformance/test_emulator_vs_real.py holds the answers, the `kv_transfer_params` and the
-metric families against recordings of real vLLM.
+`/ping`, `/version` and `/metrics` (the `vllm:*` families the engine model drives: see `exposition`),
+and with VLLM_SERVER_DEV_MODE=1 `POST /reset_prefix_cache`. The engine keeps vLLM's prefix cache and
+publishes its KV events (below). tests/conformance/test_emulator_vs_real.py holds the answers, the
+`kv_transfer_params` and the metric families against recordings of real vLLM;
+tests/conformance/test_kv_events_vs_real.py holds the prefix cache's hits, counters and KV events
+against a real vLLM engine sent the same prompts.
 
 Time
 ====
@@ -41,10 +44,11 @@ Wire behaviour (vLLM 0.33 unless noted)
   `system_fingerprint` (`vllm-0.33.0[-tp<n>]-<hash of the engine's configuration>`); SSE events carry
   the fields vLLM's serving code sets (`kv_transfer_params` among them, a prefill leg's on its final
   event), the usage event only its non-null ones. Random ids are vLLM's 16 hex digits.
-- Prompt tokens: a prompt of token ids (`[1, 2, 3]`, or a one-element batch of it) counts exactly;
-  text counts `ceil(characters / 4)` (at least 1); a chat prompt counts like Llama 3's chat template:
-  1 (BOS) + per message (5 framing tokens + its text) + 4 (the assistant header). Batched prompts,
-  `n > 1` and non-text chat content are rejected with 400 (not emulated).
+- Prompt tokens (`tokens`): a prompt of token ids (`[1, 2, 3]`, or a one-element batch of it) is
+  taken as it is (a negative id is "out of vocabulary", 400); text is one token per four characters
+  (at least 1), each token's id a hash of its four characters; a chat prompt is framed like Llama 3's
+  chat template with fixed ids: 1 (BOS) + per message (5 framing tokens + its text) + 4 (the assistant
+  header). Batched prompts, `n > 1` and non-text chat content are rejected with 400 (not emulated).
 - Errors use vLLM's envelope `{"error": {"message", "type", "param", "code"}}`: 400
   `BadRequestError` for bad JSON, bad types, `max_tokens < 1`, `stream_options` without `stream`,
   and with vLLM's messages and `param` for `max_tokens` (or `max_completion_tokens`) over
@@ -76,25 +80,29 @@ Roles follow the request, as in vLLM; `kv_role` only names the engine's intent.
   (`-0`) and, as vLLM has since 0.16, 8 random hex digits (`cmpl-r1-0-1a2b3c4d`).
 - `kv_transfer_params.do_remote_decode` (the prefill leg): the request stops after its first token and
   the response carries NixlConnector's (pull) `kv_transfer_params`: `{do_remote_prefill: true,
-  do_remote_decode: false, remote_block_ids (synthetic, one per 16 tokens, one list per KV-cache group:
-  `[[...]]`), remote_engine_id, remote_request_id (the internal id), remote_host, remote_port, tp_size,
-  dcp_size: 1, pp_size: 1, remote_num_tokens (the prompt's tokens), remote_blocks_expiry_time: null (vLLM
-  sets it only for blocks pinned on a decode engine), transfer_mode: "pull",
-  remote_registration_generation (new in 0.33; tp_size: one handshake payload published per rank),
-  remote_prefill_cached_tokens: 0 (the prompt tokens the prefill engine had cached: no prefix cache)}`.
-  The decode leg takes `remote_block_ids` per group or flat (before 0.18), and ignores the ids.
-  `remote_host`/`remote_port` are the NIXL side channel:
-  `VLLM_NIXL_SIDE_CHANNEL_HOST` (default `--host`) and `VLLM_NIXL_SIDE_CHANNEL_PORT` (default 5600; 0
-  picks a free port). The engine serves its HTTP API on that address too and holds the request's KV
-  until the consumer releases it or the lease (`kv_lease_duration` from the connector's extra config,
-  or `--kv-lease-s`, default 30 s) expires.
+  do_remote_decode: false, remote_block_ids (synthetic, one per `--block-size` tokens, one list per
+  KV-cache group: `[[...]]`), remote_engine_id, remote_request_id (the internal id), remote_host,
+  remote_port, tp_size, dcp_size: 1, pp_size: 1, remote_num_tokens (the prompt's tokens),
+  remote_blocks_expiry_time: null (vLLM sets it only for blocks pinned on a decode engine),
+  transfer_mode: "pull", remote_registration_generation (new in 0.33; tp_size: one handshake payload
+  published per rank), remote_prefill_cached_tokens (the prompt tokens the prefill engine found in its
+  prefix cache)}`. The decode leg takes `remote_block_ids` per group or flat (before 0.18), and ignores
+  the ids. `remote_host`/`remote_port` are the NIXL side channel: `VLLM_NIXL_SIDE_CHANNEL_HOST`
+  (default `--host`) and `VLLM_NIXL_SIDE_CHANNEL_PORT` (default 5600; 0 picks a free port). The engine
+  serves its HTTP API on that address too and holds the request's KV until the consumer releases it
+  or the lease (`kv_lease_duration` from the connector's extra config, or `--kv-lease-s`, default 30 s)
+  expires.
 - `kv_transfer_params.do_remote_prefill` (the decode leg): the request is queued at once; admitted,
-  it waits the modelled KV transfer (`PerfModel.kv_transfer_seconds`), counts its prompt as
-  `external_kv_transfer` and decodes only. Beside the transfer, as NIXL's handshake and read would,
-  the engine asks the producer's side channel (`GET /xpyd/kv/{remote_request_id}`, loopback only)
-  whether it holds the KV and how long its lease has left (until it answers, the lease is taken to
-  start at arrival); a transfer that ends before the answer waits for it (then loads again, which
-  only matters when a round trip outlasts the transfer, i.e. at high time scales). When the KV has
+  it takes its longest prefix from its own prefix cache, waits the modelled KV transfer of the rest
+  (`PerfModel.kv_transfer_seconds`, as NIXL asks for the prompt less the local hits), counts that
+  rest as `external_kv_transfer` and decodes only; its `prompt_tokens_details.cached_tokens` is the
+  prefill engine's `remote_prefill_cached_tokens`, as vLLM reports it. Beside the transfer, as NIXL's
+  handshake and read would, the engine asks the producer's side channel
+  (`GET /xpyd/kv/{remote_request_id}`, loopback only) whether it holds the KV and how long its lease
+  has left (until it answers, the lease is taken to start at arrival); a transfer that ends before the
+  answer waits for it (then loads again, which only matters when a round trip outlasts the transfer,
+  i.e. at high time scales: the first landing caches nothing, since its KV is not known to exist yet,
+  and the second lookup of the prefix cache is not counted in `vllm:prefix_cache_*`). When the KV has
   arrived the engine tells the producer (`POST /xpyd/kv/{remote_request_id}/release`), which frees
   the blocks before the lease ends, as NIXL's completion notification does.
 - A KV load that cannot happen -- the producer is unreachable or outside loopback, it holds no such
@@ -106,9 +114,40 @@ Roles follow the request, as in vLLM; `kv_role` only names the engine's intent.
 - Fault injection (not vLLM's): `PUT /xpyd/faults` `{"unreadable_from": [host, ...]}` makes every KV
   load from those prefill side-channel hosts fail as a broken link would (`"*"`: all hosts; `[]`
   repairs them); `GET` shows the list.
+
+Prefix cache and KV events (vLLM 0.33's flags)
+==============================================
+
+- `--enable-prefix-caching` (the default) / `--no-enable-prefix-caching`, `--block-size` (16, vLLM's
+  default on GPUs; vLLM's CPU backend takes 128, and multiples of 32 only), `--prefix-caching-hash-algo`
+  (`sha256`, `sha256_cbor`, `xxhash`, `xxhash_cbor`; the xxhash ones need the xxhash package and a
+  `PYTHONHASHSEED` to hash alike across engines), `--num-gpu-blocks-override N` (the KV capacity is
+  `(N - 1) x --block-size` tokens: one block is vLLM's null block).
+- Each request's full prompt blocks are keyed by vLLM's hash chain of its token ids
+  (`kvcache.hashing`: parent hash, the block's ids, the `cache_salt` on the first block; the first
+  parent is `NONE_HASH` of "vllm-none-hash", or `PYTHONHASHSEED`), so the engine model's block pool
+  (`sim.core`, `kvcache.pool`) decides the hits, the LRU eviction and the capacity shared with the
+  running requests; a request hits at most `prompt - 1` tokens, in whole blocks. `xpyd bench`'s
+  prompts give equal text where a Mooncake trace's `hash_ids` are equal, so equal blocks, and an
+  emulated engine hits exactly where the trace says (tests/integration/test_engine_sim_prefix_cache.py).
+- `vllm:prefix_cache_queries`/`_hits` and the related families (see `exposition`);
+  `usage.prompt_tokens_details` (`cached_tokens`, and for chat `created_cache_tokens`) with
+  `--enable-prompt-tokens-details` only, as in vLLM; a prefill leg's `remote_prefill_cached_tokens`.
+- `--kv-events-config` (vLLM's `KVEventsConfig`, JSON or dotted: `enable_kv_cache_events`,
+  `publisher`, `endpoint`, `replay_endpoint`, `buffer_steps`, `hwm`, `max_queue_size`, `topic`)
+  publishes vLLM 0.33's KV events (`kvcache.events`, `kvevents`): a `BlockStored` per caching of a
+  request's blocks, a `BlockRemoved` per evicted block, `AllBlocksCleared` after a reset, one
+  `EventBatch` per step on a ZMQ PUB socket (topic, sequence, msgpack payload), the last
+  `buffer_steps` batches on the replay ROUTER; ports offset by `--data-parallel-rank`; hashes as
+  integers unless VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES=0. An endpoint vLLM binds is bound on `--host`
+  (loopback) rather than every interface. Blocks of generated tokens are neither announced nor
+  removed (the engine model caches them only when a request ends, as blocks no prompt can hit; vLLM
+  announces them as decode fills them); `kv_cache_report_mode: "full"` (announcing hits again) and
+  preempting running requests to reset the cache are not emulated.
 """
 
 
 # Modules: `config` (arguments and the scaled performance model), `engine` (the real-time engine),
-# `wire` (request parsing and response bodies), `http` (the aiohttp server), `exposition` (`/metrics`),
-# `main` (the command line; `python -m xpyd.sim.emulator`).
+# `tokens` (token ids without a tokenizer), `wire` (request parsing and response bodies), `http` (the
+# aiohttp server), `exposition` (`/metrics`), `kvevents` (KV events and their ZMQ publisher), `main`
+# (the command line; `python -m xpyd.sim.emulator`).
