@@ -326,6 +326,15 @@ async def test_events_off_or_null_publish_nothing_and_reset_needs_dev_mode() -> 
     assert null.engine.kv_events.tracked == 0                            # nothing kept after the requests
 
 
+async def test_without_prefix_caching_the_sockets_are_there_and_nothing_is_published() -> None:
+    async with engine(enable_prefix_caching=False, kv_events=events_config()) as server, client_session() as session:
+        publisher = server.engine.publisher
+        assert publisher is not None and publisher.replay_endpoint is not None and server.engine.kv_events is None
+        await complete(session, server, token_prompt(64))
+        assert await replay(publisher.replay_endpoint) == []
+        assert server.engine.reset_prefix_cache()   # nothing to reset: vLLM's pool without caching succeeds
+
+
 async def test_a_reset_fails_while_requests_hold_kv() -> None:
     async with engine(kv_role="kv_producer", kv_events=events_config(publisher="null")) as prefill, \
             client_session() as session:
@@ -358,3 +367,9 @@ def test_the_flags_are_vllms(monkeypatch: pytest.MonkeyPatch) -> None:
         config_from_args(['--kv-events-config={"enable_kv_cache_events": true, "endpoint": "tcp://10.0.0.1:5557"}'])
     with pytest.raises(SystemExit):
         config_from_args(["--prefix-caching-hash-algo", "md5"])
+    try:
+        import xxhash  # noqa: F401
+    except ImportError:   # as vLLM, the xxhash algorithms need the package
+        with pytest.raises(ValueError, match="xxhash is required"):
+            config_from_args(["--prefix-caching-hash-algo", "xxhash_cbor"])
+    config_from_args(["--prefix-caching-hash-algo", "xxhash", "--no-enable-prefix-caching"])   # never hashes

@@ -119,7 +119,7 @@ class BlockHasher:
         self.block_size = block_size
         self.algo = algo
         self.hash_fn = hash_function(algo)
-        self.none_hash = self.hash_fn(seed)
+        self.none_hash = self.hash_fn(seed)   # the xxhash algorithms without their package fail here
 
     def hashes(self, token_ids: Sequence[int], cache_salt: str | None = None) -> list[bytes]:
         """The hashes of the full blocks of `token_ids`, in order (vLLM's `request_block_hasher`)."""

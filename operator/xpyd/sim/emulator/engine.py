@@ -114,7 +114,6 @@ class Engine:
             if seed is None:
                 seed = none_hash_seed(config.prefix_caching_hash_algo, os.environ.get("PYTHONHASHSEED"))
             self.hasher = BlockHasher(config.block_size, config.prefix_caching_hash_algo, seed)
-            BlockHasher(1, config.prefix_caching_hash_algo, seed).hashes([0])   # xxhash without its package fails now
         #: The block pool's KV events (with `--kv-events-config` and prefix caching), and their publisher.
         self.kv_events: KVEventRecorder | None = None
         self.publisher: ZmqPublisher | None = None
@@ -166,7 +165,7 @@ class Engine:
         self._session = aiohttp.ClientSession(
             connector=aiohttp.TCPConnector(keepalive_timeout=KEEPALIVE_TIMEOUT_S / 2),
             timeout=aiohttp.ClientTimeout(total=SIDE_CHANNEL_TIMEOUT_S))
-        if self.kv_events is not None and self.config.kv_events.publishes:
+        if self.config.kv_events.publishes:   # bound even without prefix caching, as vLLM's is
             self.publisher = ZmqPublisher(self.config.kv_events, self.config.host, self.config.data_parallel_rank)
             self.publisher.start()
             log.info("KV events published on %s (replay: %s)", self.publisher.endpoint,

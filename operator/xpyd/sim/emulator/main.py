@@ -15,7 +15,7 @@ from typing import Any
 
 from xpyd import vllm
 from xpyd.common.netguard import NonLoopbackAddress
-from xpyd.kvcache.hashing import HASH_ALGOS
+from xpyd.kvcache.hashing import HASH_ALGOS, hash_function
 from xpyd.perf.model import DEFAULT_PROFILE
 from xpyd.sim.core import EnginePerf
 from xpyd.sim.emulator.config import (
@@ -177,6 +177,11 @@ def config_from_args(argv: Sequence[str]) -> tuple[EmulatorConfig, EnginePerf, l
     for endpoint in (kv_events.endpoint, kv_events.replay_endpoint) if kv_events.publishes else ():
         if endpoint is not None:
             local_endpoint(endpoint, args.host)   # refuses what it cannot bind or dial now
+    if args.enable_prefix_caching:
+        try:
+            hash_function(args.prefix_caching_hash_algo)("")
+        except ModuleNotFoundError as error:
+            raise ValueError(f"--prefix-caching-hash-algo {args.prefix_caching_hash_algo}: {error}") from None
     max_kv_tokens = args.max_kv_tokens
     if args.num_gpu_blocks_override is not None:
         if args.num_gpu_blocks_override < 2:
