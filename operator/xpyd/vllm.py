@@ -74,9 +74,16 @@ PREFIX_CACHING_HASH_ALGOS: Final = ("sha256", "sha256_cbor", "xxhash", "xxhash_c
 #: every release checked; `--no-enable-prefix-caching` turns it off.
 PREFIX_CACHING_DEFAULT: Final = True
 #: `--block-size` when none is given: `CacheConfig.DEFAULT_BLOCK_SIZE` (16; the CUDA platform's fixed 16
-#: before 0.18) unless the attention backend prefers another; the CPU platform sets 128 in every release.
+#: before 0.18) unless the attention backend prefers another; on CPUs 128 in every release (set by the
+#: platform up to 0.32, the backends' preferred size with 128 as the fallback in 0.33).
 DEFAULT_BLOCK_SIZE_GPU: Final = 16
 DEFAULT_BLOCK_SIZE_CPU: Final = 128
+#: The CPU attention backend's kernel block sizes (`get_supported_kernel_block_sizes` in
+#: v1/attention/backends/cpu_attn.py): multiples of 16 in 0.23 and 0.24, of 32 from 0.32 (none declared
+#: before 0.23). The platform code only warns about a block size that is not a multiple of 32; the 0.32
+#: CPU build refuses `--block-size 16` at start-up ("No common block size for 16 (CPU_ATTN:
+#: [MultipleOf(32)])").
+CPU_BLOCK_MULTIPLE_OF_32_ADDED: Final[VersionTuple] = (0, 32)
 #: Up to 0.16 `--block-size` is one of these (`BlockSize` Literal); from 0.18 any positive integer.
 BLOCK_SIZES_BEFORE_0_18: Final = (1, 8, 16, 32, 64, 128, 256)
 ANY_BLOCK_SIZE_ADDED: Final[VersionTuple] = (0, 18)
