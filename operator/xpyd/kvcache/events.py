@@ -36,8 +36,9 @@ decodes what `encode_batch` writes with each release's own classes):
 `decode_batch` takes every release's encoding (arrays or maps, integer or byte hashes), which is
 what a KV-aware router subscribing to engines of any of these releases needs.
 
-The msgpack package is optional, as pyzmq is (the `kv-events` extra): `encode_batch` and
-`decode_batch` raise RuntimeError without it; the rest needs nothing.
+msgpack (a dependency of the package) is imported when a batch is first encoded or decoded, so the
+codec's framing and dataclasses load without it; `encode_batch` and `decode_batch` raise RuntimeError
+where it is missing.
 """
 
 from __future__ import annotations
@@ -148,8 +149,7 @@ def _msgpack() -> Any:
     try:
         return importlib.import_module("msgpack")
     except ImportError as error:
-        raise RuntimeError(f"KV events need the msgpack package ({error}): pip install 'xpyd-operator[kv-events]'") \
-            from None
+        raise RuntimeError(f"KV events need the msgpack package ({error})") from None
 
 
 def external_block_hash(block_hash: bytes, as_int: bool = True) -> ExternalBlockHash:

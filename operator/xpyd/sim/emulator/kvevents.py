@@ -150,8 +150,7 @@ class ZmqPublisher:
             self._zmq: Any = importlib.import_module("zmq")
             zmq_asyncio: Any = importlib.import_module("zmq.asyncio")
         except ImportError as error:
-            raise RuntimeError(f"--kv-events-config needs pyzmq ({error}): pip install 'xpyd-operator[kv-events]'") \
-                from None
+            raise RuntimeError(f"--kv-events-config needs pyzmq ({error})") from None
         zmq = self._zmq
         self.config = config
         self.data_parallel_rank = data_parallel_rank
