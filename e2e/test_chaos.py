@@ -524,9 +524,13 @@ def test_cold_start_a_burst_at_zero_then_back_to_zero(operator: Cluster) -> None
         print(f"cold start: back at zero {back:.0f} s after the last answer (idle window {COLD_IDLE_SECONDS} s)")
         assert back >= COLD_IDLE_SECONDS
         assert obj["status"]["autoscaler"]["lastDecision"]["reason"] in ("ScaleToZero", "IdleAtZero")
-        reasons = [e["reason"] for e in operator.get("events", "-n", COLD_NAMESPACE, "--field-selector",
-                                                     f"involvedObject.name={COLD}")["items"]]
+        found = operator.get("events", "-n", COLD_NAMESPACE, "--field-selector", f"involvedObject.name={COLD}")["items"]
+        reasons = [e["reason"] for e in found]
         assert "ScaleToZero" in reasons, reasons
+        # Starting from zero is no outage: Ready stayed True (StartingFromZero) while the proxy held requests.
+        warnings = {e["reason"] for e in found if e["type"] == "Warning"}
+        assert not {"PrefillUnavailable", "DecodeUnavailable"} & warnings, \
+            [(e.get("lastTimestamp"), e["type"], e["reason"], e["message"]) for e in found]
         (proxy_after,) = pods_of(operator, COLD_NAMESPACE, COLD, "proxy")
         assert proxy_after["metadata"]["uid"] == proxy_before["metadata"]["uid"] and ready(proxy_after)
         assert proxy_after["status"]["containerStatuses"][0]["restartCount"] == 0

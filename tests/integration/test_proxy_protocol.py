@@ -423,6 +423,10 @@ PROXY_FAMILIES: dict[str, tuple[str, set[str]]] = {
     "xpyd_proxy_kv_handoff_failures_total": ("counter", {"prefill", "decode"}),
     "xpyd_proxy_kv_pairs_failing": ("gauge", set()),
     "xpyd_proxy_kv_engines_failing": ("gauge", set()),
+    "xpyd_proxy_waiting_requests": ("gauge", set()),
+    "xpyd_proxy_waiting_bytes": ("gauge", set()),
+    "xpyd_proxy_waiting_total": ("counter", {"result"}),
+    "xpyd_proxy_wait_duration_seconds": ("histogram", {"result"}),
 }
 
 

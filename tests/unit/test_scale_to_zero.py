@@ -505,3 +505,37 @@ def test_a_wake_up_that_changes_nothing_writes_nothing() -> None:
     now[0] += 1.0
     assert scaler.step(obj, wake=True) is False
     assert len(kube.status_patches) == 1 and len(kube.events) == 1
+
+
+@pytest.mark.parametrize(("decided", "ready", "expected"), [
+    ("ScaleFromZero", {"prefill": 0, "decode": 0}, ("True", "StartingFromZero")),   # requests held meanwhile
+    ("ScaleFromZero", {"prefill": 1, "decode": 0}, ("True", "StartingFromZero")),
+    ("ScaleFromZero", {"prefill": 1, "decode": 1}, ("True", "AllReplicasReady")),
+    ("PrefillDemand", {"prefill": 0, "decode": 1}, ("False", "PrefillUnavailable")),  # not a start from zero
+    ("IdleAtZero", "no proxy", ("False", "ProxyUnavailable")),   # at zero only the proxies must be up
+])
+def test_a_pool_starting_from_zero_is_ready_while_its_proxies_hold(decided: str, ready: Any,
+                                                                    expected: tuple[str, str]) -> None:
+    from xpyd.api.load import parse_serving
+    from xpyd.controller.status import Observed, compute_status
+
+    obj = _zero_body()
+    serving = parse_serving(obj)
+
+    def deployment(replicas: int, ready_replicas: int) -> dict[str, Any]:
+        return {"metadata": {"generation": 1}, "status": {"observedGeneration": 1, "replicas": replicas,
+                                                          "readyReplicas": ready_replicas,
+                                                          "updatedReplicas": replicas}}
+
+    if ready == "no proxy":  # a pool created at zero, its proxy not ready yet
+        deployments = {"prefill": deployment(0, 0), "decode": deployment(0, 0), "proxy": deployment(2, 0)}
+        desired = {"prefill": 0, "decode": 0, "proxy": 2}
+    else:
+        deployments = {"prefill": deployment(1, ready["prefill"]), "decode": deployment(1, ready["decode"]),
+                       "proxy": deployment(2, 2)}
+        desired = {"prefill": 1, "decode": 1, "proxy": 2}
+    old = {"autoscaler": {"lastDecision": {"reason": decided}}}
+    status = compute_status(serving.spec, Observed(deployments=deployments, desired=desired),
+                            old, 3, "http://x", "RDMA", "2026-12-01T00:01:00Z")
+    (found,) = [c for c in status["conditions"] if c["type"] == "Ready"]
+    assert (found["status"], found["reason"]) == expected

@@ -4,7 +4,8 @@
 - `Ready`, owned by the reconcile (`controller.status.compute_status`): `AllReplicasReady`,
   `PartiallyReady`, `PrefillUnavailable`, `DecodeUnavailable`, `ProxyUnavailable`, `ScaledToZero`,
   `IdleAtZero` (True: prefill and decode scaled to zero by the autoscaler, the proxies ready to hold
-  requests while both start), `InvalidSpec`.
+  requests while both start), `StartingFromZero` (True: both started from zero and not both ready
+  yet, the proxies holding requests meanwhile), `InvalidSpec`.
 - `Progressing`, owned by the reconcile: `RollingOut`, `KVRevisionRollingOut`, `Converged`,
   `InvalidSpec`.
 - `Degraded`, owned by the reconcile: `AsExpected`, `InsufficientGPUs`, `Unschedulable`,
@@ -40,6 +41,9 @@ SCALED_TO_ZERO: Final = "ScaledToZero"
 #: Ready=True with prefill and decode at zero replicas after an idle window (autoscaling's
 #: scale-to-zero): the proxies are ready and hold requests while both roles start.
 IDLE_AT_ZERO: Final = "IdleAtZero"
+#: Ready=True while a pool the autoscaler started from zero (its last decision ScaleFromZero) has a
+#: role without a ready pod: the proxies hold requests until both serve.
+STARTING_FROM_ZERO: Final = "StartingFromZero"
 INVALID_SPEC: Final = "InvalidSpec"            # Ready and Progressing, and the Event
 
 

@@ -306,9 +306,8 @@ class Autoscaler:
         bare = collect.with_held(collect.pods_only(pods, now, float(scope.window_s)), held)
         if wake and not waking(bare):
             return False  # it can serve, or nothing is held: the regular decisions see to it
-        if not wake:
-            memory.last_run_s = now
-        memory.generation = meta.get("generation")
+        if not wake:  # a wake-up leaves the regular decisions' schedule (interval, spec changes) alone
+            memory.last_run_s, memory.generation = now, meta.get("generation")
         stamp = rfc3339(now)
 
         try:

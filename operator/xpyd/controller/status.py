@@ -13,6 +13,7 @@ from xpyd.api import conditions as reasons
 from xpyd.api.conditions import ConditionType
 from xpyd.api.models import AutoscalingMode, DisaggregatedServingSpec, RoleSpec
 from xpyd.api.naming import ROLE_LABEL, ROLES, Component, Role
+from xpyd.autoscaler.decide import SCALE_FROM_ZERO
 from xpyd.common.jsontypes import JSON
 
 
@@ -149,10 +150,21 @@ def compute_status(spec: DisaggregatedServingSpec, observed: Observed, old_statu
     }
     missing = [c for c, n in ready_counts.items() if n == 0]
     at_zero = spec.autoscaling.scales_to_zero and observed.desired["prefill"] == observed.desired["decode"] == 0
+    decided = ((old_status.get("autoscaler") or {}).get("lastDecision") or {}).get("reason")
+    starting = (spec.autoscaling.scales_to_zero and decided == SCALE_FROM_ZERO and missing
+                and set(missing) <= {"prefill", "decode"})
     if at_zero and ready_counts["proxy"] > 0:
         ready = ConditionValue(ConditionType.READY, True, reasons.IDLE_AT_ZERO,
                                f"prefill and decode are scaled to zero (idle); {ready_counts['proxy']} proxy pod(s) "
                                f"ready hold requests for up to {spec.autoscaling.wait_seconds} s while both start")
+    elif at_zero and observed.desired["proxy"] > 0:  # at zero only the proxies must be up
+        ready = ConditionValue(ConditionType.READY, False, reasons.role_unavailable("proxy"),
+                               "prefill and decode are scaled to zero and no proxy pod is ready to hold requests")
+    elif starting:
+        ready = ConditionValue(ConditionType.READY, True, reasons.STARTING_FROM_ZERO,
+                               f"prefill {roles['prefill']['ready']} and decode {roles['decode']['ready']} ready, "
+                               f"starting from zero; {ready_counts['proxy']} proxy pod(s) hold requests until both "
+                               "serve")
     elif all(observed.desired[c] == 0 for c in ready_counts):
         ready = ConditionValue(ConditionType.READY, False, reasons.SCALED_TO_ZERO, "every pool has 0 replicas")
     elif missing:
