@@ -76,6 +76,10 @@ def group(key: str, *, leader_ready: bool = False, scheduled: tuple[bool, bool] 
     ("kv_max", f'max by (xpyd_io_role) (vllm:kv_cache_usage_perc{{{SELECT},xpyd_io_role=~"prefill|decode"}})'),
     ("prompt_tps", f'sum by (xpyd_io_role) (rate(vllm:prompt_tokens_total{{{SELECT},'
                    'xpyd_io_role=~"prefill|decode"}[60s]))'),
+    ("cache_hits", f'sum by (xpyd_io_role) (rate(vllm:prefix_cache_hits_total{{{SELECT},'
+                   'xpyd_io_role=~"prefill|decode"}[60s]))'),
+    ("cache_queries", f'sum by (xpyd_io_role) (rate(vllm:prefix_cache_queries_total{{{SELECT},'
+                      'xpyd_io_role=~"prefill|decode"}[60s]))'),
     ("success_rps", f'sum by (xpyd_io_role) (rate(vllm:request_success_total{{{SELECT},'
                     'xpyd_io_role=~"prefill|decode",finished_reason=~"stop|length|repetition"}[60s]))'),
     ("proxy_rps", f'sum(rate(xpyd_proxy_requests_total{{{SELECT},xpyd_io_role=~"proxy",'
@@ -188,6 +192,19 @@ def test_observation_from_answers_and_pods() -> None:
     assert (p.num_requests_waiting, d.num_requests_running, d.kv_cache_usage_perc) == (5, 40, 0.5)
     assert (p.prompt_tokens_per_s, d.generation_tokens_per_s, p.requests_per_s) == (9000.0, 2500.0, 7.0)
     assert p.request_queue_time_seconds.p90 == 0.4 and math.isnan(d.request_queue_time_seconds.p90)
+
+
+@pytest.mark.parametrize(("hits", "queries", "rate"), [
+    ({"prefill": 4500.0}, {"prefill": 9000.0}, 0.5),
+    ({}, {"prefill": 9000.0}, 0.0),                   # no hits series: nothing found cached
+    ({"prefill": 0.0}, {"prefill": 0.0}, 0.0),        # nothing looked up in the window
+    ({}, {}, 0.0),                                    # prefix caching off: neither series
+    ({"prefill": math.nan}, {"prefill": 9000.0}, 0.0),
+])
+def test_the_prefill_hit_rate_is_hits_over_queries(hits: dict[str, float], queries: dict[str, float],
+                                                   rate: float) -> None:
+    obs = observation(healthy_results(cache_hits=hits, cache_queries=queries), PODS, 1000.0, SCOPE)
+    assert (obs.prefill.prefix_cache_hit_rate, obs.decode.prefix_cache_hit_rate) == (rate, 0.0)
 
 
 def test_without_a_scraped_proxy_arrivals_come_from_prefill_and_ttft_is_unknown() -> None:

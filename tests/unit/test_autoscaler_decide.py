@@ -15,6 +15,7 @@ from xpyd.autoscaler.decide import (
     GPU_BUDGET,
     INSUFFICIENT_GPUS,
     METRICS_UNAVAILABLE,
+    MIN_COMPUTED_SHARE,
     PREFILL_DEMAND,
     PREFILL_QUEUEING,
     SCALE_DOWN,
@@ -27,6 +28,7 @@ from xpyd.autoscaler.decide import (
     AutoscalerState,
     RoleBounds,
     RoleState,
+    computed_share,
     decide,
     drain_budget_s,
     metrics_problem,
@@ -545,3 +547,31 @@ def test_quantile_at(percentile: float, expected: float) -> None:
 def test_pd_ratio(p: int, d: int, ratio: str) -> None:
     assert pd_ratio(p, d) == ratio
 
+
+
+@pytest.mark.parametrize("hit_rate", [0.0, 0.5, 0.75])
+def test_prefill_is_sized_on_the_prompt_tokens_it_computes(hit_rate: float) -> None:
+    """The same demand with half (three quarters) of the prompt tokens found cached needs about half (a
+    quarter of) the prefill replicas; decode, which holds every prompt token, is sized alike."""
+    busy = dataclasses.replace(observation(rate=200.0, prefill=1, decode=20),
+                               prefill=role(1, prefix_cache_hit_rate=hit_rate))
+    decision = decide(busy, CONFIG, settled(1, 20))
+    plain = decide(observation(rate=200.0, prefill=1, decode=20), CONFIG, settled(1, 20))
+    assert decision.decode.recommended == plain.decode.recommended
+    computed = 1.0 - hit_rate
+    assert decision.prefill.recommended == pytest.approx(plain.prefill.recommended * computed, abs=1.5)
+    assert computed_share(busy) == computed
+
+
+def test_the_computed_share_has_a_floor() -> None:
+    cached = dataclasses.replace(observation(), prefill=role(2, prefix_cache_hit_rate=1.0))
+    assert computed_share(cached) == MIN_COMPUTED_SHARE
+
+
+def test_prefill_correction_is_learnt_on_computed_tokens() -> None:
+    """A saturated pool delivering twice the modelled prompt tokens while half of them hit is at the
+    modelled capacity: k stays 1 rather than reading the cache as faster engines."""
+    window = prefill_window(2.0 * SATURATED, 40.0, 0.9)
+    cached = dataclasses.replace(window, prefill=dataclasses.replace(window.prefill, prefix_cache_hit_rate=0.5))
+    learnt = decide(cached, CONFIG, settled(4, 3, waiting=40.0)).state.prefill
+    assert learnt.correction_updates == 1 and learnt.correction == pytest.approx(1.0)

@@ -34,6 +34,13 @@ The rules, in order (each named in the decision's CamelCase reason and message):
    saturated (requests waiting at both ends of the window, the median request queueing) and
    otherwise only when it proves more capacity than `k` assumes (a delivered rate is a lower bound
    on capacity); decode: modelled ITL at the observed batch / observed ITL.
+   Prefix cache: prefill computes only the prompt tokens its engines do not find cached, so prefill is
+   sized on computed tokens. The window's prefill hit rate `h` (vLLM's `prefix_cache_hits /
+   prefix_cache_queries`; 0 when nothing was looked up) makes the computed share `c = 1 - h` (at
+   least `MIN_COMPUTED_SHARE`): `k` is learnt on computed tokens (delivered prompt tokens times `c`)
+   and every prefill judgement below uses `k / c`, a replica serving `1 / c` times the prompt tokens
+   it computes (demand, bursts, attribution, backlog and the N-1 check alike). The KV transfer and
+   decode's KV stay sized on the whole prompt.
 4. Demand: prefill replicas from λ·ISL with queueing headroom (`sizing.PoolModel.size_prefill`:
    M/G/c, Allen-Cunneen tail over the prompt-length mix, TTFT target at the SLO percentile,
    including transfer and one decode step); decode replicas from the ITL/KV frontier at
@@ -124,6 +131,10 @@ METRICS_SETTLING = "MetricsSettling"
 SCALE_FROM_ZERO = "ScaleFromZero"
 SCALE_TO_ZERO = "ScaleToZero"
 IDLE_AT_ZERO = "IdleAtZero"
+
+#: The least share of prompt tokens prefill is taken to compute, however high its hit rate: a window
+#: of repeated prompts (a benchmark, a health check) must not size prefill at next to nothing.
+MIN_COMPUTED_SHARE = 0.1
 
 #: Output tokens assumed for held requests while no answer has been seen yet (decode's batch at
 #: their context, `ISL + OSL/2`, sizes decode when the pool starts from zero).
@@ -355,8 +366,14 @@ def metrics_suspicion(observation: Observation) -> str | None:
 # --- corrections -------------------------------------------------------------------------------------
 
 
+def computed_share(observation: Observation) -> float:
+    """The share of prompt tokens prefill computes: 1 - the window's prefill prefix-cache hit rate,
+    at least MIN_COMPUTED_SHARE."""
+    return max(MIN_COMPUTED_SHARE, 1.0 - observation.prefill.prefix_cache_hit_rate)
+
+
 def _observed_prefill_correction(observation: Observation, config: AutoscalerConfig, state: RoleState,
-                                 mix: PromptMix) -> float | None:
+                                 mix: PromptMix, computed: float = 1.0) -> float | None:
     """Prefill capacity seen in this window, as a multiple of the modelled saturated rate for the
     window's prompt mix (long prompts cost more per token, and the model already knows it), or None.
 
@@ -372,7 +389,7 @@ def _observed_prefill_correction(observation: Observation, config: AutoscalerCon
     thin = role.requests_per_s * observation.window_s < config.min_requests
     if role.ready < 1 or role.starting or role.draining or thin or not rate > 0:
         return None
-    delivered = rate / (role.ready * config.model.mix_tokens_per_s(mix))
+    delivered = rate * computed / (role.ready * config.model.mix_tokens_per_s(mix))
     saturated = (role.num_requests_waiting >= role.ready and math.isfinite(state.waiting)
                  and state.waiting >= role.ready
                  and quantile_at(role.request_queue_time_seconds, 50.0) > config.queue_time_floor_s)
@@ -515,11 +532,13 @@ def decide(observation: Observation, config: AutoscalerConfig, state: Autoscaler
         if observation.isl_mean > 0 else mix
 
     # Capacity corrections from this window.
-    prefill_state = _smoothed(state.prefill, _observed_prefill_correction(observation, config, state.prefill, mix_now),
+    computed = computed_share(observation)
+    prefill_state = _smoothed(state.prefill,
+                              _observed_prefill_correction(observation, config, state.prefill, mix_now, computed),
                               config)
     context_now = (observation.isl_mean + observation.osl_mean / 2.0) if observation.isl_mean > 0 else isl + osl / 2
     decode_state = _smoothed(state.decode, _observed_decode_correction(observation, config, context_now), config)
-    k_prefill, k_decode = prefill_state.correction, decode_state.correction
+    k_prefill, k_decode = prefill_state.correction / computed, decode_state.correction
     breach = _ttft_breach(observation, config, mix_now, k_prefill, k_decode)
     prefill_state, weighted, expected = _burst_memory(observation, config, state, prefill_state, rate_series,
                                                       _burst(observation, config, state, k_prefill, breach))

@@ -48,6 +48,17 @@ class RoleObservation:
     prompt_tokens_per_s: float = 0.0      # rate(vllm:prompt_tokens_total)
     generation_tokens_per_s: float = 0.0  # rate(vllm:generation_tokens_total)
     requests_per_s: float = 0.0           # rate(vllm:request_success_total{finished_reason=~"stop|length|repetition"})
+    # rate(vllm:prefix_cache_hits_total) / rate(vllm:prefix_cache_queries_total): the share of prompt
+    # tokens the engines found in their own prefix caches (0 when nothing was looked up)
+    prefix_cache_hit_rate: float = 0.0
+
+
+def hit_rate(hits: float, queries: float) -> float:
+    """Prefix-cache hits over queries (counts or rates of vLLM's counters), within [0, 1]; 0 without
+    queries or with either unknown."""
+    if not (queries > 0 and math.isfinite(hits) and math.isfinite(queries)):
+        return 0.0
+    return min(max(hits / queries, 0.0), 1.0)
 
 
 @dataclass(frozen=True)

@@ -58,7 +58,7 @@ from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
-from xpyd.autoscaler.observation import Desired, Observation, Quantiles, RoleObservation, Slo
+from xpyd.autoscaler.observation import Desired, Observation, Quantiles, RoleObservation, Slo, hit_rate
 from xpyd.kvcache.chains import TraceKeys
 from xpyd.kvcache.index import PrefixIndex
 from xpyd.kvcache.pool import BlockKeys, BlockPool
@@ -217,7 +217,8 @@ _FIRST_TOKEN, _FINISHED, _KV_LOADED = EventKind.FIRST_TOKEN, EventKind.FINISHED,
 # The vllm:* series `observe()` reads (the autoscaler's queries): only these are summed per tick.
 _WINDOW_HISTOGRAMS = ("time_to_first_token_seconds", "inter_token_latency_seconds", "request_queue_time_seconds",
                       "request_prompt_tokens", "request_generation_tokens")
-_WINDOW_COUNTERS = ("prompt_tokens_total", "generation_tokens_total", "request_success_total")
+_WINDOW_COUNTERS = ("prompt_tokens_total", "generation_tokens_total", "request_success_total",
+                    "prefix_cache_queries", "prefix_cache_hits")
 
 
 class _Replica:
@@ -761,6 +762,8 @@ class Simulator:
                 prompt_tokens_per_s=rate(counts.get("prompt_tokens_total", 0)),
                 generation_tokens_per_s=rate(counts.get("generation_tokens_total", 0)),
                 requests_per_s=rate(counts.get("request_success_total", 0)),
+                prefix_cache_hit_rate=hit_rate(counts.get("prefix_cache_hits", 0),
+                                               counts.get("prefix_cache_queries", 0)),
             )
 
         prefill_hists, _ = window(PREFILL)
