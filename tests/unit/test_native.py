@@ -155,8 +155,8 @@ def test_the_command_line(monkeypatch: pytest.MonkeyPatch, tmp_path: Path, capsy
     write_manifest(tmp_path, json.dumps(native.fingerprint()))
     assert native.main(["build"]) == 0     # up to date: compiles nothing
     assert capsys.readouterr().out == (f"up to date: xpyd.sim.core, xpyd.sim.simulator, xpyd.perf.model, "
-                                       f"xpyd.kvcache.pool, xpyd.kvcache.chains, xpyd.kvcache.index, xpyd.kvcache.scoring "
-                                       f"in {tmp_path}\n")
+                                       f"xpyd.kvcache.pool, xpyd.kvcache.chains, xpyd.kvcache.index, "
+                                       f"xpyd.kvcache.scoring in {tmp_path}\n")
 
     for bad in ([], ["build", "--fast"], ["status", "extra"], ["compile"]):
         assert native.main(bad) == 2
