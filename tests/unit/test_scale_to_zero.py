@@ -539,3 +539,24 @@ def test_a_pool_starting_from_zero_is_ready_while_its_proxies_hold(decided: str,
                             old, 3, "http://x", "RDMA", "2026-12-01T00:01:00Z")
     (found,) = [c for c in status["conditions"] if c["type"] == "Ready"]
     assert (found["status"], found["reason"]) == expected
+
+
+@pytest.mark.parametrize(("argv", "problem"), [
+    ((), None),
+    (("--wait-timeout", "260", "--wait-max-requests", "32", "--wait-max-bytes", "1024"), None),
+    (("--wait-timeout", "-1"), "--wait-timeout"),
+    (("--wait-timeout", "nan"), "--wait-timeout"),
+    (("--wait-timeout", "86401"), "--wait-timeout"),
+    (("--wait-max-requests", "0"), "--wait-max-requests"),
+    (("--wait-max-bytes", "0"), "--wait-max-bytes"),
+])
+def test_the_room_s_flags_are_bounded(argv: tuple[str, ...], problem: str | None) -> None:
+    from tests.unit.test_proxy_lifecycle import _parse
+    from xpyd.proxy.main import _check, config_from_args
+    args = _parse(*argv)
+    message = _check(args)
+    assert (message is None) if problem is None else (message is not None and problem in message)
+    if problem is None:
+        config = config_from_args(args)
+        assert (config.wait_timeout, config.wait_max_requests, config.wait_max_bytes) == \
+            ((260.0, 32, 1024) if argv else (0.0, 256, 64 << 20))
