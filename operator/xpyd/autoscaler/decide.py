@@ -4,12 +4,14 @@
 
 Inputs: an `Observation` (what Prometheus and the Kubernetes API show: load, latency quantiles,
 per-role queues, KV usage, token rates, replica counts including Pending), an `AutoscalerConfig`
-(the profile, SLOs, bounds, pace, budget; `AutoscalerConfig.from_spec` builds it from the CRD's
-`AutoscalingSpec`) and the previous `AutoscalerState` (forecasts, capacity corrections, the
+(the profile, SLOs, bounds, pace, budget; `autoscaler.config`, where `config_for` builds it
+from a `DisaggregatedServing`) and the previous `AutoscalerState` (forecasts, capacity corrections, the
 recommendations of the stabilisation windows, when each role last grew). Nothing else is read and
 nothing is mutated; the same code runs in the operator and in `xpyd sim --policy xpyd`.
 
-The rules, in order (each named in the decision's CamelCase reason and message):
+The rules, in order (each named in the decision's CamelCase reason and message; `decide()` runs
+them as named steps: `_wake`, `_check`, `_forecast`, `_corrections`, `_plan`, `_attribution`,
+`_backlog_step`, `_pace`):
 
 0. Scale from zero: requests held by the proxies (`Observation.held_requests`, from their pods at
    once, not from Prometheus) while a role has no ready replica bring both roles up together,
@@ -90,26 +92,16 @@ import itertools
 import math
 from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
-from typing import TYPE_CHECKING
 
-from xpyd.autoscaler.forecast import Forecaster, HoltForecaster, SeriesState
+# The configuration lives in `config` (with the spec's translation); its names stay importable from here.
+from xpyd.autoscaler.config import DECODE as DECODE
+from xpyd.autoscaler.config import PREFILL as PREFILL
+from xpyd.autoscaler.config import AutoscalerConfig as AutoscalerConfig
+from xpyd.autoscaler.config import Pace as Pace
+from xpyd.autoscaler.config import RoleBounds as RoleBounds
+from xpyd.autoscaler.forecast import SeriesState
 from xpyd.autoscaler.observation import Observation, Quantiles, RoleObservation
-from xpyd.autoscaler.sizing import (
-    DEFAULT_MAX_NUM_BATCHED_TOKENS,
-    DEFAULT_MAX_NUM_SEQS,
-    Burst,
-    DecodeSizing,
-    PoolModel,
-    PrefillSizing,
-    PromptMix,
-)
-from xpyd.perf.model import PerfModel
-
-if TYPE_CHECKING:
-    from xpyd.api.models import AutoscalingSpec
-
-PREFILL = "prefill"
-DECODE = "decode"
+from xpyd.autoscaler.sizing import Burst, DecodeSizing, PrefillSizing, PromptMix
 
 # Reasons (CamelCase, as in status conditions and Events).
 METRICS_UNAVAILABLE = "MetricsUnavailable"
@@ -145,92 +137,6 @@ _PRIORITY = (SCALE_FROM_ZERO, SCALE_TO_ZERO, IDLE_AT_ZERO,
              METRICS_UNAVAILABLE, INSUFFICIENT_GPUS, GPU_BUDGET, PREFILL_QUEUEING, DECODE_ADMISSION,
              TPOT_OVER_TARGET, PREFILL_DEMAND, DECODE_DEMAND, BOUNDS, SCALE_DOWN, SCALE_DOWN_UNSAFE,
              SCALE_DOWN_GRACE, SCALE_DOWN_DEFERRED, WITHIN_TARGETS, NO_TRAFFIC, METRICS_SETTLING)
-
-
-# --- configuration ---------------------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class RoleBounds:
-    """Replica bounds of one role."""
-
-    min_replicas: int = 1
-    max_replicas: int = 64
-
-
-@dataclass(frozen=True)
-class Pace:
-    """Scaling pace in one direction: the stabilisation window and the largest step."""
-
-    window_s: float
-    max_step: int
-
-
-@dataclass(frozen=True)
-class AutoscalerConfig:
-    """Everything `decide` needs besides the observation and its own state."""
-
-    model: PoolModel
-    prefill: RoleBounds = field(default_factory=RoleBounds)
-    decode: RoleBounds = field(default_factory=RoleBounds)
-    gpu_budget: int | None = None
-    prefill_gpus: int = 1
-    decode_gpus: int = 1
-    interval_s: float = 30.0
-    window_s: float = 60.0            # the metrics window (rate() range) the observation covers
-    startup_s: float = 120.0
-    scale_up: Pace = field(default_factory=lambda: Pace(0.0, 4))
-    scale_down: Pace = field(default_factory=lambda: Pace(300.0, 1))
-    grace_s: float | None = None      # no scale-down this long after a role grew (None: startup + 2 intervals)
-    down_margin: float = 0.1          # the N-1 check sizes for this much more load
-    forecaster: Forecaster = field(default_factory=HoltForecaster)
-    correction_alpha: float = 0.3
-    correction_min: float = 0.5
-    correction_max: float = 1.5
-    min_requests: int = 30            # requests a window needs before it moves a correction
-    default_isl_cs2: float = 1.0      # prompt-length variability when the observation has no quantiles
-    queue_drain_share: float = 0.5    # prefill backlog: queued work draining in more than this share of TTFT
-    burst_memory_s: float = 300.0     # bursts seen count for this long (e-folding), against this span's requests
-    burst_records: int = 16           # the most bursts remembered (the oldest go first)
-    burst_max_utilisation: float = 0.8  # windows busier than this on average teach no burst
-    queue_time_floor_s: float = 0.3   # vllm:request_queue_time_seconds' first bucket: below it no wait is visible
-    idle_s: float | None = None       # idle this long, both roles go to zero (None: never; minReplicas 0 on both)
-
-    @property
-    def grace_period_s(self) -> float:
-        return self.grace_s if self.grace_s is not None else self.startup_s + 2.0 * self.interval_s
-
-    @property
-    def horizon_s(self) -> float:
-        """How far ahead scale-ups size: start-up, one interval, and half a window of metric lag."""
-        return self.startup_s + self.interval_s + self.window_s / 2.0
-
-    @property
-    def percentile(self) -> float:
-        return 100.0 * self.model.quantile
-
-    def bounds(self, role: str) -> RoleBounds:
-        return self.prefill if role == PREFILL else self.decode
-
-    @classmethod
-    def from_spec(cls, spec: AutoscalingSpec, perf: PerfModel, *, prefill_gpus: int = 1, decode_gpus: int = 1,
-                  max_num_batched_tokens: int = DEFAULT_MAX_NUM_BATCHED_TOKENS,
-                  max_num_seqs: int = DEFAULT_MAX_NUM_SEQS, window_s: float = 60.0) -> AutoscalerConfig:
-        """The config of a `DisaggregatedServing`'s `spec.autoscaling` with the engines' profile."""
-        model = PoolModel(perf=perf, ttft_target_s=spec.slo.ttft_ms / 1e3, tpot_target_s=spec.slo.tpot_ms / 1e3,
-                          quantile=spec.slo.percentile / 100.0, max_num_batched_tokens=max_num_batched_tokens,
-                          max_num_seqs=max_num_seqs)
-        behavior = spec.behavior
-        return cls(
-            model=model,
-            prefill=RoleBounds(spec.prefill.min_replicas, spec.prefill.max_replicas),
-            decode=RoleBounds(spec.decode.min_replicas, spec.decode.max_replicas),
-            gpu_budget=spec.gpu_budget, prefill_gpus=prefill_gpus, decode_gpus=decode_gpus,
-            interval_s=float(spec.interval_seconds), window_s=window_s, startup_s=float(spec.startup_seconds),
-            scale_up=Pace(float(behavior.scale_up.stabilization_window_seconds), behavior.scale_up.max_step),
-            scale_down=Pace(float(behavior.scale_down.stabilization_window_seconds), behavior.scale_down.max_step),
-            idle_s=float(spec.scale_to_zero.idle_seconds)
-            if spec.prefill.min_replicas == 0 and spec.decode.min_replicas == 0 else None)
 
 
 # --- state and decision ------------------------------------------------------------------------------
@@ -478,9 +384,33 @@ def hold(observation: Observation, config: AutoscalerConfig, state: AutoscalerSt
 
 
 def decide(observation: Observation, config: AutoscalerConfig, state: AutoscalerState) -> Decision:
-    """The replicas each role should have now, why, and the state for the next call (pure)."""
+    """The replicas each role should have now, why, and the state for the next call (pure).
+
+    The rules of the module docstring, as named steps: the wake-up (rule 0), the metrics check
+    (rule 1) and scale to zero, then `_forecast` (rule 2), `_corrections` (rule 3), the demand
+    (rule 4, `_plan`), `_attribution` (rule 5), `_backlog_step` (rule 6) and `_pace` (rules 7-9)."""
     if waking(observation):
         return _wake(observation, config, state)
+    checked = _check(observation, config, state)
+    if isinstance(checked, Decision):
+        return checked
+    state = checked
+    load = _forecast(observation, config, state)
+    if isinstance(load, Decision):
+        return load
+    observation = load.observation
+    corrections = _corrections(observation, config, state, load)
+    plan = _plan(config, load.rate_now, load.rate, load.isl, load.osl, load.mix, corrections.k_prefill,
+                 corrections.k_decode, corrections.bursts, corrections.expected_requests)
+    sizes = _Sizes.of(plan, observation, config)
+    _attribution(observation, config, state, plan, corrections, sizes)
+    plan = _backlog_step(observation, config, state, plan, corrections, sizes)
+    return _pace(observation, config, state, load, corrections, plan, sizes)
+
+
+def _check(observation: Observation, config: AutoscalerConfig, state: AutoscalerState) -> Decision | AutoscalerState:
+    """Rule 1 and scale to zero: a hold when the metrics cannot be trusted (or are settling), a
+    decision to, at or from zero, else the state the other rules start from."""
     problem = metrics_problem(observation, state)
     if problem is not None:
         return hold(observation, config, state, problem)
@@ -494,13 +424,34 @@ def decide(observation: Observation, config: AutoscalerConfig, state: Autoscaler
         return hold(observation, config, waited, f"{suspicion}: waiting a window for the scrapes to agree",
                     METRICS_SETTLING)
     if config.idle_s is not None:
-        zero = _zero(observation, config, state)
-        if isinstance(zero, Decision):
-            return zero
-        state = zero
-    forecaster = config.forecaster
+        return _zero(observation, config, state)
+    return state
 
-    # Forecast the load over the start-up delay.
+
+@dataclass(frozen=True)
+class _Load:
+    """Rule 2's outcome: the load to size for (max of now and the forecast over the horizon), the
+    forecasts' new states, and the observation with the ISL/OSL seen before standing in for a window
+    in which no request finished."""
+
+    observation: Observation
+    rate_now: float
+    rate: float
+    isl: float
+    osl: float
+    rate_series: SeriesState
+    isl_series: SeriesState
+    osl_series: SeriesState
+    isl_quantiles: Quantiles
+    mix: PromptMix        # the prompt mix sized for (forecast ISL)
+    mix_now: PromptMix    # the window's own prompt mix (judgements of what the window shows)
+
+
+def _forecast(observation: Observation, config: AutoscalerConfig, state: AutoscalerState) -> _Load | Decision:
+    """Rule 2: Holt's forecasts of rate, ISL and OSL read over the sizing horizon; a hold (NoTraffic,
+    or MetricsUnavailable after two windows of arrivals without ISL/OSL) before any request finished."""
+    forecaster = config.forecaster
+    now = observation.time_s
     rate_now = observation.request_rate
     rate_series = forecaster.update(state.rate, now, rate_now)
     isl_series = forecaster.update(state.isl, now, observation.isl_mean)
@@ -530,27 +481,66 @@ def decide(observation: Observation, config: AutoscalerConfig, state: Autoscaler
     mix = PromptMix.from_quantiles(isl, isl_quantiles, config.default_isl_cs2)
     mix_now = PromptMix.from_quantiles(observation.isl_mean, isl_quantiles, config.default_isl_cs2) \
         if observation.isl_mean > 0 else mix
+    return _Load(observation, rate_now, rate, isl, osl, rate_series, isl_series, osl_series, isl_quantiles, mix,
+                 mix_now)
 
-    # Capacity corrections from this window.
+
+@dataclass(frozen=True)
+class _Corrections:
+    """Rule 3's outcome: the roles' states with their corrections (and prefill's burst memory), the
+    capacity multiples every judgement uses, and the remembered bursts with their weights."""
+
+    prefill_state: RoleState
+    decode_state: RoleState
+    k_prefill: float      # prefill's correction over the computed share: prompt tokens served per modelled one
+    k_decode: float
+    bursts: tuple[tuple[float, Burst], ...]
+    expected_requests: float
+
+
+def _corrections(observation: Observation, config: AutoscalerConfig, state: AutoscalerState,
+                 load: _Load) -> _Corrections:
+    """Rule 3 (and rule 4's burst memory, which judges bursts with the corrected capacity): the
+    capacity corrections this window teaches, the prefix cache's computed share, the bursts."""
     computed = computed_share(observation)
     prefill_state = _smoothed(state.prefill,
-                              _observed_prefill_correction(observation, config, state.prefill, mix_now, computed),
+                              _observed_prefill_correction(observation, config, state.prefill, load.mix_now, computed),
                               config)
-    context_now = (observation.isl_mean + observation.osl_mean / 2.0) if observation.isl_mean > 0 else isl + osl / 2
+    context_now = (observation.isl_mean + observation.osl_mean / 2.0) if observation.isl_mean > 0 \
+        else load.isl + load.osl / 2
     decode_state = _smoothed(state.decode, _observed_decode_correction(observation, config, context_now), config)
     k_prefill, k_decode = prefill_state.correction / computed, decode_state.correction
-    breach = _ttft_breach(observation, config, mix_now, k_prefill, k_decode)
-    prefill_state, weighted, expected = _burst_memory(observation, config, state, prefill_state, rate_series,
+    breach = _ttft_breach(observation, config, load.mix_now, k_prefill, k_decode)
+    prefill_state, weighted, expected = _burst_memory(observation, config, state, prefill_state, load.rate_series,
                                                       _burst(observation, config, state, k_prefill, breach))
+    return _Corrections(prefill_state, decode_state, k_prefill, k_decode, weighted, expected)
 
-    plan = _plan(config, rate_now, rate, isl, osl, mix, k_prefill, k_decode, weighted, expected)
-    recommended = {PREFILL: plan.prefill_replicas, DECODE: plan.decode.replicas}
-    reasons = {PREFILL: PREFILL_DEMAND, DECODE: DECODE_DEMAND}
-    messages = {PREFILL: _prefill_message(plan, observation.prefill.replicas, config),
-                DECODE: _decode_message(plan, observation.decode.replicas)}
 
-    # Attribute SLO breaches to the guilty role.
-    feedback = _attribute(observation, config, plan, state.prefill, k_prefill)
+@dataclass
+class _Sizes:
+    """Each role's recommendation as the steps build it, with its reason and message, and what the
+    stabilisation windows remember (the load's sizes, not the queue's)."""
+
+    recommended: dict[str, int]
+    reasons: dict[str, str]
+    messages: dict[str, str]
+    remembered: dict[str, int] = field(default_factory=dict)
+
+    @classmethod
+    def of(cls, plan: _Plan, observation: Observation, config: AutoscalerConfig) -> _Sizes:
+        """Rule 4: the demand's sizes."""
+        return cls({PREFILL: plan.prefill_replicas, DECODE: plan.decode.replicas},
+                   {PREFILL: PREFILL_DEMAND, DECODE: DECODE_DEMAND},
+                   {PREFILL: _prefill_message(plan, observation.prefill.replicas, config),
+                    DECODE: _decode_message(plan, observation.decode.replicas)})
+
+
+def _attribution(observation: Observation, config: AutoscalerConfig, state: AutoscalerState, plan: _Plan,
+                 corrections: _Corrections, sizes: _Sizes) -> None:
+    """Rule 5: an SLO breach (or a building prefill backlog) gives the guilty role one replica more
+    than it has, unless replicas of it are starting or (TPOT) the window predates its last growth."""
+    now = observation.time_s
+    feedback = _attribute(observation, config, plan, state.prefill, corrections.k_prefill)
     for role_name, (reason, message) in feedback.items():
         role = observation.prefill if role_name == PREFILL else observation.decode
         capacity = _capacity(role, state.role(role_name), now, config)
@@ -561,30 +551,42 @@ def decide(observation: Observation, config: AutoscalerConfig, state: Autoscaler
             bumped = role.replicas
             message += (f" (the window still holds the pool before its last scale-up at "
                         f"t={state.role(role_name).last_scale_up_s:.0f}s: not adding more for this symptom)")
-        recommended[role_name] = max(recommended[role_name], bumped)
-        reasons[role_name], messages[role_name] = reason, message
+        sizes.recommended[role_name] = max(sizes.recommended[role_name], bumped)
+        sizes.reasons[role_name], sizes.messages[role_name] = reason, message
 
-    # The work already queued: the replicas that drain it within the drain budget as well as serve the load.
-    backlog = _backlog(observation, config, plan, state.prefill, k_prefill, k_decode)
+
+def _backlog_step(observation: Observation, config: AutoscalerConfig, state: AutoscalerState, plan: _Plan,
+                  corrections: _Corrections, sizes: _Sizes) -> _Plan:
+    """Rule 6: the replicas that drain the work already queued within the drain budget as well as
+    serve the load; recommended while the queue lasts, never remembered by the windows. Returns the
+    plan with each role's backlog size (the pace never goes below it)."""
+    backlog = _backlog(observation, config, plan, state.prefill, corrections.k_prefill, corrections.k_decode)
     plan = replace(plan, backlog={name: replicas for name, (replicas, _) in backlog.items()})
-    remembered = dict(recommended)   # what the stabilisation windows keep: the load's sizes, not the queue's
+    sizes.remembered = dict(sizes.recommended)
     for role_name, (replicas, message) in backlog.items():
-        if replicas > recommended[role_name]:
-            recommended[role_name] = replicas
+        if replicas > sizes.recommended[role_name]:
+            sizes.recommended[role_name] = replicas
             queued_now = (observation.prefill if role_name == PREFILL else observation.decode).num_requests_waiting > 0
-            if queued_now and reasons[role_name] in (PREFILL_DEMAND, DECODE_DEMAND):
-                reasons[role_name] = PREFILL_QUEUEING if role_name == PREFILL else DECODE_ADMISSION
-            messages[role_name] = f"{messages[role_name]}; {message}"
+            if queued_now and sizes.reasons[role_name] in (PREFILL_DEMAND, DECODE_DEMAND):
+                sizes.reasons[role_name] = PREFILL_QUEUEING if role_name == PREFILL else DECODE_ADMISSION
+            sizes.messages[role_name] = f"{sizes.messages[role_name]}; {message}"
+    return plan
 
-    # Pace, grace, N-1, Pending, bounds, per role.
+
+def _pace(observation: Observation, config: AutoscalerConfig, state: AutoscalerState, load: _Load,
+          corrections: _Corrections, plan: _Plan, sizes: _Sizes) -> Decision:
+    """Rules 7-9: pace, grace, the N-1 check, Pending pods and bounds per role, then the GPU budget;
+    the decision with its leading reason and the state for the next call."""
+    now = observation.time_s
     roles: dict[str, RoleDecision] = {}
     role_states: dict[str, RoleState] = {}
     blocked: list[str] = []
-    for role_name, role_state in ((PREFILL, prefill_state), (DECODE, decode_state)):
+    for role_name, role_state in ((PREFILL, corrections.prefill_state), (DECODE, corrections.decode_state)):
         role = observation.prefill if role_name == PREFILL else observation.decode
-        role_state = _remember(role_state, role, now, remembered[role_name], config)
-        decision, is_blocked = _stabilise(role_name, role, role_state, recommended[role_name], reasons[role_name],
-                                          messages[role_name], now, config, plan, k_prefill, k_decode)
+        role_state = _remember(role_state, role, now, sizes.remembered[role_name], config)
+        decision, is_blocked = _stabilise(role_name, role, role_state, sizes.recommended[role_name],
+                                          sizes.reasons[role_name], sizes.messages[role_name], now, config, plan,
+                                          corrections.k_prefill, corrections.k_decode)
         if is_blocked:
             blocked.append(role_name)
         if decision.replicas > decision.current:
@@ -594,11 +596,11 @@ def decide(observation: Observation, config: AutoscalerConfig, state: Autoscaler
 
     budget_binding = False
     if config.gpu_budget is not None:
-        roles, budget_binding = _apply_budget(roles, config, plan, k_prefill)
+        roles, budget_binding = _apply_budget(roles, config, plan, corrections.k_prefill)
 
-    new_state = AutoscalerState(time_s=now, rate=rate_series, isl=isl_series, osl=osl_series,
-                                isl_quantiles=isl_quantiles, idle_since_s=state.idle_since_s, woken_s=state.woken_s,
-                                prefill=role_states[PREFILL], decode=role_states[DECODE])
+    new_state = AutoscalerState(time_s=now, rate=load.rate_series, isl=load.isl_series, osl=load.osl_series,
+                                isl_quantiles=load.isl_quantiles, idle_since_s=state.idle_since_s,
+                                woken_s=state.woken_s, prefill=role_states[PREFILL], decode=role_states[DECODE])
     prefill, decode = roles[PREFILL], roles[DECODE]
     candidates = [r for r in (prefill, decode) if r.replicas != r.current] or [prefill, decode]
     lead = min(candidates, key=lambda r: _PRIORITY.index(r.reason))

@@ -3,7 +3,8 @@
 Once per `autoscaling.intervalSeconds` (at once after the spec changed) for every
 DisaggregatedServing whose mode is not Off, under the object's reconcile lock:
 
-1. build the decision's config from the spec and the engines' profile (`autoscaler.profile`);
+1. build the decision's config from the spec and the engines' profile (`autoscaler.profile`), with
+   `autoscaler.config.config_for`, the one translation of a spec into what `decide()` reads;
 2. read the pool's pods (Kubernetes) and its series (Prometheus, with the bearer token and CA
    bundle the spec names from the object's namespace) into an `Observation`; when Prometheus cannot
    be read (its Secret or ConfigMap missing too) or its series are missing or stale, hold every role
@@ -45,9 +46,9 @@ from xpyd.api.conditions import METRICS_AVAILABLE, PROFILE_UNAVAILABLE, RECOMMEN
 from xpyd.api.load import SpecError, parse_serving
 from xpyd.api.models import AutoscalingMode, CABundleRef, DisaggregatedServing, PrometheusSpec, SecretKeyRef
 from xpyd.autoscaler import collect
+from xpyd.autoscaler.config import config_for as config_for
 from xpyd.autoscaler.decide import (
     METRICS_UNAVAILABLE,
-    AutoscalerConfig,
     AutoscalerState,
     Decision,
     decide,
@@ -56,11 +57,9 @@ from xpyd.autoscaler.decide import (
 )
 from xpyd.autoscaler.observation import Observation
 from xpyd.autoscaler.profile import ProfileError, perf_model
-from xpyd.autoscaler.sizing import DEFAULT_MAX_NUM_BATCHED_TOKENS, DEFAULT_MAX_NUM_SEQS
 from xpyd.autoscaler.state import decode as decode_state
 from xpyd.autoscaler.state import encode as encode_state
 from xpyd.common import exposition
-from xpyd.common.args import last_flag_value
 from xpyd.common.jsontypes import JSON
 from xpyd.common.timefmt import parse_rfc3339, rfc3339
 from xpyd.controller.status import ConditionValue, merge_conditions, status_changed
@@ -69,25 +68,6 @@ from xpyd.perf.model import PerfModel
 
 log = logging.getLogger(__name__)
 
-
-
-def _engine_arg(args: list[str], flag: str, default: int) -> int:
-    """The last value of `--flag N` or `--flag=N` in vllm serve args, else `default`."""
-    value = last_flag_value(args, flag)
-    return int(value) if value is not None and value.isdigit() else default
-
-
-def config_for(serving: DisaggregatedServing, perf: PerfModel) -> AutoscalerConfig:
-    """The decision config of a DisaggregatedServing: its autoscaling spec, the engines' profile and
-    the batching limits its engine arguments set (decode's, which bind the ITL frontier)."""
-    spec = serving.spec
-    args = [*spec.engine.extra_args, *spec.decode.extra_args]
-    return AutoscalerConfig.from_spec(
-        spec.autoscaling, perf, prefill_gpus=spec.prefill.gpus_per_replica,
-        decode_gpus=spec.decode.gpus_per_replica,
-        max_num_batched_tokens=_engine_arg(args, "--max-num-batched-tokens", DEFAULT_MAX_NUM_BATCHED_TOKENS),
-        max_num_seqs=_engine_arg(args, "--max-num-seqs", DEFAULT_MAX_NUM_SEQS),
-        window_s=float(spec.autoscaling.prometheus.window_seconds))
 
 
 def observed_load(observation: Observation, percentile: float) -> JSON:

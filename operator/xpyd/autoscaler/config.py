@@ -1,0 +1,129 @@
+"""What `decide()` is configured with, and the one translation of a `DisaggregatedServing` into it.
+
+- `AutoscalerConfig` (with `RoleBounds` and `Pace`): the profile's pool model, SLOs, bounds, pace,
+  budget and the decision's constants; the simulator builds one directly (`sim.policies.xpyd_config`).
+- `AutoscalerConfig.from_spec`: `spec.autoscaling` with the engines' profile and batching limits.
+- `config_for`: a whole `DisaggregatedServing`: its autoscaling spec, the GPUs per replica, and the
+  batching limits its decode engines' arguments set (`engine_arg`), with the metrics window.
+
+The operator (`controller.autoscale`) calls `config_for` and nothing else of this translation, so a
+spec field reaches `decide()` in exactly one place.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+from xpyd.autoscaler.forecast import Forecaster, HoltForecaster
+from xpyd.autoscaler.sizing import DEFAULT_MAX_NUM_BATCHED_TOKENS, DEFAULT_MAX_NUM_SEQS, PoolModel
+from xpyd.common.args import last_flag_value
+from xpyd.perf.model import PerfModel
+
+if TYPE_CHECKING:
+    from xpyd.api.models import AutoscalingSpec, DisaggregatedServing
+
+PREFILL = "prefill"
+DECODE = "decode"
+
+
+@dataclass(frozen=True)
+class RoleBounds:
+    """Replica bounds of one role."""
+
+    min_replicas: int = 1
+    max_replicas: int = 64
+
+
+@dataclass(frozen=True)
+class Pace:
+    """Scaling pace in one direction: the stabilisation window and the largest step."""
+
+    window_s: float
+    max_step: int
+
+
+@dataclass(frozen=True)
+class AutoscalerConfig:
+    """Everything `decide` needs besides the observation and its own state."""
+
+    model: PoolModel
+    prefill: RoleBounds = field(default_factory=RoleBounds)
+    decode: RoleBounds = field(default_factory=RoleBounds)
+    gpu_budget: int | None = None
+    prefill_gpus: int = 1
+    decode_gpus: int = 1
+    interval_s: float = 30.0
+    window_s: float = 60.0            # the metrics window (rate() range) the observation covers
+    startup_s: float = 120.0
+    scale_up: Pace = field(default_factory=lambda: Pace(0.0, 4))
+    scale_down: Pace = field(default_factory=lambda: Pace(300.0, 1))
+    grace_s: float | None = None      # no scale-down this long after a role grew (None: startup + 2 intervals)
+    down_margin: float = 0.1          # the N-1 check sizes for this much more load
+    forecaster: Forecaster = field(default_factory=HoltForecaster)
+    correction_alpha: float = 0.3
+    correction_min: float = 0.5
+    correction_max: float = 1.5
+    min_requests: int = 30            # requests a window needs before it moves a correction
+    default_isl_cs2: float = 1.0      # prompt-length variability when the observation has no quantiles
+    queue_drain_share: float = 0.5    # prefill backlog: queued work draining in more than this share of TTFT
+    burst_memory_s: float = 300.0     # bursts seen count for this long (e-folding), against this span's requests
+    burst_records: int = 16           # the most bursts remembered (the oldest go first)
+    burst_max_utilisation: float = 0.8  # windows busier than this on average teach no burst
+    queue_time_floor_s: float = 0.3   # vllm:request_queue_time_seconds' first bucket: below it no wait is visible
+    idle_s: float | None = None       # idle this long, both roles go to zero (None: never; minReplicas 0 on both)
+
+    @property
+    def grace_period_s(self) -> float:
+        return self.grace_s if self.grace_s is not None else self.startup_s + 2.0 * self.interval_s
+
+    @property
+    def horizon_s(self) -> float:
+        """How far ahead scale-ups size: start-up, one interval, and half a window of metric lag."""
+        return self.startup_s + self.interval_s + self.window_s / 2.0
+
+    @property
+    def percentile(self) -> float:
+        return 100.0 * self.model.quantile
+
+    def bounds(self, role: str) -> RoleBounds:
+        return self.prefill if role == PREFILL else self.decode
+
+    @classmethod
+    def from_spec(cls, spec: AutoscalingSpec, perf: PerfModel, *, prefill_gpus: int = 1, decode_gpus: int = 1,
+                  max_num_batched_tokens: int = DEFAULT_MAX_NUM_BATCHED_TOKENS,
+                  max_num_seqs: int = DEFAULT_MAX_NUM_SEQS, window_s: float = 60.0) -> AutoscalerConfig:
+        """The config of a `DisaggregatedServing`'s `spec.autoscaling` with the engines' profile."""
+        model = PoolModel(perf=perf, ttft_target_s=spec.slo.ttft_ms / 1e3, tpot_target_s=spec.slo.tpot_ms / 1e3,
+                          quantile=spec.slo.percentile / 100.0, max_num_batched_tokens=max_num_batched_tokens,
+                          max_num_seqs=max_num_seqs)
+        behavior = spec.behavior
+        return cls(
+            model=model,
+            prefill=RoleBounds(spec.prefill.min_replicas, spec.prefill.max_replicas),
+            decode=RoleBounds(spec.decode.min_replicas, spec.decode.max_replicas),
+            gpu_budget=spec.gpu_budget, prefill_gpus=prefill_gpus, decode_gpus=decode_gpus,
+            interval_s=float(spec.interval_seconds), window_s=window_s, startup_s=float(spec.startup_seconds),
+            scale_up=Pace(float(behavior.scale_up.stabilization_window_seconds), behavior.scale_up.max_step),
+            scale_down=Pace(float(behavior.scale_down.stabilization_window_seconds), behavior.scale_down.max_step),
+            idle_s=float(spec.scale_to_zero.idle_seconds)
+            if spec.prefill.min_replicas == 0 and spec.decode.min_replicas == 0 else None)
+
+
+def engine_arg(args: list[str], flag: str, default: int) -> int:
+    """The last value of `--flag N` or `--flag=N` in vllm serve args, else `default`."""
+    value = last_flag_value(args, flag)
+    return int(value) if value is not None and value.isdigit() else default
+
+
+def config_for(serving: DisaggregatedServing, perf: PerfModel) -> AutoscalerConfig:
+    """The decision config of a DisaggregatedServing: its autoscaling spec, the engines' profile and
+    the batching limits its engine arguments set (decode's, which bind the ITL frontier)."""
+    spec = serving.spec
+    args = [*spec.engine.extra_args, *spec.decode.extra_args]
+    return AutoscalerConfig.from_spec(
+        spec.autoscaling, perf, prefill_gpus=spec.prefill.gpus_per_replica,
+        decode_gpus=spec.decode.gpus_per_replica,
+        max_num_batched_tokens=engine_arg(args, "--max-num-batched-tokens", DEFAULT_MAX_NUM_BATCHED_TOKENS),
+        max_num_seqs=engine_arg(args, "--max-num-seqs", DEFAULT_MAX_NUM_SEQS),
+        window_s=float(spec.autoscaling.prometheus.window_seconds))
