@@ -62,10 +62,10 @@ log = logging.getLogger(__name__)
 
 #: A block hash as vLLM publishes it: the low 64 bits of its digest.
 HASH_MASK: Final = (1 << 64) - 1
-#: Fields of a chat request that change its token ids, passed on to `/tokenize` as they are.
+#: Fields of a chat request that change its token ids and that `/tokenize` takes (vLLM's
+#: `TokenizeChatRequest`, 0.13 to 0.33: it has no `documents`), passed on as they are.
 CHAT_TOKENIZE_FIELDS: Final = ("add_generation_prompt", "continue_final_message", "add_special_tokens",
-                               "chat_template", "chat_template_kwargs", "tools", "documents",
-                               "mm_processor_kwargs")
+                               "chat_template", "chat_template_kwargs", "tools", "mm_processor_kwargs")
 #: Seconds a `/tokenize` may take before the request is routed without its ids.
 TOKENIZE_TIMEOUT_S: Final = 2.0
 TOKENIZE_BUCKETS: Final = (0.0002, 0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.25, 0.5, 1.0, 2.0)

@@ -3,9 +3,9 @@
 The engine is an `EngineCore` (the continuous-batching model the cluster simulator uses) driven by
 the wall clock: the loop asks the core for the next step, sleeps through it, applies it and hands
 the tokens to the HTTP handlers. Behind it is an aiohttp server with vLLM 0.33's OpenAI-compatible
-surface: `/v1/completions`, `/v1/chat/completions` (streamed or not), `/v1/models`, `/health`,
-`/ping`, `/version` and `/metrics` (the `vllm:*` families the engine model drives: see `exposition`),
-and with VLLM_SERVER_DEV_MODE=1 `POST /reset_prefix_cache`. The engine keeps vLLM's prefix cache and
+surface: `/v1/completions`, `/v1/chat/completions` (streamed or not), `POST /tokenize`, `/v1/models`,
+`/health`, `/ping`, `/version` and `/metrics` (the `vllm:*` families the engine model drives: see
+`exposition`), and with VLLM_SERVER_DEV_MODE=1 `POST /reset_prefix_cache`. The engine keeps vLLM's prefix cache and
 publishes its KV events (below). tests/conformance/test_emulator_vs_real.py holds the answers, the
 `kv_transfer_params` and the metric families against recordings of real vLLM;
 tests/conformance/test_kv_events_vs_real.py holds the prefix cache's hits, counters and KV events
@@ -48,7 +48,24 @@ Wire behaviour (vLLM 0.33 unless noted)
   taken as it is (a negative id is "out of vocabulary", 400); text is one token per four characters
   (at least 1), each token's id a hash of its four characters; a chat prompt is framed like Llama 3's
   chat template with fixed ids: 1 (BOS) + per message (5 framing tokens + its text) + 4 (the assistant
-  header). Batched prompts, `n > 1` and non-text chat content are rejected with 400 (not emulated).
+  header). vLLM's chat fields `add_generation_prompt` (false: no assistant header),
+  `continue_final_message` (the last message left open; refused beside `add_generation_prompt`, as in
+  vLLM) and `add_special_tokens` (a second BOS) change a chat's tokens as they would Llama 3's
+  (`tokens`). Batched prompts, `n > 1` and non-text chat content are rejected with 400 (not emulated).
+- `POST /tokenize` (vLLM's `TokenizeCompletionRequest` with `prompt`, or `TokenizeChatRequest` with
+  `messages` and the chat fields above) answers vLLM's `TokenizeResponse`: `{"count", "max_model_len",
+  "tokens", "token_strs"}`, the ids exactly those the generation endpoints hash into prefix-cache
+  blocks for the same prompt or chat (so a router hashing them finds the engine's blocks), and with
+  `return_token_strs` each token's text (its four characters, or Llama 3's name of a special token).
+  Text gets no special token from `add_special_tokens` (the emulated tokenizer adds none to text); a
+  prompt longer than the context is tokenized all the same; `chat_template`, `chat_template_kwargs`,
+  `tools` and `mm_processor_kwargs` are checked for their types and change nothing. A body vLLM's
+  protocol models refuse (no `prompt` nor `messages`, a prompt of token ids, a field of the wrong
+  type, both `continue_final_message` and `add_generation_prompt`) is a 400 of type `Bad Request`
+  with the field as `param` (vLLM's validation handler); an unknown model a 404 as below. It is
+  served while draining (vLLM tokenizes in its API server, without the engine).
+  tests/conformance/test_tokenize_conformance.py holds the shapes to every release's protocol
+  classes and the answers to vLLM's own `TokenizeResponse`.
 - Errors use vLLM's envelope `{"error": {"message", "type", "param", "code"}}`: 400
   `BadRequestError` for bad JSON, bad types, `max_tokens < 1`, `stream_options` without `stream`,
   and with vLLM's messages and `param` for `max_tokens` (or `max_completion_tokens`) over

@@ -22,9 +22,11 @@ from xpyd.sim.emulator.wire import (
     error_response,
     full_response,
     parse_generation,
+    parse_tokenize,
     prompt_tokens_details,
     random_uuid,
     sse_event,
+    tokenize_response,
 )
 
 log = logging.getLogger(__name__)
@@ -172,6 +174,27 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
     return await _generate(request, chat=True)
 
 
+async def tokenize(request: web.Request) -> web.Response:
+    """`POST /tokenize`: a prompt's or a chat's token ids as the generation endpoints count them (vLLM's
+    `TokenizeResponse`: `count`, `max_model_len`, `tokens`, `token_strs` with `return_token_strs`).
+    Served while draining too: vLLM tokenizes in its API server, without the engine."""
+    engine = request.app[ENGINE]
+    unavailable = _not_ready(engine)
+    if unavailable is not None:
+        return unavailable
+    try:
+        if request.content_type != "application/json":
+            raise ApiError(400, "Unsupported Media Type: Only 'application/json' is allowed", "Bad Request")
+        try:
+            body = json.loads(await request.read())
+        except ValueError as error:
+            raise ApiError(400, f"Invalid JSON body: {error}") from None
+        tokenized = parse_tokenize(body, engine.config)
+    except ApiError as error:
+        return error_response(error.status, error.message, error.error_type, error.param)
+    return web.json_response(tokenize_response(tokenized, engine.config.max_model_len))
+
+
 async def models(request: web.Request) -> web.Response:
     """`GET /v1/models`: the served model names."""
     engine = request.app[ENGINE]
@@ -271,6 +294,7 @@ def build_app(engine: Engine) -> web.Application:
     app.router.add_post("/v1/completions", completions)
     app.router.add_post("/v1/chat/completions", chat_completions)
     app.router.add_get("/v1/models", models)
+    app.router.add_post("/tokenize", tokenize)
     app.router.add_get("/health", health)
     app.router.add_get("/ping", health)
     app.router.add_post("/ping", health)

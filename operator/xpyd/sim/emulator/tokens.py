@@ -11,7 +11,13 @@
   `BOS`, then per message `START_HEADER`, the role (its text's `chunk_id`), `END_HEADER`, the chunk id
   of "\\n\\n", the content's tokens and `EOT`; then the assistant header `START_HEADER`,
   chunk_id("assistant"), `END_HEADER`, chunk_id("\\n\\n"). That is 1 + per message (5 + content) + 4
-  tokens, as the emulator has always counted a chat.
+  tokens, as the emulator has always counted a chat. vLLM's chat fields change it as the template and
+  the tokenizer would: `add_generation_prompt: false` leaves out the assistant header,
+  `continue_final_message: true` leaves the last message open (no `EOT`, no header after it), and
+  `add_special_tokens: true` puts a second `BOS` in front (the tokenizer's, beside the template's).
+- Each token has a text (`/tokenize`'s `token_strs`): its chunk for text, the role or "\\n\\n" for
+  the framing's, and Llama 3's names for the special ones (`SPECIAL_TEXT`); `token_id` maps a token's
+  text back to its id.
 - Every generated token is `GENERATED` (the chunk id of " tok", the text the emulator answers with),
   so a follow-up prompt that carries an answer's text back gets the ids the answer had.
 
@@ -24,7 +30,11 @@ from __future__ import annotations
 
 import functools
 import hashlib
-from typing import Final
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Final, TypeVar
+
+T = TypeVar("T")
 
 CHARS_PER_TOKEN: Final = 4
 TEXT_VOCAB: Final = 128_000
@@ -57,12 +67,59 @@ def prompt_ids(text: str) -> list[int]:
     return text_ids(text) or [BOS]
 
 
-def chat_ids(messages: list[tuple[str, str]]) -> list[int]:
+@dataclass(frozen=True)
+class ChatFlags:
+    """vLLM's chat fields that change a chat's tokens (`ChatCompletionRequest`'s and `TokenizeChatRequest`'s
+    defaults)."""
+
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    add_special_tokens: bool = False
+
+
+def _frame(messages: list[tuple[str, str]], flags: ChatFlags, text: Callable[[str], list[T]],
+           one: Callable[[str], T], special: Callable[[int], T]) -> list[T]:
+    """A chat's tokens, framed as Llama 3's template frames them: `text` makes a content's tokens, `one`
+    the single token of a role or of "\\n\\n", `special` a special token's."""
+    out = [special(BOS)] * (2 if flags.add_special_tokens else 1)
+    last = len(messages) - 1
+    for position, (role, content) in enumerate(messages):
+        out += (special(START_HEADER), one(role), special(END_HEADER), one("\n\n"))
+        out += text(content)
+        if not (flags.continue_final_message and position == last):
+            out.append(special(EOT))
+    if flags.add_generation_prompt and not flags.continue_final_message:
+        out += (special(START_HEADER), one("assistant"), special(END_HEADER), one("\n\n"))
+    return out
+
+
+def chat_ids(messages: list[tuple[str, str]], flags: ChatFlags = ChatFlags()) -> list[int]:
     """A chat's token ids from its (role, text) messages, framed as Llama 3's template frames them."""
-    ids = [BOS]
-    for role, text in messages:
-        ids += (START_HEADER, chunk_id(role), END_HEADER, NEWLINES)
-        ids += text_ids(text)
-        ids.append(EOT)
-    ids += (START_HEADER, chunk_id("assistant"), END_HEADER, NEWLINES)
-    return ids
+    return _frame(messages, flags, text_ids, chunk_id, int)
+
+
+SPECIAL_TEXT: Final = {BOS: "<|begin_of_text|>", START_HEADER: "<|start_header_id|>",
+                       END_HEADER: "<|end_header_id|>", EOT: "<|eot_id|>"}
+"""The special tokens' texts (Llama 3's)."""
+_SPECIAL_IDS: Final = {text: token for token, text in SPECIAL_TEXT.items()}
+
+
+def text_strs(text: str) -> list[str]:
+    """A text's tokens as texts: its chunks of four characters."""
+    return [text[start:start + CHARS_PER_TOKEN] for start in range(0, len(text), CHARS_PER_TOKEN)]
+
+
+def prompt_strs(text: str) -> list[str]:
+    """`prompt_ids`' tokens as texts."""
+    return text_strs(text) or [SPECIAL_TEXT[BOS]]
+
+
+def chat_strs(messages: list[tuple[str, str]], flags: ChatFlags = ChatFlags()) -> list[str]:
+    """`chat_ids`' tokens as texts."""
+    return _frame(messages, flags, text_strs, str, SPECIAL_TEXT.__getitem__)
+
+
+def token_id(text: str) -> int:
+    """The id of a token given as its text (a special token's name, else a chunk's id)."""
+    special = _SPECIAL_IDS.get(text)
+    return chunk_id(text) if special is None else special

@@ -17,7 +17,7 @@ from xpyd.sim.emulator.config import (
     TOKEN_TEXT,
     EmulatorConfig,
 )
-from xpyd.sim.emulator.tokens import chat_ids, prompt_ids
+from xpyd.sim.emulator.tokens import ChatFlags, chat_ids, chat_strs, prompt_ids, prompt_strs
 
 
 def random_uuid() -> str:
@@ -89,7 +89,8 @@ def _prompt_ids(prompt: Any) -> list[int]:
     raise ApiError(400, "prompt must be a non-empty string or a non-empty list of token ids")
 
 
-def _chat_prompt_ids(messages: Any) -> list[int]:
+def _chat_turns(messages: Any) -> list[tuple[str, str]]:
+    """A chat's (role, text) messages; raises ApiError for what the emulator does not take."""
     if not isinstance(messages, list) or not messages:
         raise ApiError(400, "messages must be a non-empty list")
     turns: list[tuple[str, str]] = []
@@ -111,7 +112,33 @@ def _chat_prompt_ids(messages: Any) -> list[int]:
         else:
             raise ApiError(400, "message content must be a string, a list of parts or null")
         turns.append((message["role"], text))
-    return chat_ids(turns)
+    return turns
+
+
+def request_validation_error(message: str, param: str | None = None) -> ApiError:
+    """A body vLLM's protocol models refuse (FastAPI's `RequestValidationError`): 400 with type "Bad Request"
+    (vLLM's `validation_exception_handler`)."""
+    return ApiError(400, f"1 validation error:\n  {message}", "Bad Request", param)
+
+
+def _bool(body: dict[str, Any], name: str, default: bool) -> bool:
+    value = body.get(name, default)
+    if not isinstance(value, bool):
+        raise request_validation_error(f"{name}: Input should be a valid boolean, not {json.dumps(value)}",
+                                       f"body.{name}")
+    return value
+
+
+def chat_flags(body: dict[str, Any]) -> ChatFlags:
+    """The chat fields that change a chat's tokens, checked as vLLM's chat and tokenize requests check
+    them (both `continue_final_message` and `add_generation_prompt` true is refused)."""
+    flags = ChatFlags(add_generation_prompt=_bool(body, "add_generation_prompt", True),
+                      continue_final_message=_bool(body, "continue_final_message", False),
+                      add_special_tokens=_bool(body, "add_special_tokens", False))
+    if flags.continue_final_message and flags.add_generation_prompt:
+        raise request_validation_error("Value error, Cannot set both `continue_final_message` and "
+                                       "`add_generation_prompt` to True.", "body")
+    return flags
 
 
 CACHE_SALT_MAX_LENGTH = 128
@@ -173,7 +200,8 @@ def parse_generation(body: Any, chat: bool, config: EmulatorConfig, session_head
     if not isinstance(body, dict):
         raise ApiError(400, "the request body must be a JSON object")
     cache_salt = _cache_salt(body)
-    token_ids = _chat_prompt_ids(body.get("messages")) if chat else _prompt_ids(body.get("prompt"))
+    token_ids = chat_ids(_chat_turns(body.get("messages")), chat_flags(body)) if chat \
+        else _prompt_ids(body.get("prompt"))
     prompt_tokens = len(token_ids)
     session_id = body.get("session_id")
     if session_id is not None and not isinstance(session_id, str):
@@ -198,11 +226,7 @@ def parse_generation(body: Any, chat: bool, config: EmulatorConfig, session_head
     # ignores it) and default max_tokens to 16.
     max_completion_tokens = _optional_int(body, "max_completion_tokens") if chat else None
     requested = _optional_int(body, "max_tokens")
-    model = body.get("model")
-    names = config.served_model_names or (config.model,)
-    if model is not None and (not isinstance(model, str) or model not in names):
-        raise ApiError(404, f"The model `{model}` does not exist. Valid aliases: {', '.join(names)}.",
-                       "NotFoundError", param="model")
+    check_model(body.get("model"), config)
     param = "max_tokens"
     if max_completion_tokens is not None:
         param, requested = "max_completion_tokens", max_completion_tokens
@@ -227,6 +251,72 @@ def parse_generation(body: Any, chat: bool, config: EmulatorConfig, session_head
     continuous = bool(options is not None and options.get("continuous_usage_stats", False))
     return Generation(chat, token_ids, max_tokens, bool(stream), include_usage, continuous, kv_transfer_params,
                       cache_salt, session_id)
+
+
+def check_model(model: Any, config: EmulatorConfig) -> None:
+    """An unknown model (404, naming the served names, as vLLM's `_check_model`); none is the served one."""
+    names = config.served_model_names or (config.model,)
+    if model is not None and (not isinstance(model, str) or model not in names):
+        raise ApiError(404, f"The model `{model}` does not exist. Valid aliases: {', '.join(names)}.",
+                       "NotFoundError", param="model")
+
+
+@dataclass(frozen=True)
+class Tokenized:
+    """A `/tokenize` answer: the prompt's token ids, and their texts when asked for."""
+
+    token_ids: list[int]
+    token_strs: list[str] | None
+
+
+#: `TokenizeChatRequest`'s optional fields that must be objects, lists or strings when set (they change
+#: nothing here: the emulated chat template has no tools, and the prompt is text).
+_TOKENIZE_CHAT_FIELDS: dict[str, type] = {"chat_template": str, "chat_template_kwargs": dict, "tools": list,
+                                          "media_io_kwargs": dict, "mm_processor_kwargs": dict}
+
+
+def parse_tokenize(body: Any, config: EmulatorConfig) -> Tokenized:
+    """A `POST /tokenize` body (vLLM's `TokenizeCompletionRequest` or `TokenizeChatRequest`), tokenized as
+    `/v1/completions` and `/v1/chat/completions` tokenize the same prompt; raises ApiError. First the
+    body's shape, as vLLM's protocol models check it (400 "Bad Request"), then the model (404). A prompt
+    longer than the context is tokenized all the same, as vLLM does."""
+    if not isinstance(body, dict):
+        raise request_validation_error("Input should be a valid dictionary or object", "body")
+    model = body.get("model")
+    if model is not None and not isinstance(model, str):
+        raise request_validation_error(f"model: Input should be a valid string, not {json.dumps(model)}",
+                                       "body.model")
+    strs = body.get("return_token_strs")
+    if strs is not None and not isinstance(strs, bool):
+        raise request_validation_error(f"return_token_strs: Input should be a valid boolean, not {json.dumps(strs)}",
+                                       "body.return_token_strs")
+    prompt = body.get("prompt")
+    if isinstance(prompt, str):
+        _bool(body, "add_special_tokens", True)   # the emulated tokenizer adds no special token to text
+        check_model(model, config)
+        return Tokenized(prompt_ids(prompt), prompt_strs(prompt) if strs else None)
+    if "messages" not in body:
+        if "prompt" in body:
+            raise request_validation_error(f"prompt: Input should be a valid string, not {json.dumps(prompt)}",
+                                           "body.prompt")
+        raise request_validation_error("Field required: a prompt (text) or messages", "body")
+    messages = body["messages"]
+    if not isinstance(messages, list):
+        raise request_validation_error("messages: Input should be a valid list", "body.messages")
+    for name, kind in _TOKENIZE_CHAT_FIELDS.items():
+        value = body.get(name)
+        if value is not None and not isinstance(value, kind):
+            raise request_validation_error(f"{name}: Input should be a valid {kind.__name__}", f"body.{name}")
+    flags = chat_flags(body)
+    check_model(model, config)
+    turns = _chat_turns(messages) if messages else []
+    return Tokenized(chat_ids(turns, flags), chat_strs(turns, flags) if strs else None)
+
+
+def tokenize_response(tokenized: Tokenized, max_model_len: int) -> dict[str, Any]:
+    """vLLM's `TokenizeResponse`, every field (`token_strs` null unless asked for)."""
+    return {"count": len(tokenized.token_ids), "max_model_len": max_model_len, "tokens": tokenized.token_ids,
+            "token_strs": tokenized.token_strs}
 
 
 def prompt_tokens_details(chat: bool, cached_tokens: int, created_cache_tokens: int) -> dict[str, Any]:
