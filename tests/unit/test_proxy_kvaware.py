@@ -249,3 +249,27 @@ def test_flags_that_cannot_work_are_refused(argv: list[str], problem: str | None
 def test_bad_values_are_refused_by_the_parser(argv: list[str]) -> None:
     with pytest.raises(SystemExit):
         parse(argv)
+
+
+# -- instances leaving -----------------------------------------------------------------------------
+
+def test_an_engine_that_leaves_mid_leg_loses_its_index_when_the_leg_ends() -> None:
+    """Discovery drops a prefill while a leg is still on it: the instance stays until the leg ends, and
+    then its index goes with it (not at the next discovery change, which may never come)."""
+    from xpyd.proxy.config import ProxyConfig
+    from xpyd.proxy.pool import Endpoint
+    from xpyd.proxy.server import Proxy
+
+    proxy = Proxy(ProxyConfig(routing_policy=RoutingPolicy.KV_AWARE, kv=KVSettings(index=KVIndex.ROUTED)))
+    router = proxy.kv.router if proxy.kv is not None else None
+    assert router is not None
+    urls = ("http://127.0.0.1:1", "http://127.0.0.1:2")
+    proxy.set_endpoints("prefill", [Endpoint(url) for url in urls])
+    router.index(urls[0], "prefill").store("block", 0.0)
+    leaving = proxy.pools["prefill"].instances[urls[0]]
+    leaving.acquire(100, 100)
+    proxy.set_endpoints("prefill", [Endpoint(urls[1])])
+    assert urls[0] in proxy.pools["prefill"].instances and router.blocks(urls[0]) == 1   # its leg is running
+    leaving.release(100, 100)
+    proxy.pools["prefill"].forget_if_done(leaving)
+    assert urls[0] not in proxy.pools["prefill"].instances and urls[0] not in router.indexes

@@ -186,6 +186,9 @@ class Pool:
     fallback_seconds: float = ENGINE_DRAIN_QUIET_SECONDS - FALLBACK_MARGIN_SECONDS
     instances: dict[str, Instance] = field(default_factory=dict)
     turn: int = 0
+    #: Called when an instance discovery no longer lists is dropped after its last leg (not during
+    #: `update`, whose caller tidies up after it): what the proxy keeps per instance goes with it.
+    on_forget: Callable[[], None] | None = None
 
     def update(self, endpoints: Iterable[Endpoint], now: float, wall_now: float) -> list[Instance]:
         """Make the pool what discovery lists now (at time.monotonic() `now`, time.time() `wall_now`);
@@ -223,14 +226,20 @@ class Pool:
         for url, instance in list(self.instances.items()):
             if url not in listed:
                 instance.listed = False
-                self.forget_if_done(instance)
+                self._drop_if_done(instance)
         return to_probe
 
     def forget_if_done(self, instance: Instance) -> None:
-        """Drop an instance discovery no longer lists once its last leg finished."""
+        """Drop an instance discovery no longer lists once its last leg finished (then `on_forget`)."""
+        if self._drop_if_done(instance) and self.on_forget is not None:
+            self.on_forget()
+
+    def _drop_if_done(self, instance: Instance) -> bool:
         if not instance.listed and instance.outstanding_requests <= 0 and \
                 self.instances.get(instance.url) is instance:
             del self.instances[instance.url]
+            return True
+        return False
 
     def candidates(self, now: float, exclude: Iterable[str] = ()) -> list[Instance]:
         """The instances new legs may go to (skipping URLs in `exclude`): the serving ones that are not

@@ -111,6 +111,8 @@ class Proxy:
         self.kv_engines = EngineTransferFailures()
         self.waiting = WaitingRoom(config.wait_max_requests, config.wait_max_bytes, config.wait_timeout)
         self.kv = KVRouting(config.kv, self.rng) if config.routing_policy == RoutingPolicy.KV_AWARE else None
+        for pool in self.pools.values():
+            pool.on_forget = self._forget_departed
         self._timeouts = client_timeouts(config)
         self._sources: dict[Role, dict[str, list[Endpoint]]] = {role: {} for role in ROLES}
         self.in_flight = 0
@@ -221,12 +223,18 @@ class Proxy:
                     name=endpoint.name or known.name)
         for instance in self.pools[role].update(merged.values(), time.monotonic(), time.time()):
             self._spawn(self.health_prober.probe(instance))
+        self._forget_departed()
+        self.waiting.poke()
+
+    def _forget_departed(self) -> None:
+        """Drop what is kept per instance (transfer health, KV-aware indexes and event subscribers) for
+        instances no pool holds any more: at each discovery change, and when an unlisted instance's
+        last leg ends (`Pool.on_forget`)."""
         instances = {url for pool in self.pools.values() for url in pool.instances}
         self.kv_health.forget({url for pair in self.kv_health.pairs for url in pair} - instances)
         self.kv_engines.forget(set(self.kv_engines.last) - instances)
         if self.kv is not None:
             self.kv.update(self.pools)
-        self.waiting.poke()
 
     def _spawn(self, coroutine: Awaitable[None]) -> None:
         task = asyncio.ensure_future(coroutine)
