@@ -111,6 +111,16 @@ def test_what_is_no_batch_fails_to_decode(payload: bytes) -> None:
         decode_batch(payload)
 
 
+@pytest.mark.parametrize("extra_keys", [[5], 7, ["salt"], [[1], 2]])
+def test_malformed_extra_keys_fail_to_decode(extra_keys: object) -> None:
+    import msgpack
+
+    stored = {"type": "BlockStored", "block_hashes": [1], "parent_block_hash": None, "token_ids": [1, 2],
+              "block_size": 2, "lora_id": None, "medium": "GPU", "extra_keys": extra_keys}
+    with pytest.raises(DecodeError, match="extra_keys"):
+        decode_batch(msgpack.packb([1.0, [stored], None]))
+
+
 def test_block_hashes_are_published_as_their_low_64_bits_or_their_bytes() -> None:
     digest = bytes(range(32))
     assert external_block_hash(digest) == int.from_bytes(digest[-8:], "big")

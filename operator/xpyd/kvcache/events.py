@@ -250,8 +250,11 @@ def _event(raw: Any) -> KVEvent:
         fields["parent_block_hash"] = None if parent is None else _hash(parent, "BlockStored.parent_block_hash")
         if not isinstance(fields["token_ids"], list) or not isinstance(fields["block_size"], int):
             raise DecodeError("BlockStored needs token_ids (an array) and block_size (an integer)")
-        if fields.get("extra_keys") is not None:
-            fields["extra_keys"] = [None if keys is None else tuple(keys) for keys in fields["extra_keys"]]
+        extra = fields.get("extra_keys")
+        if extra is not None:
+            if not isinstance(extra, list) or not all(keys is None or isinstance(keys, list) for keys in extra):
+                raise DecodeError("BlockStored.extra_keys is an array of arrays (or nil entries)")
+            fields["extra_keys"] = [None if keys is None else tuple(keys) for keys in extra]
         return BlockStored(**fields)
     return BlockRemoved(**fields)
 
@@ -270,7 +273,13 @@ def decode_batch(payload: bytes) -> EventBatch:
     if not isinstance(ts, int | float) or isinstance(ts, bool) or not isinstance(events, list) \
             or not (rank is None or (isinstance(rank, int) and not isinstance(rank, bool))):
         raise DecodeError("an EventBatch is [ts (a number), events (an array), data_parallel_rank (an integer or nil)]")
-    return EventBatch(float(ts), [_event(event) for event in events], rank)
+    try:
+        decoded = [_event(event) for event in events]
+    except DecodeError:
+        raise
+    except (TypeError, ValueError) as error:   # a malformed field the checks above do not name
+        raise DecodeError(f"a malformed KV event: {error}") from None
+    return EventBatch(float(ts), decoded, rank)
 
 
 # --- ZMQ framing --------------------------------------------------------------------------------------
