@@ -62,7 +62,7 @@ from xpyd.autoscaler.observation import Desired, Observation, Quantiles, RoleObs
 from xpyd.kvcache.chains import TraceKeys
 from xpyd.kvcache.index import PrefixIndex
 from xpyd.kvcache.pool import BlockKeys, BlockPool
-from xpyd.kvcache.scoring import decode_cost, hit_limit, prefill_cost
+from xpyd.kvcache.scoring import decode_cost, hit_limit, least, prefill_cost
 from xpyd.sim.core import (
     ITL_BUCKETS,
     TTFT_BUCKETS,
@@ -461,7 +461,7 @@ class Simulator:
         if role == PREFILL:
             self._expected[index] = self.trace[index].isl
         if policy == KV_AWARE:
-            best = self._route_kv(role, index, candidates, keys, now) if len(candidates) > 1 else candidates[0]
+            best = self._route_kv(role, index, candidates, keys, now)
             if best.index is not None and keys is not None:
                 best.index.record(keys, now)
             return best
@@ -489,15 +489,13 @@ class Simulator:
                   now: float) -> _Replica:
         """KVAware, scored as the proxy scores it (`kvcache.scoring`): prefill to the least expected
         compute after this prompt, decode to the fewest outstanding requests less a credit for the
-        share of the prompt it holds; seeded random ties, drawn as `scoring.least` draws them."""
+        share of the prompt it holds; seeded random ties (`scoring.least`)."""
         routing = self.config.routing
         isl = self.trace[index].isl
         block_size = self.config.engine.block_size
         limit = hit_limit(isl, block_size)
-        best = candidates[0]
-        best_cost = 0.0
-        best_hit = 0
-        ties = 0
+        hits: list[int] = []
+        costs: list[float] = []
         for replica in candidates:
             hit = 0
             if keys is not None:
@@ -505,19 +503,13 @@ class Simulator:
                     hit = replica.index.match(keys, now, limit) * block_size
                 elif replica.core.pool is not None:
                     hit = replica.core.pool.lookup(keys, limit) * block_size
-            if role == PREFILL:
-                cost = prefill_cost(replica.outstanding_computed, isl, hit, routing.kv_weight)
-            else:
-                cost = decode_cost(replica.outstanding_requests, isl, hit, routing.decode_credit)
-            if ties == 0 or cost < best_cost:
-                best, best_cost, best_hit, ties = replica, cost, hit, 1
-            elif cost == best_cost:
-                ties += 1
-                if self._rng.random() * ties < 1.0:
-                    best, best_hit = replica, hit
+            hits.append(hit)
+            costs.append(prefill_cost(replica.outstanding_computed, isl, hit, routing.kv_weight) if role == PREFILL
+                         else decode_cost(replica.outstanding_requests, isl, hit, routing.decode_credit))
+        chosen = least(costs, self._rng)
         if role == PREFILL:
-            self._expected[index] = isl - best_hit
-        return best
+            self._expected[index] = isl - hits[chosen]   # a lone instance too: it is charged what it computes
+        return candidates[chosen]
 
     def _handle(self, replica: _Replica, events: list[Event]) -> None:
         trace = self.trace
