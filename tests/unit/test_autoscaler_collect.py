@@ -319,7 +319,9 @@ def test_client_sends_the_query_at_the_decision_time(fake_prometheus: tuple[str,
     assert seen.authorization == [None]
     results = Prometheus(url).collect(SCOPE, 10.0)
     assert set(results) == set(collect.queries(SCOPE))
-    assert all(samples == {"prefill": 2.0} for samples in results.values())
+    # The fake answers every query with one sample labelled xpyd_io_role; the bucket queries key by le.
+    assert all(samples == ({"": 2.0} if name.endswith(collect.BUCKETS) else {"prefill": 2.0})
+               for name, samples in results.items())
     assert {form["query"][0] for form in seen.queries[1:]} == set(collect.queries(SCOPE).values())
     assert 1 < IN_FLIGHT["max"] <= collect.PARALLEL_QUERIES     # queries run side by side, bounded
 
@@ -379,7 +381,9 @@ def test_https_is_verified_against_the_given_ca(https_prometheus: tuple[str, See
     url, seen = https_prometheus
     ours, other = (files.ca_cert.read_text() for files in pki_dirs)
     results = Prometheus(url, Access(bearer_token="t", ca_pem=ours)).collect(SCOPE, 1.0)
-    assert all(samples == {"prefill": 2.0} for samples in results.values())
+    # The fake answers every query with one sample labelled xpyd_io_role; the bucket queries key by le.
+    assert all(samples == ({"": 2.0} if name.endswith(collect.BUCKETS) else {"prefill": 2.0})
+               for name, samples in results.items())
     assert set(seen.authorization) == {"Bearer t"}
     with pytest.raises(MetricsError, match=r"TLS verification failed \(autoscaling\.prometheus\.tls\).*"
                                            r"CERTIFICATE_VERIFY_FAILED"):

@@ -132,6 +132,8 @@ OPERATOR_FAMILIES = {
     "xpyd_autoscaler_desired_replicas": ("gauge", {"namespace", "name", "role"}),
     "xpyd_autoscaler_decisions_total": ("counter", {"namespace", "name", "reason"}),
     "xpyd_autoscaler_metrics_unavailable_total": ("counter", {"namespace", "name"}),
+    "xpyd_autoscaler_attainment": ("gauge", {"namespace", "name"}),
+    "xpyd_autoscaler_headroom": ("gauge", {"namespace", "name"}),
 }
 
 
@@ -182,6 +184,28 @@ def test_auto_mode_scales_the_guilty_role_and_records_why() -> None:
     assert series[key("xpyd_autoscaler_desired_replicas", **llama, role="prefill")] == decision["prefill"]
     assert series[key("xpyd_autoscaler_desired_replicas", **llama, role="decode")] == decision["decode"]
     assert series[key("xpyd_autoscaler_decisions_total", **llama, reason=decision["reason"])] == 1
+    assert series[key("xpyd_autoscaler_headroom", **llama)] == 0.0      # no target attainment
+    assert patch["autoscaler"]["attainment"] == {"target": None, "lastHour": None, "headroom": 0.0}
+
+
+def test_the_attainment_and_headroom_are_reported() -> None:
+    results = busy_results()
+    # The proxy's TTFT buckets: 60 of 100 requests within 500 ms; every TPOT within 50 ms.
+    results["ttft.buckets"] = {"0.25": 0.5, "0.5": 0.6, "1.0": 0.8, "+Inf": 1.0}
+    results["tpot.buckets"] = {"0.05": 1.0, "+Inf": 1.0}
+    kube, prom, now = FakeKube(PODS), FakePrometheus(results), [1000.0]
+    scaler = autoscaler(kube, prom, now)
+    obj = body(profile={"name": "h200_llama31_8b_fp8_tp1"})
+    obj["spec"]["autoscaling"]["slo"] = {"ttftMs": 500, "tpotMs": 50, "percentile": 90, "attainment": 0.95}
+    scaler.step(obj)
+    (patch,) = kube.status_patches
+    reported = patch["autoscaler"]["attainment"]
+    assert reported["target"] == 0.95 and reported["lastHour"] == pytest.approx(0.6) and reported["headroom"] > 0
+    assert "over the last hour (target 95.0%)" in patch["autoscaler"]["lastDecision"]["message"]
+    series = scrape(scaler)
+    llama = {"namespace": "team-a", "name": "llama"}
+    assert series[key("xpyd_autoscaler_attainment", **llama)] == pytest.approx(0.6)
+    assert series[key("xpyd_autoscaler_headroom", **llama)] == pytest.approx(reported["headroom"], abs=1e-4)
 
 
 def test_missing_metrics_hold_replicas_and_say_so_once() -> None:

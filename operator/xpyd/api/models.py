@@ -940,6 +940,12 @@ class SLOSpec(APIModel):
     ttft_ms: int = Field(default=500, ge=1, le=600000, description="Time-to-first-token target, milliseconds.")
     tpot_ms: int = Field(default=50, ge=1, le=60000, description="Time-per-output-token target, milliseconds.")
     percentile: Literal[50, 90, 95, 99] = Field(default=90, description="Percentile the targets apply to.")
+    attainment: float | None = Field(
+        default=None, ge=0.5, le=0.999,
+        description="Target attainment: the share of requests that must meet both targets, e.g. 0.95. The "
+        "autoscaler then sizes each target at a percentile of at least this share and holds the load headroom that "
+        "reaches it, learnt from the attainment it measures. Unset: no learnt headroom.",
+    )
 
 
 class ReplicaBounds(APIModel):
@@ -1431,6 +1437,17 @@ class ObservedLoad(StatusModel):
         "xpyd.io/RequestsWaiting condition), a pool at zero's demand.")
 
 
+class AttainmentStatus(StatusModel):
+    """The share of requests meeting both SLOs, and the headroom the autoscaler holds for its target."""
+
+    target: float | None = Field(default=None, description="autoscaling.slo.attainment, when set.")
+    last_hour: float | None = Field(
+        default=None, description="Share of the last hour's requests that met both targets (from the TTFT and TPOT "
+        "histograms), 0-1; unset before any was measured.")
+    headroom: float = Field(default=0.0, description="Load headroom held now: demand is sized for (1 + headroom) "
+                            "times the forecast load.")
+
+
 class AutoscalerStatus(StatusModel):
     """What the autoscaler saw and decided."""
 
@@ -1438,6 +1455,8 @@ class AutoscalerStatus(StatusModel):
     observed: ObservedLoad | None = Field(default=None, description="The latest observation.")
     recommended_ratio: str | None = Field(default=None, description="Recommended P:D, e.g. 1:3.")
     profile: str | None = Field(default=None, description="The performance model the sizing uses.")
+    attainment: AttainmentStatus | None = Field(
+        default=None, description="The attainment measured over the last hour and the headroom held now.")
     state: FreeForm | None = Field(
         default=None, description="The decision state (forecasts, stabilisation windows, bursts) the next "
         "decision starts from, so that it survives an operator restart; versioned, written by the operator.")

@@ -65,6 +65,8 @@ POOL_HISTOGRAMS: Final = {
 
 PROXY_TTFT: Final = "xpyd_proxy_time_to_first_token_seconds"  # streamed requests only
 PROXY_REQUESTS: Final = "xpyd_proxy_requests_total"
+#: The suffix of the queries answered by bucket (`sum by (le)`): their samples are keyed by `le`.
+BUCKETS: Final = ".buckets"
 
 
 class MetricsError(Exception):
@@ -139,6 +141,10 @@ def queries(scope: Scope) -> dict[str, str]:
     for key, (role, series) in POOL_HISTOGRAMS.items():
         result.update(_histogram_queries(key, series, scope.selector(role), window, ""))
     result.update(_histogram_queries("ttft", PROXY_TTFT, proxy, window, ""))
+    # The client histograms' buckets (by `le`): the share of requests within each SLO (attainment).
+    result[f"ttft{BUCKETS}"] = f"sum by (le) (rate({PROXY_TTFT}_bucket{{{proxy}}}{window}))"
+    tpot = POOL_HISTOGRAMS["tpot"]
+    result[f"tpot{BUCKETS}"] = f"sum by (le) (rate({tpot[1]}_bucket{{{scope.selector(tpot[0])}}}{window}))"
     return result
 
 
@@ -157,16 +163,33 @@ def parse_vector(answer: JSON) -> Samples:
     return parse_result((answer.get("data") or {}).get("result") or [])
 
 
-def parse_result(result: Sequence[Any]) -> Samples:
+def parse_result(result: Sequence[Any], label: str = "xpyd_io_role") -> Samples:
     """The samples of an answer's `data.result` (what `PrometheusConnect.custom_query` returns), as
-    `parse_vector`: an instant vector's samples, or a scalar's `[time, value]` pair as one sample."""
+    `parse_vector`: an instant vector's samples by their `label` ("" without one), or a scalar's
+    `[time, value]` pair as one sample."""
     if len(result) == 2 and not isinstance(result[0], dict):
         return {"": float(result[1])}
     samples: Samples = {}
     for sample in result:
-        role = (sample.get("metric") or {}).get("xpyd_io_role", "")
+        role = (sample.get("metric") or {}).get(label, "")
         samples[role] = float(sample["value"][1])
     return samples
+
+
+def buckets(results: Mapping[str, Samples], key: str) -> tuple[tuple[float, float], ...]:
+    """A `sum by (le)` answer as ascending (le, cumulative rate) pairs ending at +Inf; empty when it has
+    no +Inf bucket or any value is not a number."""
+    pairs: list[tuple[float, float]] = []
+    for le, value in results.get(f"{key}{BUCKETS}", {}).items():
+        try:
+            bound = float(le)
+        except ValueError:
+            return ()
+        if not math.isfinite(value):
+            return ()
+        pairs.append((bound, value))
+    pairs.sort()
+    return tuple(pairs) if pairs and math.isinf(pairs[-1][0]) else ()
 
 
 def _value(results: Mapping[str, Samples], name: str, role: str = "", default: float = math.nan) -> float:
@@ -314,7 +337,8 @@ def observation(results: Mapping[str, Samples], pods: Sequence[JSON], now: float
         isl_mean=isl.mean, osl_mean=osl.mean, isl_quantiles=isl,
         ttft_seconds=_quantiles(results, "ttft") if proxied else Quantiles(),
         tpot_seconds=_quantiles(results, "tpot"),
-        prefill=role_observation("prefill"), decode=role_observation("decode"))
+        prefill=role_observation("prefill"), decode=role_observation("decode"),
+        ttft_buckets=buckets(results, "ttft") if proxied else (), tpot_buckets=buckets(results, "tpot"))
 
 
 def held_requests(pods: Sequence[JSON]) -> Held:
@@ -410,9 +434,9 @@ class Prometheus:
         raise MetricsError(f"Prometheus at {self.url} answered HTTP {response.status_code} "
                            f"{response.reason}{hint}")
 
-    def _query(self, client: PrometheusConnect, promql: str, at: float) -> Samples:
+    def _query(self, client: PrometheusConnect, promql: str, at: float, label: str = "xpyd_io_role") -> Samples:
         try:
-            return parse_result(client.custom_query(promql, params={"time": f"{at:.3f}"}))
+            return parse_result(client.custom_query(promql, params={"time": f"{at:.3f}"}), label)
         except requests.exceptions.SSLError as error:
             raise MetricsError(f"Prometheus at {self.url}: TLS verification failed (autoscaling.prometheus.tls): "
                                f"{error}") from None
@@ -435,8 +459,10 @@ class Prometheus:
         with self._connect() as client:
             pool = ThreadPoolExecutor(max_workers=min(PARALLEL_QUERIES, len(named)), thread_name_prefix="promql")
             try:
-                return dict(zip(named, pool.map(lambda promql: self._query(client, promql, at), named.values()),
-                                strict=True))
+                def one(item: tuple[str, str]) -> Samples:
+                    label = "le" if item[0].endswith(BUCKETS) else "xpyd_io_role"
+                    return self._query(client, item[1], at, label)
+                return dict(zip(named, pool.map(one, named.items()), strict=True))
             finally:
                 pool.shutdown(wait=False, cancel_futures=True)
 

@@ -72,6 +72,7 @@ class AutoscalerConfig:
     burst_max_utilisation: float = 0.8  # windows busier than this on average teach no burst
     queue_time_floor_s: float = 0.3   # vllm:request_queue_time_seconds' first bucket: below it no wait is visible
     idle_s: float | None = None       # idle this long, both roles go to zero (None: never; minReplicas 0 on both)
+    attainment: float | None = None   # the share of requests to meet both SLOs (None: no learnt headroom)
 
     @property
     def grace_period_s(self) -> float:
@@ -93,9 +94,12 @@ class AutoscalerConfig:
     def from_spec(cls, spec: AutoscalingSpec, perf: PerfModel, *, prefill_gpus: int = 1, decode_gpus: int = 1,
                   max_num_batched_tokens: int = DEFAULT_MAX_NUM_BATCHED_TOKENS,
                   max_num_seqs: int = DEFAULT_MAX_NUM_SEQS, window_s: float = 60.0) -> AutoscalerConfig:
-        """The config of a `DisaggregatedServing`'s `spec.autoscaling` with the engines' profile."""
+        """The config of a `DisaggregatedServing`'s `spec.autoscaling` with the engines' profile. With a
+        target attainment the model sizes each SLO at a quantile of at least that share."""
+        attainment = spec.slo.attainment
+        quantile = max(spec.slo.percentile / 100.0, attainment or 0.0)
         model = PoolModel(perf=perf, ttft_target_s=spec.slo.ttft_ms / 1e3, tpot_target_s=spec.slo.tpot_ms / 1e3,
-                          quantile=spec.slo.percentile / 100.0, max_num_batched_tokens=max_num_batched_tokens,
+                          quantile=quantile, max_num_batched_tokens=max_num_batched_tokens,
                           max_num_seqs=max_num_seqs)
         behavior = spec.behavior
         return cls(
@@ -107,7 +111,8 @@ class AutoscalerConfig:
             scale_up=Pace(float(behavior.scale_up.stabilization_window_seconds), behavior.scale_up.max_step),
             scale_down=Pace(float(behavior.scale_down.stabilization_window_seconds), behavior.scale_down.max_step),
             idle_s=float(spec.scale_to_zero.idle_seconds)
-            if spec.prefill.min_replicas == 0 and spec.decode.min_replicas == 0 else None)
+            if spec.prefill.min_replicas == 0 and spec.decode.min_replicas == 0 else None,
+            attainment=attainment)
 
 
 def engine_arg(args: list[str], flag: str, default: int) -> int:

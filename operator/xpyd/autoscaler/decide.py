@@ -94,6 +94,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
 
 # The configuration lives in `config` (with the spec's translation); its names stay importable from here.
+from xpyd.autoscaler.attainment import AttainmentState, learn, window_attainment
 from xpyd.autoscaler.config import DECODE as DECODE
 from xpyd.autoscaler.config import PREFILL as PREFILL
 from xpyd.autoscaler.config import AutoscalerConfig as AutoscalerConfig
@@ -169,6 +170,7 @@ class AutoscalerState:
     suspect_since_s: float = math.nan     # since when the metrics contradict themselves (or lack ISL/OSL)
     idle_since_s: float = math.nan        # since when the decisions have seen the pool idle (scale to zero)
     woken_s: float = -math.inf            # when the pool last started from zero (its held requests' release)
+    attainment: AttainmentState = field(default_factory=AttainmentState)   # the hour's attainment, the headroom
     prefill: RoleState = field(default_factory=RoleState)
     decode: RoleState = field(default_factory=RoleState)
 
@@ -387,25 +389,56 @@ def decide(observation: Observation, config: AutoscalerConfig, state: Autoscaler
     """The replicas each role should have now, why, and the state for the next call (pure).
 
     The rules of the module docstring, as named steps: the wake-up (rule 0), the metrics check
-    (rule 1) and scale to zero, then `_forecast` (rule 2), `_corrections` (rule 3), the demand
-    (rule 4, `_plan`), `_attribution` (rule 5), `_backlog_step` (rule 6) and `_pace` (rules 7-9)."""
+    (rule 1) and scale to zero (`_check`), the target attainment's headroom (`_attainment`), then
+    `_forecast` (rule 2), `_corrections` (rule 3), the demand (rule 4, `_plan`), `_attribution`
+    (rule 5), `_backlog_step` (rule 6) and `_pace` (rules 7-9)."""
     if waking(observation):
         return _wake(observation, config, state)
     checked = _check(observation, config, state)
     if isinstance(checked, Decision):
         return checked
-    state = checked
+    state = _attainment(observation, config, checked)
     load = _forecast(observation, config, state)
     if isinstance(load, Decision):
         return load
     observation = load.observation
     corrections = _corrections(observation, config, state, load)
-    plan = _plan(config, load.rate_now, load.rate, load.isl, load.osl, load.mix, corrections.k_prefill,
-                 corrections.k_decode, corrections.bursts, corrections.expected_requests)
+    plan = _plan(config, load.rate_now, load.rate * (1.0 + headroom(config, state)), load.isl, load.osl, load.mix,
+                 corrections.k_prefill, corrections.k_decode, corrections.bursts, corrections.expected_requests)
     sizes = _Sizes.of(plan, observation, config)
     _attribution(observation, config, state, plan, corrections, sizes)
     plan = _backlog_step(observation, config, state, plan, corrections, sizes)
     return _pace(observation, config, state, load, corrections, plan, sizes)
+
+
+def headroom(config: AutoscalerConfig, state: AutoscalerState) -> float:
+    """The share of extra load the demand is sized for: the learnt headroom with a target attainment,
+    else none."""
+    return state.attainment.headroom if config.attainment is not None else 0.0
+
+
+def _attainment(observation: Observation, config: AutoscalerConfig, state: AutoscalerState) -> AutoscalerState:
+    """The window's attainment (both SLOs, from the client histograms' buckets) added to the hour's,
+    and, with a target, the headroom moved towards it (`autoscaler.attainment`). Windows holding the
+    release of a start from zero, or with every role at its maximum, move no headroom."""
+    model = config.model
+    share = window_attainment(observation.ttft_buckets, observation.tpot_buckets, model.ttft_target_s,
+                              model.tpot_target_s)
+    woken = observation.time_s - state.woken_s < config.startup_s + observation.window_s + 2 * config.interval_s
+    capped = (observation.prefill.replicas >= config.prefill.max_replicas
+              and observation.decode.replicas >= config.decode.max_replicas)
+    learnt = learn(state.attainment, observation.time_s, share, observation.request_rate * _span(observation, state),
+                   config.attainment, config.min_requests, teach=not woken and not capped)
+    return replace(state, attainment=learnt)
+
+
+def _attainment_message(config: AutoscalerConfig, state: AutoscalerState, now: float) -> str:
+    if config.attainment is None:
+        return ""
+    hour = state.attainment.last_hour(now)
+    measured = f"{hour:.1%}" if math.isfinite(hour) else "not measured yet"
+    return (f"; attainment {measured} over the last hour (target {config.attainment:.1%}), headroom "
+            f"{state.attainment.headroom:+.0%}")
 
 
 def _check(observation: Observation, config: AutoscalerConfig, state: AutoscalerState) -> Decision | AutoscalerState:
@@ -600,7 +633,8 @@ def _pace(observation: Observation, config: AutoscalerConfig, state: AutoscalerS
 
     new_state = AutoscalerState(time_s=now, rate=load.rate_series, isl=load.isl_series, osl=load.osl_series,
                                 isl_quantiles=load.isl_quantiles, idle_since_s=state.idle_since_s,
-                                woken_s=state.woken_s, prefill=role_states[PREFILL], decode=role_states[DECODE])
+                                woken_s=state.woken_s, attainment=state.attainment, prefill=role_states[PREFILL],
+                                decode=role_states[DECODE])
     prefill, decode = roles[PREFILL], roles[DECODE]
     candidates = [r for r in (prefill, decode) if r.replicas != r.current] or [prefill, decode]
     lead = min(candidates, key=lambda r: _PRIORITY.index(r.reason))
@@ -609,6 +643,7 @@ def _pace(observation: Observation, config: AutoscalerConfig, state: AutoscalerS
     message = "; ".join(r.message for r in sorted((prefill, decode), key=lambda r: r is not lead))
     if config.idle_s is not None and math.isfinite(state.idle_since_s):
         message += f"; idle {now - state.idle_since_s:.0f}s of the {config.idle_s:.0f}s before scaling to zero"
+    message += _attainment_message(config, state, now)
     return Decision(prefill, decode, reason, message, pd_ratio(plan.prefill_replicas, plan.decode.replicas),
                     new_state, scaling_active=True,
                     degraded_reason=INSUFFICIENT_GPUS if blocked else None, budget_binding=budget_binding)

@@ -79,6 +79,10 @@ class Observation:
     # from the proxies' pods at once (their xpyd.io/RequestsWaiting condition), not from Prometheus.
     held_requests: float = 0.0
     held_prompt_tokens: float = 0.0     # their prompt tokens, as the proxies estimate them
+    # The client TTFT and TPOT histograms over the window, as (le, cumulative rate or count) pairs with
+    # the last le +Inf (empty when unknown): the share of requests within each SLO (`attainment`).
+    ttft_buckets: tuple[tuple[float, float], ...] = ()
+    tpot_buckets: tuple[tuple[float, float], ...] = ()
 
 
 @dataclass(frozen=True)

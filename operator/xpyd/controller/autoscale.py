@@ -49,9 +49,11 @@ from xpyd.autoscaler import collect
 from xpyd.autoscaler.config import config_for as config_for
 from xpyd.autoscaler.decide import (
     METRICS_UNAVAILABLE,
+    AutoscalerConfig,
     AutoscalerState,
     Decision,
     decide,
+    headroom,
     hold,
     waking,
 )
@@ -88,6 +90,14 @@ def observed_load(observation: Observation, percentile: float) -> JSON:
         "decodeQueue": number(observation.decode.num_requests_waiting, 1),
         "kvCacheUsage": number(observation.decode.kv_cache_usage_perc),
     }
+
+
+def attainment_status(config: AutoscalerConfig, state: AutoscalerState, now: float) -> JSON:
+    """`status.autoscaler.attainment`: the target, the share of the last hour's requests that met both
+    SLOs (None before any was measured) and the headroom held now."""
+    hour = state.attainment.last_hour(now)
+    return {"target": config.attainment, "lastHour": round(hour, 4) if math.isfinite(hour) else None,
+            "headroom": round(headroom(config, state), 4)}
 
 
 #: Reads an object of the serving's namespace by kind and name (None when it does not exist).
@@ -169,6 +179,8 @@ class _Memory:
     profile_key: tuple[Any, ...] = ()
     perf: PerfModel | None = None
     desired: dict[str, int] = field(default_factory=dict)
+    attainment: float = math.nan      # the last hour's, as the last decision measured it
+    headroom: float = 0.0             # held by the last decision
 
 
 class AutoscalerMetrics(Collector):
@@ -176,7 +188,9 @@ class AutoscalerMetrics(Collector):
     registry but the operator's own) and the desired replicas, read at scrape time from the
     decisions' memory (a DisaggregatedServing the autoscaler forgot has none)."""
 
-    def __init__(self, desired: Callable[[], Iterable[exposition.GaugeSample]]) -> None:
+    def __init__(self, desired: Callable[[], Iterable[exposition.GaugeSample]],
+                 attainment: Callable[[], Iterable[exposition.GaugeSample]] = list,
+                 headroom: Callable[[], Iterable[exposition.GaugeSample]] = list) -> None:
         self.decisions = prometheus_client.Counter(
             "xpyd_autoscaler_decisions_total", "Autoscaler decisions by DisaggregatedServing and reason.",
             ("namespace", "name", "reason"), registry=None)
@@ -186,10 +200,19 @@ class AutoscalerMetrics(Collector):
         self.desired = exposition.ScrapeGauge(
             "xpyd_autoscaler_desired_replicas", "Replicas the autoscaler's last decision wants, by "
             "DisaggregatedServing and role.", ("namespace", "name", "role"), desired)
+        self.attainment = exposition.ScrapeGauge(
+            "xpyd_autoscaler_attainment", "Share of the last hour's requests that met both SLOs (TTFT and TPOT), "
+            "as the autoscaler's last decision measured it, by DisaggregatedServing.", ("namespace", "name"),
+            attainment)
+        self.headroom = exposition.ScrapeGauge(
+            "xpyd_autoscaler_headroom", "Load headroom the autoscaler holds for the target attainment (demand sized "
+            "for 1 + headroom times the forecast), by DisaggregatedServing.", ("namespace", "name"), headroom)
 
     def collect(self) -> Iterable[Metric]:
         """The desired replicas, then the counters without their `_created` series."""
         yield from self.desired.collect()
+        yield from self.attainment.collect()
+        yield from self.headroom.collect()
         yield from exposition.without_created(self.decisions.collect())
         yield from exposition.without_created(self.errors.collect())
 
@@ -203,7 +226,7 @@ class Autoscaler:
         self.kube = kube
         self.prometheus = prometheus
         self.clock = clock
-        self.metrics = AutoscalerMetrics(self._desired_samples)
+        self.metrics = AutoscalerMetrics(self._desired_samples, self._attainment_samples, self._headroom_samples)
         #: What the operator's /metrics serves (a registry of this operator's own).
         self.registry = exposition.registry([self.metrics])
         self._memory: dict[tuple[str, str], _Memory] = {}
@@ -215,6 +238,15 @@ class Autoscaler:
         with self._guard:
             return [((ns, name, role), float(n)) for (ns, name), memory in self._memory.items()
                     for role, n in memory.desired.items()]
+
+    def _attainment_samples(self) -> list[exposition.GaugeSample]:
+        with self._guard:
+            return [((ns, name), memory.attainment) for (ns, name), memory in self._memory.items()
+                    if memory.desired and math.isfinite(memory.attainment)]
+
+    def _headroom_samples(self) -> list[exposition.GaugeSample]:
+        with self._guard:
+            return [((ns, name), memory.headroom) for (ns, name), memory in self._memory.items() if memory.desired]
 
     # --- scheduling -------------------------------------------------------------------------------
 
@@ -322,6 +354,8 @@ class Autoscaler:
         auto = autoscaling.mode == AutoscalingMode.AUTO
         with self._guard:
             memory.desired = {"prefill": decision.prefill.replicas, "decode": decision.decode.replicas}
+            memory.attainment = decision.state.attainment.last_hour(now)
+            memory.headroom = headroom(config, decision.state)
 
         recorded = {"time": stamp, "prefill": decision.prefill.replicas, "decode": decision.decode.replicas,
                     "reason": decision.reason, "message": decision.message[:4096]}
@@ -329,7 +363,8 @@ class Autoscaler:
                     else dict((old_status.get("autoscaler") or {}).get("observed") or {}))  # no metrics read
         observed["heldRequests"] = held.requests
         autoscaler_status = {"lastDecision": recorded, "observed": observed,
-                             "recommendedRatio": decision.recommended_ratio, "profile": perf.description}
+                             "recommendedRatio": decision.recommended_ratio, "profile": perf.description,
+                             "attainment": attainment_status(config, decision.state, now)}
         if previous and all(previous.get(k) == recorded[k] for k in ("prefill", "decode", "reason", "message")):
             autoscaler_status["lastDecision"] = previous  # nothing new was decided: keep its time
         patch: JSON = {"autoscaler": autoscaler_status,

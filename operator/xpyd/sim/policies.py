@@ -64,10 +64,12 @@ def pool_model(context: PolicyContext, percentile: float = SIM_PERCENTILE) -> Po
 def xpyd_config(context: PolicyContext, percentile: float = SIM_PERCENTILE) -> AutoscalerConfig:
     """The `xpyd` policy's config in the simulator: the CRD's defaults (pace, windows) with the run's
     SLOs, interval and start-up delay, bounds 1..`SIM_MAX_REPLICAS` (0.. with `context.idle_s`: the
-    pool scales to zero after that idle time), no GPU budget."""
+    pool scales to zero after that idle time), no GPU budget, and the evaluation's goal as the target
+    attainment (`percentile` / 100 of the requests meeting both SLOs: the headroom is learnt online)."""
     bounds = RoleBounds(0 if context.idle_s is not None else 1, SIM_MAX_REPLICAS)
     return AutoscalerConfig(model=pool_model(context, percentile), prefill=bounds, decode=bounds,
-                            interval_s=context.interval_s, startup_s=context.startup_delay_s, idle_s=context.idle_s)
+                            interval_s=context.interval_s, startup_s=context.startup_delay_s, idle_s=context.idle_s,
+                            attainment=percentile / 100.0)
 
 
 @dataclass

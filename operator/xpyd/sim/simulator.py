@@ -758,6 +758,11 @@ class Simulator:
                                                counts.get("prefix_cache_queries", 0)),
             )
 
+        def cumulative(histogram: BucketHistogram) -> tuple[tuple[float, float], ...]:
+            # As Prometheus exposes the buckets (le, cumulative count), +Inf last.
+            return tuple(zip((*histogram.buckets, math.inf), map(float, histogram.cumulative()), strict=True))
+
+        client_ttft, client_tpot = ttft1.minus(ttft0), tpot1.minus(tpot0)
         prefill_hists, _ = window(PREFILL)
         decode_hists, _ = window(DECODE)
         prompts = prefill_hists["request_prompt_tokens"]
@@ -767,9 +772,10 @@ class Simulator:
             isl_mean=prompts.sum / prompts.count if prompts.count else math.nan,
             osl_mean=outputs.sum / outputs.count if outputs.count else math.nan,
             isl_quantiles=quantiles(prompts),
-            ttft_seconds=quantiles(ttft1.minus(ttft0)), tpot_seconds=quantiles(tpot1.minus(tpot0)),
+            ttft_seconds=quantiles(client_ttft), tpot_seconds=quantiles(client_tpot),
             prefill=role_observation(PREFILL), decode=role_observation(DECODE),
-            held_requests=float(len(self._waiting)), held_prompt_tokens=float(self._waiting_tokens))
+            held_requests=float(len(self._waiting)), held_prompt_tokens=float(self._waiting_tokens),
+            ttft_buckets=cumulative(client_ttft), tpot_buckets=cumulative(client_tpot))
 
     def _sample(self, now: float) -> None:
         counts: dict[str, list[int]] = {}

@@ -1,0 +1,113 @@
+"""The target attainment: the share of requests meeting both SLOs, measured from the latency
+histograms `decide()` already reads, and the load headroom that reaches the share asked for,
+learnt online.
+
+`autoscaling.slo.attainment` (e.g. 0.95) states the goal as users choose along it: how many requests
+within their SLOs. The sizing model (`sizing.PoolModel`) predicts latencies of a steady load; what it
+cannot see (the forecast's error over the start-up delay, bursts, a profile that is off) shows as
+requests missing their SLOs. So each decision measures the window's attainment and moves a headroom
+`h` (the load is sized as `(1 + h)` times the forecast) to close the gap:
+
+- measured: the share of the window's requests under the TTFT target and the share under the TPOT
+  target, each read from the histogram's cumulative buckets at the target (linear within a bucket,
+  as `histogram_quantile()` reads them), multiplied (the histograms are separate, so the share
+  meeting both is taken as if the two were independent; misses of both at once make it a lower
+  bound of the true share);
+- learnt: on the log of the miss ratio, `e = ln((miss + M/4) / (M + M/4))` with `M = 1 - target`:
+  up by `UP_GAIN * e` when the window misses more than the target allows, down by `DOWN_GAIN * e`
+  when it misses less, within [`MIN_HEADROOM`, `MAX_HEADROOM`]. Up fast, down slowly: a replica ordered
+  now serves after the start-up, and a miss costs the user where a spare replica costs GPU time.
+  Windows with fewer than `config.min_requests` new requests, windows holding the release of a start
+  from zero (their misses are the start-up's, which no headroom shortens) and windows while every
+  role is at its maximum (more headroom orders nothing) teach nothing.
+- reported: the attainment over the last hour (`HOUR_S`), kept as requests and requests met in
+  `BUCKET_S` buckets, and the headroom held now (`status.autoscaler.attainment`, the operator's
+  `xpyd_autoscaler_attainment` and `xpyd_autoscaler_headroom`).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass, replace
+
+#: Bounds of the headroom: at most twice the forecast load; at least 15% under it (a model that sizes
+#: with more slack than the target needs gives some back).
+MIN_HEADROOM = -0.15
+MAX_HEADROOM = 1.0
+#: Headroom moved per decision per unit of the log miss ratio, up and down.
+UP_GAIN = 0.04
+DOWN_GAIN = 0.01
+#: The span the reported attainment covers, and the buckets it is kept in.
+HOUR_S = 3600.0
+BUCKET_S = 300.0
+
+#: One histogram as Prometheus exposes it: (upper bound `le`, cumulative count or rate), ascending,
+#: the last bound +Inf.
+Buckets = tuple[tuple[float, float], ...]
+
+
+@dataclass(frozen=True)
+class AttainmentState:
+    """The headroom held and the requests seen (and met) per `BUCKET_S` bucket over the last hour."""
+
+    headroom: float = 0.0
+    updates: int = 0
+    history: tuple[tuple[float, float, float], ...] = ()   # (bucket start, requests, requests met)
+
+    def last_hour(self, now: float) -> float:
+        """The share of the last hour's requests that met both SLOs (NaN when none was measured)."""
+        seen = [(n, met) for start, n, met in self.history if start > now - HOUR_S - BUCKET_S]
+        total = sum(n for n, _ in seen)
+        return sum(met for _, met in seen) / total if total > 0 else math.nan
+
+
+def share_within(buckets: Sequence[tuple[float, float]], target: float) -> float:
+    """The share of a histogram's observations at or under `target`, NaN without observations.
+    Linear within the bucket that holds `target` (from 0 for the first), as `histogram_quantile()`;
+    past the last finite bound, the observations under it."""
+    if not buckets:
+        return math.nan
+    total = buckets[-1][1]
+    if not total > 0:
+        return math.nan
+    lower_le, lower_count = 0.0, 0.0
+    for le, count in buckets:
+        if target < le:
+            if math.isinf(le):
+                return lower_count / total
+            within = lower_count + (count - lower_count) * (target - lower_le) / (le - lower_le)
+            return min(max(within / total, 0.0), 1.0)
+        lower_le, lower_count = le, count
+    return 1.0
+
+
+def window_attainment(ttft: Buckets, tpot: Buckets, ttft_target_s: float, tpot_target_s: float) -> float:
+    """The share of the window's requests meeting both targets (independence of the two), NaN when
+    neither histogram has observations; a histogram without any counts as met (e.g. no proxy scraped)."""
+    shares = [share_within(buckets, target) for buckets, target in ((ttft, ttft_target_s), (tpot, tpot_target_s))]
+    known = [s for s in shares if math.isfinite(s)]
+    return math.prod(known) if known else math.nan
+
+
+def learn(state: AttainmentState, now: float, attainment: float, requests: float, target: float | None,
+          min_requests: float, teach: bool = True) -> AttainmentState:
+    """The state after a window whose `requests` new requests met both SLOs at `attainment`: the hour's
+    history gains them; with a `target` (and `teach`), the headroom moves on the log miss ratio."""
+    history = tuple(b for b in state.history if b[0] > now - HOUR_S - BUCKET_S)
+    if not (math.isfinite(attainment) and requests > 0):
+        return replace(state, history=history)
+    start = math.floor(now / BUCKET_S) * BUCKET_S
+    if history and history[-1][0] == start:
+        _, n, met = history[-1]
+        history = (*history[:-1], (start, n + requests, met + requests * attainment))
+    else:
+        history = (*history, (start, requests, requests * attainment))
+    state = replace(state, history=history)
+    if target is None or not teach or requests < min_requests:
+        return state
+    allowed = 1.0 - target
+    error = math.log((1.0 - attainment + allowed / 4.0) / (allowed * 1.25))
+    step = (UP_GAIN if error > 0 else DOWN_GAIN) * error
+    headroom = min(max(state.headroom + step, MIN_HEADROOM), MAX_HEADROOM)
+    return replace(state, headroom=headroom, updates=state.updates + 1)

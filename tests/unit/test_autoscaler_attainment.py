@@ -1,0 +1,157 @@
+"""The target attainment (issue 30): measured from the histograms' buckets, the headroom learnt from it,
+the API field, the collector's bucket queries, and what the operator reports."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import pytest
+from pydantic import ValidationError
+
+from tests.unit.test_autoscaler_decide import CONFIG, PERF, observation
+from xpyd.api.models import AutoscalingSpec
+from xpyd.autoscaler import collect
+from xpyd.autoscaler.attainment import (
+    BUCKET_S,
+    DOWN_GAIN,
+    HOUR_S,
+    MAX_HEADROOM,
+    MIN_HEADROOM,
+    UP_GAIN,
+    AttainmentState,
+    learn,
+    share_within,
+    window_attainment,
+)
+from xpyd.autoscaler.config import AutoscalerConfig
+from xpyd.autoscaler.decide import AutoscalerState, decide, headroom
+from xpyd.autoscaler.state import decode, encode
+
+pytestmark = pytest.mark.unit
+
+INF = math.inf
+# 100 requests: 50 under 0.1 s, 30 more under 0.5 s, 15 more under 1 s, 5 beyond.
+TTFT = ((0.1, 50.0), (0.5, 80.0), (1.0, 95.0), (INF, 100.0))
+TPOT = ((0.01, 60.0), (0.025, 100.0), (INF, 100.0))
+
+
+@pytest.mark.parametrize(("target", "share"), [
+    (0.05, 0.25),            # half of the first bucket (from 0)
+    (0.1, 0.5), (0.3, 0.65),  # a bound; linear within (0.1, 0.5]
+    (0.75, 0.875), (1.0, 0.95),
+    (5.0, 0.95),             # past the last finite bound: those under it
+])
+def test_share_within_reads_the_buckets_as_histogram_quantile(target: float, share: float) -> None:
+    assert share_within(TTFT, target) == pytest.approx(share)
+
+
+def test_no_observations_is_no_share() -> None:
+    assert math.isnan(share_within((), 0.5))
+    assert math.isnan(share_within(((0.1, 0.0), (INF, 0.0)), 0.5))
+
+
+def test_window_attainment_meets_both_targets() -> None:
+    assert window_attainment(TTFT, TPOT, 0.5, 0.025) == pytest.approx(0.8 * 1.0)
+    assert window_attainment(TTFT, TPOT, 1.0, 0.01) == pytest.approx(0.95 * 0.6)
+    assert window_attainment((), TPOT, 0.5, 0.01) == pytest.approx(0.6)   # no client TTFT (no proxy scraped)
+    assert math.isnan(window_attainment((), (), 0.5, 0.025))
+
+
+def test_the_headroom_rises_fast_on_misses_and_falls_slowly() -> None:
+    state = AttainmentState()
+    missed = learn(state, 1000.0, 0.80, 100.0, 0.95, 30)
+    assert missed.headroom == pytest.approx(UP_GAIN * math.log((0.20 + 0.0125) / 0.0625))
+    met = learn(state, 1000.0, 1.0, 100.0, 0.95, 30)
+    assert met.headroom == pytest.approx(DOWN_GAIN * math.log(0.0125 / 0.0625))
+    assert learn(state, 1000.0, 0.95, 100.0, 0.95, 30).headroom == pytest.approx(0.0)   # on target: stays
+    for _ in range(500):
+        missed = learn(missed, 1000.0, 0.0, 100.0, 0.95, 30)
+        met = learn(met, 1000.0, 1.0, 100.0, 0.95, 30)
+    assert (missed.headroom, met.headroom) == (MAX_HEADROOM, MIN_HEADROOM)
+
+
+@pytest.mark.parametrize("kwargs", [
+    {"requests": 10.0},                          # too few requests to judge
+    {"target": None},                            # no target: measured, never learnt
+    {"teach": False},                            # a cold start's release, or every role at its maximum
+])
+def test_windows_that_teach_nothing(kwargs: dict[str, object]) -> None:
+    args: dict[str, object] = {"requests": 100.0, "target": 0.95, "teach": True, **kwargs}
+    state = learn(AttainmentState(), 1000.0, 0.5, args["requests"], args["target"], 30,  # type: ignore[arg-type]
+                  teach=args["teach"])  # type: ignore[arg-type]
+    assert state.headroom == 0.0 and state.updates == 0
+    assert state.last_hour(1000.0) == pytest.approx(0.5)   # but the hour counts them
+
+
+def test_the_last_hour_weighs_requests_and_forgets_older_ones() -> None:
+    state = AttainmentState()
+    state = learn(state, 0.0, 0.5, 100.0, None, 30)
+    state = learn(state, 60.0, 1.0, 300.0, None, 30)            # same bucket
+    assert len(state.history) == 1 and state.last_hour(60.0) == pytest.approx(0.875)
+    state = learn(state, BUCKET_S * 3, 1.0, 100.0, None, 30)
+    assert state.last_hour(BUCKET_S * 3) == pytest.approx(450 / 500)
+    state = learn(state, HOUR_S + BUCKET_S * 2, math.nan, 0.0, None, 30)  # an hour on: the first bucket goes
+    assert state.last_hour(HOUR_S + BUCKET_S * 2) == pytest.approx(1.0)
+    assert math.isnan(AttainmentState().last_hour(0.0))
+
+
+TARGETED = dataclasses.replace(CONFIG, attainment=0.95)
+
+
+def missing(share: float, time_s: float = 600.0) -> dict[str, object]:
+    """An observation whose client histograms say `share` of the window's requests met TTFT (all met TPOT)."""
+    ttft = ((0.5, 100.0 * share), (INF, 100.0))
+    return {"time_s": time_s, "ttft_buckets": ttft, "tpot_buckets": ((0.025, 100.0), (INF, 100.0))}
+
+
+def test_decide_learns_the_headroom_and_sizes_for_it() -> None:
+    state = AutoscalerState()
+    plain = decide(observation(**missing(0.7)), CONFIG, state)            # type: ignore[arg-type]
+    targeted = decide(observation(**missing(0.7)), TARGETED, state)       # type: ignore[arg-type]
+    assert plain.state.attainment.headroom == 0.0 and headroom(CONFIG, plain.state) == 0.0
+    assert targeted.state.attainment.headroom > 0 and "target 95.0%" in targeted.message
+    assert "attainment 70.0% over the last hour" in targeted.message
+    # A large headroom sizes more than none, on the same observation.
+    held = dataclasses.replace(state, attainment=AttainmentState(headroom=0.8))
+    more = decide(observation(rate=50.0, **missing(0.95)), TARGETED, held)  # type: ignore[arg-type]
+    less = decide(observation(rate=50.0, **missing(0.95)), CONFIG, held)    # type: ignore[arg-type]
+    assert more.prefill.recommended > less.prefill.recommended
+    assert more.decode.recommended >= less.decode.recommended
+    # The state keeps it across decisions and through the status encoding.
+    assert decode(encode(more.state)).attainment == more.state.attainment
+
+
+def test_a_start_from_zero_teaches_no_headroom() -> None:
+    woken = AutoscalerState(woken_s=550.0)
+    decision = decide(observation(**missing(0.2)), TARGETED, woken)  # type: ignore[arg-type]
+    assert decision.state.attainment.headroom == 0.0
+    assert decision.state.attainment.last_hour(600.0) == pytest.approx(0.2)
+
+
+def test_the_spec_sets_the_target_and_the_sizing_quantile() -> None:
+    spec = AutoscalingSpec.model_validate({"slo": {"percentile": 90, "attainment": 0.95}})
+    config = AutoscalerConfig.from_spec(spec, PERF)
+    assert config.attainment == 0.95 and config.model.quantile == 0.95
+    config = AutoscalerConfig.from_spec(AutoscalingSpec.model_validate({"slo": {"percentile": 99,
+                                                                                "attainment": 0.9}}), PERF)
+    assert config.model.quantile == 0.99
+    assert AutoscalerConfig.from_spec(AutoscalingSpec(), PERF).attainment is None
+
+
+@pytest.mark.parametrize("value", [0.3, 1.0, 1.5])
+def test_the_api_refuses_an_attainment_out_of_range(value: float) -> None:
+    with pytest.raises(ValidationError) as error:
+        AutoscalingSpec.model_validate({"slo": {"attainment": value}})
+    assert ("slo", "attainment") in [e["loc"] for e in error.value.errors()]
+
+
+def test_the_collector_reads_the_buckets_by_le() -> None:
+    named = collect.queries(collect.Scope("ns", "pool"))
+    assert named["ttft.buckets"].startswith("sum by (le) (rate(xpyd_proxy_time_to_first_token_seconds_bucket{")
+    assert "vllm:request_time_per_output_token_seconds_bucket" in named["tpot.buckets"]
+    answer = [{"metric": {"le": le}, "value": [0, value]} for le, value in (("+Inf", "4"), ("0.5", "3"), ("0.1", "1"))]
+    samples = collect.parse_result(answer, "le")
+    assert collect.buckets({"ttft.buckets": samples}, "ttft") == ((0.1, 1.0), (0.5, 3.0), (INF, 4.0))
+    assert collect.buckets({"ttft.buckets": {"0.5": 3.0}}, "ttft") == ()     # no +Inf bucket: unknown
+    assert collect.buckets({}, "ttft") == ()
