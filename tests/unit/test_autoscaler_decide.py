@@ -560,12 +560,14 @@ def test_prefill_is_sized_on_the_prompt_tokens_it_computes(hit_rate: float) -> N
     assert decision.decode.recommended == plain.decode.recommended
     computed = 1.0 - hit_rate
     assert decision.prefill.recommended == pytest.approx(plain.prefill.recommended * computed, abs=1.5)
-    assert computed_share(busy) == computed
+    assert computed_share(busy, CONFIG) == computed
 
 
-def test_the_computed_share_has_a_floor() -> None:
+def test_the_computed_share_has_a_floor_and_a_quiet_window_teaches_nothing() -> None:
     cached = dataclasses.replace(observation(), prefill=role(2, prefix_cache_hit_rate=1.0))
-    assert computed_share(cached) == MIN_COMPUTED_SHARE
+    assert computed_share(cached, CONFIG) == MIN_COMPUTED_SHARE
+    quiet = dataclasses.replace(observation(), prefill=role(2, prefix_cache_hit_rate=0.9, requests_per_s=0.2))
+    assert computed_share(quiet, CONFIG) == 1.0      # a few requests (health checks) teach nothing
 
 
 def test_prefill_correction_is_learnt_on_computed_tokens() -> None:

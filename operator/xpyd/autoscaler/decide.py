@@ -274,10 +274,15 @@ def metrics_suspicion(observation: Observation) -> str | None:
 # --- corrections -------------------------------------------------------------------------------------
 
 
-def computed_share(observation: Observation) -> float:
+def computed_share(observation: Observation, config: AutoscalerConfig) -> float:
     """The share of prompt tokens prefill computes: 1 - the window's prefill prefix-cache hit rate,
-    at least MIN_COMPUTED_SHARE."""
-    return max(MIN_COMPUTED_SHARE, 1.0 - observation.prefill.prefix_cache_hit_rate)
+    at least MIN_COMPUTED_SHARE; 1 (every token computed) from a window with fewer requests than a
+    correction needs, where a few repeated prompts (health checks) would read as a cache that serves
+    everything."""
+    role = observation.prefill
+    if role.requests_per_s * observation.window_s < config.min_requests:
+        return 1.0
+    return max(MIN_COMPUTED_SHARE, 1.0 - role.prefix_cache_hit_rate)
 
 
 def _observed_prefill_correction(observation: Observation, config: AutoscalerConfig, state: RoleState,
@@ -535,7 +540,7 @@ def _corrections(observation: Observation, config: AutoscalerConfig, state: Auto
                  load: _Load) -> _Corrections:
     """Rule 3 (and rule 4's burst memory, which judges bursts with the corrected capacity): the
     capacity corrections this window teaches, the prefix cache's computed share, the bursts."""
-    computed = computed_share(observation)
+    computed = computed_share(observation, config)
     prefill_state = _smoothed(state.prefill,
                               _observed_prefill_correction(observation, config, state.prefill, load.mix_now, computed),
                               config)
