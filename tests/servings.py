@@ -63,6 +63,16 @@ VALID = {
     "cpu pool push": serving({"engine": {"device": "cpu", "cpu": {"threadsBind": "nobind"}},
                               "kvTransfer": {"connector": "NixlPushConnector"}}),
     "gpu pool host buffer": serving({"kvTransfer": {"bufferDevice": "cpu"}}),
+    "kvaware events": serving({"proxy": {"routingPolicy": "KVAware"}}),
+    "kvaware events sha256_cbor": serving({"proxy": {"routingPolicy": "KVAware"}, "engine": {
+        "extraArgs": ["--prefix-caching-hash-algo", "sha256_cbor"]}}),
+    "kvaware events 0.24 seeded": serving({"proxy": {"routingPolicy": "KVAware"}, "engine": {
+        "vllmVersion": "0.24", "env": [{"name": "PYTHONHASHSEED", "value": "random"}]}}),
+    "kvaware routed xxhash 0.24": serving({"proxy": {"routingPolicy": "KVAware", "kvAware": {"index": "Routed"}},
+                                          "engine": {"vllmVersion": "0.24",
+                                                     "extraArgs": ["--prefix-caching-hash-algo=xxhash"]},
+                                          "decode": {"env": [{"name": "PYTHONHASHSEED", "valueFrom": {
+                                              "secretKeyRef": {"name": "s", "key": "k"}}}]}}),
 }
 
 # (case, object, message the models and the CRD's CEL rule both give)
@@ -180,6 +190,24 @@ INVALID = [
      "autoscaling.gpuBudget counts GPUs, and engine.device cpu runs on none"),
     ("cpu settings on a gpu pool", serving({"engine": {"cpu": {"kvCacheSpaceGiB": 4}}}),
      "engine.cpu applies only to engine.device cpu"),
+    ("kvaware events xxhash", serving({"proxy": {"routingPolicy": "KVAware"}, "engine": {
+        "extraArgs": ["--prefix-caching-hash-algo=xxhash"]}}),
+     "proxy.kvAware.index Events needs the engines' --prefix-caching-hash-algo sha256 (the default) or sha256_cbor"),
+    ("kvaware events xxhash_cbor on decode, seeded", serving({"proxy": {"routingPolicy": "KVAware"}, "engine": {
+        "env": [{"name": "PYTHONHASHSEED", "value": "12345"}]},
+        "decode": {"extraArgs": ["--prefix-caching-hash-algo", "xxhash_cbor"]}}),
+     "remove xxhash from engine.extraArgs, prefill.extraArgs and decode.extraArgs, or use index Routed"),
+    ("kvaware events 0.24 unseeded", serving({"proxy": {"routingPolicy": "KVAware", "kvAware": {"index": "Events"}},
+                                              "engine": {"vllmVersion": "0.24"}}),
+     "proxy.kvAware.index Events on engine.vllmVersion < 0.32 needs PYTHONHASHSEED in engine.env"),
+    ("kvaware events seed from a secret", serving({"proxy": {"routingPolicy": "KVAware"}, "engine": {
+        "vllmVersion": "0.24", "env": [{"name": "PYTHONHASHSEED", "valueFrom": {
+            "secretKeyRef": {"name": "s", "key": "k"}}}]}}),
+     "proxy.kvAware.index Events hashes prompts with the engines' PYTHONHASHSEED"),
+    ("kvaware events seed per role", serving({"proxy": {"routingPolicy": "KVAware"},
+                                              "prefill": {"env": [{"name": "PYTHONHASHSEED", "value": "7"}]},
+                                              "decode": {"env": [{"name": "PYTHONHASHSEED", "value": "7"}]}}),
+     "set it, if at all, as a literal value in engine.env, not with valueFrom and not in prefill.env or decode.env"),
 ]
 
 

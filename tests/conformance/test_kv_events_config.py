@@ -4,8 +4,10 @@ For every release of `vllm_release.RELEASES`, the `--kv-events-config` the opera
 KVAware pool with the Events index must validate whole with that release's `KVEventsConfig`
 (`vllm/config/kv_events.py`, loaded in a subprocess without torch, as `vllm_release` loads
 KVTransferConfig) and carry only its fields; the ports the pod declares per data-parallel rank must be
-the ones the release's `ZmqEventPublisher.offset_endpoint_port` binds; and the render must give the
-engines PYTHONHASHSEED exactly where the release seeds NONE_HASH at random without it.
+the ones the release's `ZmqEventPublisher.offset_endpoint_port` binds; the API must refuse the Events
+index without the user's PYTHONHASHSEED exactly where the release seeds NONE_HASH at random without it,
+and the render must never set one itself; and the xxhash algorithms, which the API refuses with Events,
+must be the ones the release seeds at random whatever the release.
 """
 
 from __future__ import annotations
@@ -22,8 +24,8 @@ import pytest
 from tests.conformance.vllm_release import RELEASES, release_root
 from tests.servings import serving
 from xpyd import vllm
-from xpyd.api.load import parse_serving
-from xpyd.api.models import KV_EVENTS_PORT, KV_EVENTS_REPLAY_PORT
+from xpyd.api.load import SpecError, parse_serving
+from xpyd.api.models import KV_EVENTS_PORT, KV_EVENTS_REPLAY_PORT, XXHASH_ALGOS
 from xpyd.render import engine, kvaware
 
 pytestmark = pytest.mark.integration
@@ -70,10 +72,15 @@ def minor(release: str) -> str:
     return ".".join(release.split(".")[:2])
 
 
-def kv_aware_spec(release: str, **extra: Any) -> Any:
-    return parse_serving(serving({"engine": {"vllmVersion": minor(release)},
-                                  "proxy": {"routingPolicy": "KVAware", "kvAware": {"index": "Events"}},
-                                  **extra})).spec
+def kv_aware_object(release: str, seed: str | None = "random", **extra: Any) -> dict[str, Any]:
+    """A KVAware pool on `release` with the Events index and, unless None, the user's PYTHONHASHSEED."""
+    env = [{"name": "PYTHONHASHSEED", "value": seed}] if seed is not None else []
+    return serving({"engine": {"vllmVersion": minor(release), "env": env},
+                    "proxy": {"routingPolicy": "KVAware", "kvAware": {"index": "Events"}}, **extra})
+
+
+def kv_aware_spec(release: str, seed: str | None = "random", **extra: Any) -> Any:
+    return parse_serving(kv_aware_object(release, seed, **extra)).spec
 
 
 @cache
@@ -125,13 +132,44 @@ def test_each_rank_listens_where_the_pod_declares_its_ports(release: str) -> Non
             assert bound == f"tcp://*:{declared[f'{name}-{rank}']}", (release, rank, bound)
 
 
+def _refusals(obj: dict[str, Any]) -> list[str]:
+    try:
+        parse_serving(obj)
+    except SpecError as error:
+        return str(error).splitlines()[1:]
+    return []
+
+
 @pytest.mark.parametrize("release", RELEASES)
-def test_pythonhashseed_is_rendered_where_the_release_seeds_none_hash_at_random(release: str) -> None:
+def test_events_need_the_users_seed_exactly_where_the_release_seeds_none_hash_at_random(release: str) -> None:
     source = (release_root(release) / CACHE_UTILS).read_text()
     random_without_seed = "NONE_HASH = BlockHash(os.urandom(32))" in source or \
         "NONE_HASH = os.urandom(32)" in source
     assert random_without_seed == (vllm.parse_version(minor(release)) < vllm.FIXED_NONE_HASH_ADDED), release
-    spec = kv_aware_spec(release)
-    seeded = {var["name"]: var.get("value") for var in engine.env(spec, "prefill")}.get("PYTHONHASHSEED")
-    assert (seeded == kvaware.HASH_SEED) == random_without_seed
-    assert kvaware.hash_seed(spec) == seeded
+    # The seed is PYTHONHASHSEED's string as it is, so any value the user picks (`random` too, which
+    # keeps Python's own hash randomisation) seeds the proxy's hashes alike (`kvcache.hashing`).
+    assert 'hash_seed = os.getenv("PYTHONHASHSEED")' in source, release
+    assert "hash_fn(hash_seed)" in source or "_NONE_HASH_SEED = resolve_none_hash_seed(hash_fn)" in source, release
+    refused = [line for line in _refusals(kv_aware_object(release, seed=None)) if "PYTHONHASHSEED" in line]
+    assert bool(refused) == random_without_seed, (release, refused)
+    for seed in ("random", "4021"):
+        spec = kv_aware_spec(release, seed)
+        assert kvaware.hash_seed(spec) == seed
+        for role in ("prefill", "decode"):
+            assert [v.get("value") for v in engine.env(spec, role) if v["name"] == "PYTHONHASHSEED"] == [seed]
+    if not random_without_seed:
+        spec = kv_aware_spec(release, seed=None)
+        assert kvaware.hash_seed(spec) is None
+        assert not any(v["name"] == "PYTHONHASHSEED" for role in ("prefill", "decode")
+                       for v in engine.env(spec, role))
+
+
+@pytest.mark.parametrize("release", RELEASES)
+def test_the_refused_algorithms_are_the_ones_the_release_seeds_at_random(release: str) -> None:
+    source = (release_root(release) / CACHE_UTILS).read_text()
+    if vllm.parse_version(minor(release)) >= vllm.FIXED_NONE_HASH_ADDED:
+        assert f"_NON_CRYPTO_HASH_FUNCTIONS = frozenset({{{', '.join(XXHASH_ALGOS)}}})" in source, release
+    for algo in XXHASH_ALGOS:
+        obj = kv_aware_object(release, engine={"vllmVersion": minor(release), "extraArgs": [
+            f"--prefix-caching-hash-algo={algo}"], "env": [{"name": "PYTHONHASHSEED", "value": "random"}]})
+        assert any("--prefix-caching-hash-algo" in line for line in _refusals(obj)), (release, algo)

@@ -218,7 +218,8 @@ def parse(argv: list[str]) -> argparse.Namespace:
 
 @pytest.mark.parametrize("index", ["Events", "Routed"])
 def test_the_rendered_flags_reach_the_proxy(index: str) -> None:
-    spec = parse_serving(serving({"prefill": {"dataParallelSize": 2}, "engine": {"vllmVersion": "0.24"},
+    spec = parse_serving(serving({"prefill": {"dataParallelSize": 2}, "engine": {
+                                      "vllmVersion": "0.24", "env": [{"name": "PYTHONHASHSEED", "value": "0"}]},
                                   "proxy": {"routingPolicy": "KVAware", "kvAware": {
                                       "index": index, "kvWeight": 0.5, "ttlSeconds": 30, "indexBlocks": 5000}}})).spec
     args = parse(proxy_args("llama", "ns", spec))
@@ -233,8 +234,35 @@ def test_the_rendered_flags_reach_the_proxy(index: str) -> None:
         assert kv.ttl_s == 30.0
 
 
+@pytest.mark.parametrize("algo", ["xxhash", "xxhash_cbor"])
+def test_a_routed_xxhash_pool_starts_and_hashes_with_sha256(algo: str) -> None:
+    """The crash loop of review: an xxhash pool's proxy was told `--kv-hash-algo=xxhash`, which needs a
+    package the proxy image lacks. Routed compares only its own keys: it is not told the algorithm, and
+    hashes with sha256 whatever it is told."""
+    spec = parse_serving(serving({"engine": {"extraArgs": [f"--prefix-caching-hash-algo={algo}"]},
+                                  "proxy": {"routingPolicy": "KVAware", "kvAware": {"index": "Routed"}}})).spec
+    rendered = proxy_args("llama", "ns", spec)
+    assert not any(a.startswith("--kv-hash") for a in rendered)
+    for argv in (rendered, [*rendered, "--kv-hash-algo", algo, "--kv-hash-seed", "9"]):
+        args = parse(argv)
+        assert _check(args) is None
+        hasher = config_from_args(args).kv.hasher()
+        assert hasher.algo == "sha256"
+        assert hasher.hashes(list(range(8))) == request_block_hashes(list(range(8)), 16)
+
+
+def test_routed_keys_do_not_depend_on_the_algorithm_or_seed_it_is_told() -> None:
+    told = router(KVIndex.ROUTED, hash_algo="sha256_cbor", hash_seed="1")
+    assert block_keys(told.hasher, list(range(12))).ids == block_keys(router(KVIndex.ROUTED).hasher,
+                                                                      list(range(12))).ids
+
+
 @pytest.mark.parametrize(("argv", "problem"), [
     (["--kv-hash-algo", "sha256_cbor"], None),
+    (["--kv-hash-algo", "sha256_cbor", "--kv-hash-seed", "random"], None),
+    (["--kv-hash-algo", "xxhash"], "--kv-hash-algo xxhash with --kv-index Events needs --kv-hash-seed"),
+    (["--kv-hash-algo", "xxhash_cbor", "--kv-hash-seed", "3"], "xxhash is required"),   # not installed
+    (["--kv-index", "Routed", "--kv-hash-algo", "xxhash"], None),
     (["--kv-events-port", "65535", "--kv-events-prefill-ranks", "2"], "below 65536"),
 ])
 def test_flags_that_cannot_work_are_refused(argv: list[str], problem: str | None) -> None:

@@ -1,5 +1,6 @@
-"""KVAware routing's render (`xpyd.render.kvaware`): the engines' --kv-events-config, its ports per
-data-parallel rank and PYTHONHASHSEED with the Events index, and the proxy's flags for both indexes."""
+"""KVAware routing's render (`xpyd.render.kvaware`): the engines' --kv-events-config and its ports per
+data-parallel rank with the Events index, the proxy's flags for both indexes, and the NONE_HASH seed,
+which is only ever the user's PYTHONHASHSEED: the render sets none."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ from typing import Any
 import pytest
 
 from tests.servings import serving
+from xpyd import vllm
 from xpyd.api.load import parse_serving
 from xpyd.api.models import DisaggregatedServingSpec
 from xpyd.common.args import last_flag_value
@@ -71,12 +73,21 @@ def test_the_proxy_is_told_the_policy_weights_and_hashing() -> None:
         "--kv-ttl": None}
 
 
-def test_routed_tells_the_proxy_its_ttl_and_nothing_of_events() -> None:
+@pytest.mark.parametrize("extra", [
+    {},
+    {"engine": {"vllmVersion": "0.24", "extraArgs": ["--prefix-caching-hash-algo=xxhash"],
+                "env": [{"name": "PYTHONHASHSEED", "value": "5"}]}},
+    {"prefill": {"extraArgs": ["--prefix-caching-hash-algo", "xxhash_cbor", "--block-size", "32"]}},
+], ids=["default", "xxhash seeded", "xxhash_cbor"])
+def test_routed_tells_the_proxy_its_ttl_and_block_size_but_not_the_engines_hashing(extra: dict[str, Any]) -> None:
+    """Routed compares only the proxy's own hashes (sha256): the engines' algorithm and seed are not
+    rendered, so an xxhash pool never gives the proxy an algorithm it cannot run."""
     spec = parse_serving(serving({"proxy": {"routingPolicy": "KVAware", "kvAware": {
-        "index": "Routed", "ttlSeconds": 90}}})).spec
+        "index": "Routed", "ttlSeconds": 90}}, **extra})).spec
     args = proxy_args("x", "ns", spec)
     assert last_flag_value(args, "--kv-ttl") == "90"
-    assert not any(a.startswith("--kv-events") or a.startswith("--kv-hash-seed") for a in args)
+    assert last_flag_value(args, "--kv-block-size") == str(kvaware.block_size(spec))
+    assert not any(a.startswith(("--kv-events", "--kv-hash-algo", "--kv-hash-seed")) for a in args)
 
 
 def test_other_policies_get_no_kv_flags() -> None:
@@ -97,22 +108,41 @@ def test_the_block_size_is_the_engines(extra: dict[str, Any], size: int) -> None
     assert last_flag_value(proxy_args("x", "ns", spec), "--kv-block-size") == str(size)
 
 
-@pytest.mark.parametrize(("version", "extra", "seed"), [
-    ("0.33", {}, None),                                                     # vLLM's fixed seed
-    ("0.32", {}, None),
-    ("0.24", {}, "0"),                                                      # random NONE_HASH without it
-    ("0.13", {}, "0"),
-    ("0.33", {"engine": {"extraArgs": ["--prefix-caching-hash-algo=xxhash"]}}, "0"),
-    ("0.33", {"engine": {"env": [{"name": "PYTHONHASHSEED", "value": "42"}]}}, "42"),   # the user's wins
-    ("0.24", {"prefill": {"env": [{"name": "PYTHONHASHSEED", "value": "7"}]},
-              "decode": {"env": [{"name": "PYTHONHASHSEED", "value": "7"}]}}, "7"),
+@pytest.mark.parametrize(("version", "env", "seed"), [
+    ("0.33", None, None),                      # vLLM's fixed seed "vllm-none-hash"
+    ("0.32", None, None),
+    ("0.33", "42", "42"),                      # the user's wins on every release
+    ("0.24", "random", "random"),              # vLLM seeds with the string; Python stays randomised
+    ("0.13", "7", "7"),
 ])
-def test_the_engines_and_the_proxy_share_the_none_hash_seed(version: str, extra: dict[str, Any],
-                                                            seed: str | None) -> None:
-    spec = spec_of(**{"engine": {"vllmVersion": version, **extra.get("engine", {})},
-                      **{k: v for k, v in extra.items() if k != "engine"}})
-    args = proxy_args("x", "ns", spec)
-    assert last_flag_value(args, "--kv-hash-seed") == seed
+def test_the_proxy_gets_the_users_seed_and_the_render_sets_none(version: str, env: str | None,
+                                                                seed: str | None) -> None:
+    user = [{"name": "PYTHONHASHSEED", "value": env}] if env is not None else []
+    spec = spec_of(engine={"vllmVersion": version, "env": user})
+    assert kvaware.hash_seed(spec) == seed
+    assert last_flag_value(proxy_args("x", "ns", spec), "--kv-hash-seed") == seed
     for role in ("prefill", "decode"):
-        env = engine.env(spec, role)  # type: ignore[arg-type]
-        assert [v.get("value") for v in env if v["name"] == "PYTHONHASHSEED"] == ([] if seed is None else [seed])
+        assert [v for v in engine.env(spec, role) if v["name"] == "PYTHONHASHSEED"] == user
+
+
+@pytest.mark.parametrize("version", ["0.13", "0.24", "0.32", "0.33"])
+@pytest.mark.parametrize("index", ["Events", "Routed"])
+def test_no_pool_gets_a_rendered_pythonhashseed(version: str, index: str) -> None:
+    """A seed the render chose would be the same public value in every pool, and an integer one turns
+    off Python's hash randomisation in the engines' API server: without the user's, there is none."""
+    env = [{"name": "PYTHONHASHSEED", "value": "random"}] if index == "Events" and \
+        vllm.parse_version(version) < vllm.FIXED_NONE_HASH_ADDED else []
+    spec = spec_of(index, engine={"vllmVersion": version, "env": env})
+    for role in ("prefill", "decode"):
+        assert [v.get("value") for v in engine.env(spec, role)
+                if v["name"] == "PYTHONHASHSEED"] == [e["value"] for e in env]
+
+
+@pytest.mark.parametrize(("args", "algo"), [
+    ([], "sha256"),
+    (["--prefix-caching-hash-algo", "sha256_cbor"], "sha256_cbor"),
+    (["--prefix-caching-hash-algo=sha256_cbor", "--prefix-caching-hash-algo=sha256"], "sha256"),
+])
+def test_events_tell_the_proxy_the_engines_hash_algorithm(args: list[str], algo: str) -> None:
+    spec = spec_of(engine={"extraArgs": args})
+    assert last_flag_value(proxy_args("x", "ns", spec), "--kv-hash-algo") == algo

@@ -762,7 +762,8 @@ class KVAwareSpec(APIModel):
     index: KVIndex = Field(
         default=KVIndex.EVENTS,
         description="What the proxy knows the engines cache: Events (each engine's own KV events, which the "
-        "operator turns on: exact, and the same in every proxy replica) or Routed (what this proxy sent "
+        "operator turns on: exact, and the same in every proxy replica; the engines must hash with sha256 or "
+        "sha256_cbor, and before vLLM 0.32 need PYTHONHASHSEED in engine.env) or Routed (what this proxy sent "
         "where, forgotten ttlSeconds later: approximate, for engines that cannot publish events).",
     )
     kv_weight: float = Field(
@@ -1185,6 +1186,41 @@ def _engine_args(spec: DisaggregatedServingSpec, *roles: str) -> list[str]:
     return [*spec.engine.extra_args, *(arg for role in roles for arg in getattr(spec, role).extra_args)]
 
 
+#: The `--prefix-caching-hash-algo` values vLLM seeds at random per process unless PYTHONHASHSEED is
+#: set, on purpose: xxHash is not collision resistant, so a seed others know lets them make colliding
+#: blocks offline (vLLM #12621, `resolve_none_hash_seed`). The Events index would need that seed public.
+XXHASH_ALGOS: Final = ("xxhash", "xxhash_cbor")
+_HASH_ALGO_FLAG: Final = "--prefix-caching-hash-algo"
+#: Seeds vLLM's first block hash (`NONE_HASH`) when set, and Python's str hashing (`random`: at random).
+PYTHONHASHSEED: Final = "PYTHONHASHSEED"
+_FIXED_NONE_HASH: Final = vllm.format_version(vllm.FIXED_NONE_HASH_ADDED)
+
+
+def _xxhash_arg(arg: str) -> bool:
+    """An engine argument choosing an xxhash algorithm: `--prefix-caching-hash-algo=xxhash...`, or the
+    value of `--prefix-caching-hash-algo xxhash` (any argument that is one: CEL cannot pair an argument
+    with the next)."""
+    return arg in XXHASH_ALGOS or arg.startswith(f"{_HASH_ALGO_FLAG}=xxhash")
+
+
+def _xxhash_cel(field: str) -> str:
+    values = " || ".join(f"a == '{algo}'" for algo in XXHASH_ALGOS)
+    return f"{field}.exists(a, {values} || a.startsWith('{_HASH_ALGO_FLAG}=xxhash'))"
+
+
+def _seeds_only_in_engine_env(spec: DisaggregatedServingSpec) -> bool:
+    """PYTHONHASHSEED, where set, is a literal value of engine.env (so both roles' engines share it and
+    the render can pass it to the proxy)."""
+    return (not any(var.name == PYTHONHASHSEED for var in [*spec.prefill.env, *spec.decode.env])
+            and all(var.value is not None for var in spec.engine.env if var.name == PYTHONHASHSEED))
+
+
+def _seeded_where_needed(spec: DisaggregatedServingSpec) -> bool:
+    """Before 0.32 the engines' NONE_HASH is random per process unless PYTHONHASHSEED is set."""
+    return (vllm.parse_version(spec.engine.vllm_version) >= vllm.FIXED_NONE_HASH_ADDED
+            or any(var.name == PYTHONHASHSEED for var in spec.engine.env))
+
+
 _KV_AWARE_CEL: Final = "self.proxy.routingPolicy != 'KVAware'"
 _KV_EVENTS_CEL: Final = f"({_KV_AWARE_CEL} || self.proxy.kvAware.index != 'Events')"
 _KV_AWARE_RULES: Final = (
@@ -1227,6 +1263,39 @@ _KV_AWARE_RULES: Final = (
         "subscribes to): remove it from engine.extraArgs, prefill.extraArgs and decode.extraArgs",
         check=lambda s: not _kv_events(s) or not any(
             a.startswith("--kv-events-config") for a in _engine_args(s, "prefill", "decode")),
+        field_path=".proxy.kvAware.index",
+    ),
+    # The proxy hashes each prompt as the engines do, NONE_HASH's seed included; the operator never
+    # renders a seed of its own (a fixed one would be public, and PYTHONHASHSEED=<integer> also turns off
+    # Python's hash randomisation in the API server, which parses untrusted JSON).
+    Rule(
+        cel=f"{_KV_EVENTS_CEL} || !({_xxhash_cel('self.engine.extraArgs')} || "
+        f"{_xxhash_cel('self.prefill.extraArgs')} || {_xxhash_cel('self.decode.extraArgs')})",
+        message="proxy.kvAware.index Events needs the engines' --prefix-caching-hash-algo sha256 (the default) or "
+        "sha256_cbor: vLLM seeds xxhash and xxhash_cbor at random per process, since a seed others know lets "
+        "them craft colliding blocks, so the proxy cannot hash as the engines do: remove xxhash from "
+        "engine.extraArgs, prefill.extraArgs and decode.extraArgs, or use index Routed",
+        check=lambda s: not _kv_events(s) or not any(_xxhash_arg(a) for a in _engine_args(s, "prefill", "decode")),
+        field_path=".proxy.kvAware.index",
+    ),
+    Rule(
+        cel=f"{_KV_EVENTS_CEL} || (!self.prefill.env.exists(e, e.name == '{PYTHONHASHSEED}') && "
+        f"!self.decode.env.exists(e, e.name == '{PYTHONHASHSEED}') && "
+        f"self.engine.env.all(e, e.name != '{PYTHONHASHSEED}' || has(e.value)))",
+        message="proxy.kvAware.index Events hashes prompts with the engines' PYTHONHASHSEED, which the proxy is "
+        "given and both roles must share: set it, if at all, as a literal value in engine.env, not with "
+        "valueFrom and not in prefill.env or decode.env",
+        check=lambda s: not _kv_events(s) or _seeds_only_in_engine_env(s),
+        field_path=".proxy.kvAware.index",
+    ),
+    Rule(
+        cel=f"{_KV_EVENTS_CEL} || !self.engine.vllmVersion.matches('{vllm.BEFORE_0_32_REGEX}') || "
+        f"self.engine.env.exists(e, e.name == '{PYTHONHASHSEED}')",
+        message=f"proxy.kvAware.index Events on engine.vllmVersion < {_FIXED_NONE_HASH} needs PYTHONHASHSEED in "
+        "engine.env: these releases seed the first block's hash at random per process without it, so no two "
+        "engines hash alike. Set it yourself (PYTHONHASHSEED=random keeps Python's hash randomisation; "
+        f"docs/proxy.md), or use engine.vllmVersion >= {_FIXED_NONE_HASH} or index Routed",
+        check=lambda s: not _kv_events(s) or _seeded_where_needed(s),
         field_path=".proxy.kvAware.index",
     ),
 )

@@ -8,8 +8,9 @@ Per request (`KVRouter.prepare`, before the first pick):
    batch is looked at. A failed or slow `/tokenize` (`tokenize_timeout`) leaves the request without
    ids: it is scored by load alone, never failed.
 2. vLLM's block hashes of those ids (`kvcache.hashing.BlockHasher`: the engines' block size, hash
-   algorithm and NONE_HASH seed, the request's `cache_salt`), kept as the low 64 bits vLLM publishes
-   in its KV events (`kvcache.events.external_block_hash`): one key per full block.
+   algorithm and NONE_HASH seed, the request's `cache_salt`; Routed, which compares only its own keys,
+   sha256 whatever the engines use), kept as the low 64 bits vLLM publishes in its KV events
+   (`kvcache.events.external_block_hash`): one key per full block.
 
 Per pick (`choose`, among the candidates pairing and health left): each candidate's hit is the run of
 the prompt's blocks from the first that its index holds (`kvcache.index.PrefixIndex.match`, at most
@@ -46,7 +47,7 @@ from xpyd.api.naming import Role
 from xpyd.common.args import positive_float, positive_int
 from xpyd.common.jsontypes import JSON
 from xpyd.kvcache import scoring
-from xpyd.kvcache.hashing import DEFAULT_NONE_HASH_SEED, HASH_ALGOS, BlockHasher
+from xpyd.kvcache.hashing import CRYPTOGRAPHIC_HASH_ALGOS, DEFAULT_NONE_HASH_SEED, HASH_ALGOS, BlockHasher
 from xpyd.kvcache.index import PrefixIndex
 from xpyd.kvcache.pool import BlockKeys
 from xpyd.proxy.metrics import Counter, Gauge, GaugeSample, Histogram
@@ -81,8 +82,9 @@ class KVSettings:
     ttl_s: float = 600.0
     index_blocks: int = 131072
     block_size: int = 16
+    #: Events: the engines' `--prefix-caching-hash-algo` (Routed hashes with sha256 whatever it says).
     hash_algo: str = "sha256"
-    #: The engines' PYTHONHASHSEED (None: vLLM's fixed seed of sha256 and sha256_cbor).
+    #: Events: the engines' PYTHONHASHSEED (None: vLLM's fixed seed of sha256 and sha256_cbor).
     hash_seed: str | None = None
     events_port: int = 7557
     events_replay_port: int = 7657
@@ -93,8 +95,13 @@ class KVSettings:
     tokenize_timeout_s: float = TOKENIZE_TIMEOUT_S
 
     def hasher(self) -> BlockHasher:
-        """The engines' block hashing (raises ValueError for an algorithm or size vLLM refuses, and
-        ModuleNotFoundError for xxhash without the package)."""
+        """The block hashing of the index keys (raises ValueError for an algorithm or size vLLM refuses,
+        and ModuleNotFoundError for xxhash without the package). Events: the engines' own, whose events
+        carry their hashes. Routed compares only the keys this proxy made, so it hashes with sha256 and
+        vLLM's default seed whatever `hash_algo` and `hash_seed` say: only the block size must be the
+        engines'."""
+        if self.index == KVIndex.ROUTED:
+            return BlockHasher(self.block_size)
         hasher = BlockHasher(self.block_size, self.hash_algo, DEFAULT_NONE_HASH_SEED if self.hash_seed is None
                              else self.hash_seed)
         hasher.hashes([0] * self.block_size)   # the xxhash algorithms import their package on first use
@@ -377,10 +384,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--kv-block-size", type=positive_int, default=defaults.block_size,
                        help="the engines' --block-size (tokens per KV block)")
     group.add_argument("--kv-hash-algo", default=defaults.hash_algo, choices=HASH_ALGOS,
-                       help="the engines' --prefix-caching-hash-algo")
+                       help="Events: the engines' --prefix-caching-hash-algo (Routed hashes with sha256)")
     group.add_argument("--kv-hash-seed", default=None,
-                       help="the engines' PYTHONHASHSEED, which seeds vLLM's first block hash (unset: vLLM's "
-                       "fixed seed, which sha256 and sha256_cbor use from 0.32 on)")
+                       help="Events: the engines' PYTHONHASHSEED, which seeds vLLM's first block hash (unset: "
+                       "vLLM's fixed seed, which sha256 and sha256_cbor use from 0.32 on; the xxhash algorithms "
+                       "are seeded at random per process without it, and no hash would match)")
     group.add_argument("--kv-events-port", type=_port, default=defaults.events_port,
                        help="Events: the engines' KV event PUB port (rank r publishes on it + r)")
     group.add_argument("--kv-events-replay-port", type=_port, default=defaults.events_replay_port,
@@ -406,6 +414,11 @@ def problem(args: argparse.Namespace) -> str | None:
     if args.routing_policy != "KVAware":
         return None
     settings = settings_from_args(args)
+    events = settings.index == KVIndex.EVENTS
+    if events and settings.hash_algo not in CRYPTOGRAPHIC_HASH_ALGOS and settings.hash_seed is None:
+        return (f"--kv-hash-algo {settings.hash_algo} with --kv-index Events needs --kv-hash-seed, the engines' "
+                "PYTHONHASHSEED: without it vLLM seeds the xxhash algorithms at random per process, so no "
+                "event would match the proxy's hashes")
     try:
         settings.hasher()
     except (ValueError, ModuleNotFoundError) as error:
@@ -413,7 +426,7 @@ def problem(args: argparse.Namespace) -> str | None:
     if settings.events_port + settings.prefill_ranks > 65536 or settings.events_replay_port + max(
             settings.prefill_ranks, settings.decode_ranks) > 65536:
         return "--kv-events-port and --kv-events-replay-port plus the ranks must stay below 65536"
-    if settings.index == KVIndex.EVENTS:
+    if events:
         try:
             import zmq  # noqa: F401
         except ModuleNotFoundError:

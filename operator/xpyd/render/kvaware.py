@@ -1,16 +1,26 @@
 """KVAware routing's part of the render (`spec.proxy.routingPolicy: KVAware`, `spec.proxy.kvAware`).
 
 The proxy hashes each prompt's token ids into vLLM's block hashes and looks them up in a per-engine
-index (docs/proxy.md, "KV-aware routing"), so it is told what the engines hash with:
+index (docs/proxy.md, "KV-aware routing"). The block size always matters (`--kv-block-size`): the
+last `--block-size` of the engines' extra arguments (engine-wide, then the prefill role's), else
+vLLM's default for the device (16 on GPUs, 128 on CPUs).
 
-- the block size: the last `--block-size` of the engines' extra arguments (engine-wide, then the
-  prefill role's), else vLLM's default for the device (16 on GPUs, 128 on CPUs);
-- the hash algorithm: the last `--prefix-caching-hash-algo`, else vLLM's default, sha256;
-- with the Events index, the seed of the first block's parent hash (`NONE_HASH`). vLLM 0.32+ seeds
-  sha256 and sha256_cbor with a fixed string unless PYTHONHASHSEED is set, so independent engines (and
-  the proxy) hash alike; older releases, and the xxhash algorithms, take random bytes per process
-  unless PYTHONHASHSEED is set. There the engines get PYTHONHASHSEED (`HASH_SEED`, unless the user
-  sets it) and the proxy the same value (`--kv-hash-seed`).
+With the Events index the proxy's hashes must equal the engines', so it is also told:
+
+- the hash algorithm (`--kv-hash-algo`): the last `--prefix-caching-hash-algo`, else vLLM's default,
+  sha256. The API refuses xxhash and xxhash_cbor there: vLLM seeds them at random per process on
+  purpose (not collision resistant: a seed others know lets them craft colliding blocks, vLLM #12621),
+  so matching them would need a seed made public in the proxy's arguments.
+- the seed of the first block's parent hash (`NONE_HASH`, `--kv-hash-seed`), only when the user sets
+  PYTHONHASHSEED (a literal value in engine.env, as the API requires with Events). vLLM 0.32+ seeds
+  sha256 and sha256_cbor with a fixed string without it, so independent engines and the proxy hash
+  alike; older releases take random bytes per process, and the API refuses Events there unless the
+  user sets PYTHONHASHSEED. The render never sets it itself: a seed it chose would be the same public
+  value in every pool, and an integer PYTHONHASHSEED also turns off Python's hash randomisation in the
+  engines' API server, which parses untrusted JSON.
+
+The Routed index compares only the proxy's own hashes, so it is told neither: the proxy hashes
+Routed with sha256 whatever the engines use.
 
 With the Events index both roles' engines publish their KV events (`--kv-events-config`: ZMQ PUB on
 `KV_EVENTS_PORT`, a replay ROUTER on `KV_EVENTS_REPLAY_PORT`, topic `KV_EVENTS_TOPIC`); vLLM offsets
@@ -31,6 +41,7 @@ from xpyd.api.models import (
     KV_EVENTS_PORT,
     KV_EVENTS_REPLAY_PORT,
     KV_EVENTS_TOPIC,
+    PYTHONHASHSEED,
     DisaggregatedServingSpec,
     KVIndex,
     RoleSpec,
@@ -40,8 +51,6 @@ from xpyd.api.naming import ROLES, Role
 from xpyd.common.args import last_flag_value
 from xpyd.common.jsontypes import JSON
 
-#: PYTHONHASHSEED the engines get where vLLM would otherwise seed NONE_HASH at random per process.
-HASH_SEED: Final = "0"
 DEFAULT_HASH_ALGO: Final = vllm.PREFIX_CACHING_HASH_ALGOS[0]
 
 
@@ -78,31 +87,16 @@ def hash_algo(spec: DisaggregatedServingSpec, role: Role = "prefill") -> str:
     return last_flag_value(_args(spec, role), "--prefix-caching-hash-algo") or DEFAULT_HASH_ALGO
 
 
-def _user_env_value(spec: DisaggregatedServingSpec, role: Role, name: str) -> tuple[bool, str | None]:
-    """Whether the user sets `name` for `role`'s engines, and its literal value (None: from a Secret or
-    ConfigMap, which the render cannot read)."""
-    role_spec: RoleSpec = getattr(spec, role)
-    found, value = False, None
-    for var in [*spec.engine.env, *role_spec.env]:
-        if var.name == name:
-            found, value = True, var.value
-    return found, value
-
-
-def needs_hash_seed(spec: DisaggregatedServingSpec) -> bool:
-    """Whether vLLM seeds NONE_HASH at random unless PYTHONHASHSEED is set: releases before 0.32, and
-    the xxhash algorithms in every release."""
-    return (vllm.parse_version(spec.engine.vllm_version) < vllm.FIXED_NONE_HASH_ADDED
-            or not hash_algo(spec).startswith("sha256"))
-
-
 def hash_seed(spec: DisaggregatedServingSpec) -> str | None:
-    """The PYTHONHASHSEED the prefill engines run with (the user's literal value, else the rendered
-    one where `needs_hash_seed`), which the proxy seeds its NONE_HASH with; None: vLLM's fixed seed."""
-    found, value = _user_env_value(spec, "prefill", "PYTHONHASHSEED")
-    if found:
-        return value
-    return HASH_SEED if events(spec) and needs_hash_seed(spec) else None
+    """The engines' PYTHONHASHSEED, which seeds their NONE_HASH and so the proxy's: the user's literal
+    value, the last of engine.env then the prefill role's env, as the container gets it. None when it
+    is unset (vLLM's fixed seed for sha256 and sha256_cbor from 0.32; before 0.32 the API refuses the
+    Events index without it) or comes from valueFrom (refused with the Events index too)."""
+    value = None
+    for var in [*spec.engine.env, *spec.prefill.env]:
+        if var.name == PYTHONHASHSEED:
+            value = var.value
+    return value
 
 
 def events_config(spec: DisaggregatedServingSpec) -> str:
@@ -118,10 +112,8 @@ def engine_args(spec: DisaggregatedServingSpec, role: Role) -> list[str]:
 
 
 def engine_env(spec: DisaggregatedServingSpec, role: Role) -> list[JSON]:
-    """PYTHONHASHSEED where the engines' NONE_HASH would be random (Events only; the user's value wins,
-    through the env's override)."""
-    if events(spec) and needs_hash_seed(spec) and not _user_env_value(spec, role, "PYTHONHASHSEED")[0]:
-        return [{"name": "PYTHONHASHSEED", "value": HASH_SEED}]
+    """The engines' variables for KVAware routing: none. PYTHONHASHSEED, where the Events index needs
+    it, is the user's to set (see the module docstring); the render never chooses a seed."""
     return []
 
 
@@ -141,17 +133,18 @@ def _number(value: float) -> str:
 
 
 def proxy_args(spec: DisaggregatedServingSpec) -> list[str]:
-    """`xpyd proxy` flags of the policy: its index and weights, what the engines hash with, and, for
-    the Events index, where and what they publish."""
+    """`xpyd proxy` flags of the policy: its index, weights and the engines' block size, and, for the
+    Events index, what the engines hash with and where and what they publish."""
     if not kv_aware(spec):
         return []
     settings = spec.proxy.kv_aware
     result = [f"--kv-index={settings.index.value}", f"--kv-weight={_number(settings.kv_weight)}",
               f"--kv-decode-credit={_number(settings.decode_credit)}", f"--kv-index-blocks={settings.index_blocks}",
-              f"--kv-block-size={block_size(spec)}", f"--kv-hash-algo={hash_algo(spec)}"]
-    if settings.index == KVIndex.ROUTED:
+              f"--kv-block-size={block_size(spec)}"]
+    if settings.index == KVIndex.ROUTED:   # the proxy's own hashes only: sha256, whatever the engines use
         result.append(f"--kv-ttl={settings.ttl_seconds}")
         return result
+    result.append(f"--kv-hash-algo={hash_algo(spec)}")
     seed = hash_seed(spec)
     if seed is not None:
         result.append(f"--kv-hash-seed={seed}")
