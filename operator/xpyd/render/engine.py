@@ -237,7 +237,6 @@ def env(spec: DisaggregatedServingSpec, role: Role, proxy_host: str = "") -> lis
     if spec.model.hf_token_secret_ref is not None:
         ref = spec.model.hf_token_secret_ref
         result.append({"name": "HF_TOKEN", "valueFrom": {"secretKeyRef": {"name": ref.name, "key": ref.key}}})
-    result += kvaware.engine_env(spec, role)
     return _override(result, _user_env(spec.engine.env) + _user_env(role_spec.env))
 
 

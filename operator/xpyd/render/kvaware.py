@@ -111,12 +111,6 @@ def engine_args(spec: DisaggregatedServingSpec, role: Role) -> list[str]:
     return [f"--kv-events-config={events_config(spec)}"] if events(spec) else []
 
 
-def engine_env(spec: DisaggregatedServingSpec, role: Role) -> list[JSON]:
-    """The engines' variables for KVAware routing: none. PYTHONHASHSEED, where the Events index needs
-    it, is the user's to set (see the module docstring); the render never chooses a seed."""
-    return []
-
-
 def engine_ports(spec: DisaggregatedServingSpec, role: Role) -> list[JSON]:
     """The KV-event ports of each data-parallel rank (Events only)."""
     if not events(spec):
