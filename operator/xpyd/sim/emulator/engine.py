@@ -19,8 +19,9 @@ from urllib.parse import quote
 import aiohttp
 
 from xpyd.common.netguard import NonLoopbackAddress, require_loopback
+from xpyd.kvcache.events import external_block_hash
 from xpyd.kvcache.hashing import BlockHasher, none_hash_seed
-from xpyd.kvcache.pool import BlockKeys
+from xpyd.kvcache.pool import BlockKeys, Segment
 from xpyd.sim.core import EngineConfig, EngineCore, EnginePerf, EngineRequest, Event, EventKind, Phase, Step
 from xpyd.sim.emulator.config import (
     KEEPALIVE_TIMEOUT_S,
@@ -365,6 +366,33 @@ class Engine:
                 log.warning("Failed to reset prefix cache because some blocks are not freed yet")
             return False
         return pool.reset()
+
+    def cached_blocks(self) -> list[tuple[int | bytes, int]]:
+        """The prompt blocks the prefix cache holds now (in use or free), each as vLLM's KV events name it
+        (`external_block_hash`: the low 64 bits, or the digest with VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES=0)
+        with its copies (two requests that computed a block side by side each cache one, as in vLLM).
+        Blocks of generated tokens, which no prompt hits and no event names, are left out."""
+        pool = self.core.pool
+        if pool is None:
+            return []
+        as_int = self.config.kv_events_int_hashes
+        out: list[tuple[int | bytes, int]] = []
+        # The pool keeps no public listing of its runs; a key hashed from token ids is a run of one
+        # block, cached once per segment.
+        for run, first in pool._runs.items():
+            copies = 0
+            segment: Segment | None = first
+            while segment is not None:
+                copies += 1
+                segment = segment.later
+            assert isinstance(run, bytes)
+            out.append((external_block_hash(run, as_int), copies))
+        return out
+
+    @property
+    def kv_batches_published(self) -> int:
+        """KV event batches published so far (the next batch's sequence number)."""
+        return 0 if self.publisher is None else self.publisher.published
 
     def kv_transfer_params(self, stream: Stream) -> dict[str, Any]:
         """What a prefill leg returns for the decode leg (NixlConnector's `request_finished`)."""

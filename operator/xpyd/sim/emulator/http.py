@@ -261,6 +261,30 @@ async def kv_release(request: web.Request) -> web.Response:
     return web.json_response({"released": request_id})
 
 
+async def kv_blocks(request: web.Request) -> web.Response:
+    """`GET /xpyd/kv/blocks` (not vLLM's): what the prefix cache holds now, to check a router's index
+    against: `{"blocks": [hash, ...], "duplicated": n, "batches": n}`, each cached prompt block once as
+    the KV events name it (an integer, or hex digits with VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES=0), how
+    many of them are cached more than once, and the KV event batches published so far. The blocks
+    include those cached or evicted in the step under way, whose events go out when it ends. With
+    `?format=u64` the body is the blocks' low 64 bits (a router's keys), 8 bytes each, big-endian, and
+    the counts are the headers `X-KV-Duplicated` and `X-KV-Batches` (cheap to read beside a busy loop)."""
+    engine = request.app[ENGINE]
+    cached = engine.cached_blocks()
+    duplicated = sum(1 for _, copies in cached if copies > 1)
+    batches = engine.kv_batches_published
+    if request.query.get("format") == "u64":
+        keys = (block if isinstance(block, int) else int.from_bytes(block, "big") & KEY_MASK for block, _ in cached)
+        body = b"".join(key.to_bytes(8, "big") for key in keys)
+        return web.Response(body=body, content_type="application/octet-stream",
+                            headers={"X-KV-Duplicated": str(duplicated), "X-KV-Batches": str(batches)})
+    blocks = [block if isinstance(block, int) else block.hex() for block, _ in cached]
+    return web.json_response({"blocks": blocks, "duplicated": duplicated, "batches": batches})
+
+
+KEY_MASK = (1 << 64) - 1
+
+
 async def faults(request: web.Request) -> web.Response:
     """`GET` / `PUT /xpyd/faults` (fault injection, not vLLM's): `{"unreadable_from": [host, ...]}`,
     the prefill side-channel hosts whose KV this engine cannot read ("*": all), as a broken link
@@ -300,6 +324,7 @@ def build_app(engine: Engine) -> web.Application:
     app.router.add_post("/ping", health)
     app.router.add_get("/version", version)
     app.router.add_get("/metrics", metrics)
+    app.router.add_get("/xpyd/kv/blocks", kv_blocks)
     app.router.add_get("/xpyd/kv/{request_id}", kv_lookup)
     app.router.add_post("/xpyd/kv/{request_id}/release", kv_release)
     app.router.add_get("/xpyd/faults", faults)

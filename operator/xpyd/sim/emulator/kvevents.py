@@ -16,6 +16,12 @@ subscriber that falls behind `hwm` messages loses them (ZMQ's PUB), as with vLLM
 an in-process queue of `max_queue_size` before its publishing thread sends them; the emulator sends at
 once, so that bound is accepted and not used.
 
+Encoding: vLLM's publisher encodes with msgspec, in C, on its own thread, after stamping the batch's
+`ts`; `kvcache.events.encode_batch` walks every field of every event in Python (about 4 µs per
+BlockRemoved, 60 ms for a step that evicts 12,000 blocks), which would count in a subscriber's
+event-to-index lag as time vLLM does not spend. `encode_latest` writes the same bytes for 0.33 with
+msgpack's own walk (tests/integration/test_engine_sim_kv_blocks.py holds it to `encode_batch`).
+
 Blocks of generated tokens: vLLM caches (and announces) them as decode fills them; the engine model
 caches them only when the request ends, as anonymous blocks no prompt can hit (`sim.core`), so they
 are neither announced nor, when evicted, removed.
@@ -37,12 +43,14 @@ from typing import Any
 from xpyd.common.netguard import require_loopback
 from xpyd.kvcache.events import (
     LATEST,
+    REMOVED_FIELDS,
+    STORED_FIELDS,
+    TAG_FIELD,
     AllBlocksCleared,
     BlockRemoved,
     BlockStored,
     EventBatch,
     KVEvent,
-    encode_batch,
     external_block_hash,
     offset_endpoint_port,
     parse_replay_request,
@@ -56,6 +64,34 @@ log = logging.getLogger(__name__)
 
 KV_CACHE_SPEC_KIND = "full_attention"
 """What vLLM's KV-cache manager stamps on a dense model's `BlockStored` (0.23+)."""
+
+
+#: Per event class, its fields in 0.33's order with whether they are always written (required).
+_FIELDS: dict[type, tuple[tuple[str, bool], ...]] = {
+    BlockStored: tuple((name, required) for name, added, required in STORED_FIELDS if added <= LATEST),
+    BlockRemoved: tuple((name, required) for name, added, required in REMOVED_FIELDS if added <= LATEST),
+    AllBlocksCleared: ()}
+
+
+def encode_latest(batch: EventBatch) -> bytes:
+    """`kvcache.events.encode_batch(batch, LATEST)`, byte for byte: each event a map of its tag and the
+    fields 0.33 writes (the required ones, and the others when set); msgpack writes tuples as arrays
+    itself, so values go in as they are."""
+    objects: list[dict[str, Any]] = []
+    for event in batch.events:
+        cls = type(event)
+        out: dict[str, Any] = {TAG_FIELD: cls.__name__}
+        for name, required in _FIELDS[cls]:
+            value = getattr(event, name)
+            if required or value is not None:
+                out[name] = value
+        objects.append(out)
+    data: bytes = _msgpack().packb([float(batch.ts), objects, batch.data_parallel_rank], use_bin_type=True)
+    return data
+
+
+def _msgpack() -> Any:
+    return importlib.import_module("msgpack")   # a dependency, untyped
 
 
 @dataclass(frozen=True)
@@ -205,7 +241,7 @@ class ZmqPublisher:
         """Send one step's events as the next batch."""
         batch = EventBatch(time.time(), events, self.data_parallel_rank)
         seq = next(self._seq)
-        payload = encode_batch(batch, LATEST)
+        payload = encode_latest(batch)
         try:
             self._pub.send_multipart(publish_frames(self.topic, seq, payload), flags=self._zmq.NOBLOCK)
         except self._zmq.Again:
