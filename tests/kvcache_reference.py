@@ -6,10 +6,12 @@ replays Mooncake windows through the simulator with each).
 one object per cached block, a dict from key to the first block cached under it, vLLM's free queue
 as a linked list of blocks. `ReferencePool` gives it `BlockPool`'s interface: a request's runs of
 keys become one key per block, `(run, index)`, and its `RequestBlocks` say what it hit and cached.
+`RunTree` makes the random prompts both are driven with.
 """
 
 from __future__ import annotations
 
+import random
 from collections.abc import Hashable, Sequence
 
 from xpyd.kvcache.pool import BlockKeys, RequestBlocks
@@ -244,3 +246,28 @@ class ReferencePool:
     def free(self, held: RequestBlocks, generated: int = 0) -> None:
         self.blocks.free(self._held.pop(held), generated)
         held.count = held.cached = 0
+
+
+class RunTree:
+    """Random prompts over a growing tree of runs, as conversations share prefixes: each a path of 1 to
+    `depth` runs from the root, taking a new branch where a node has none or with probability 0.3, each
+    run `per_run` blocks long but the last, which ends at random inside it."""
+
+    def __init__(self, rng: random.Random, per_run: int, depth: int) -> None:
+        self.rng, self.per_run, self.depth = rng, per_run, depth
+        self.children: dict[int, list[int]] = {-1: []}
+
+    def prompt(self) -> BlockKeys:
+        rng, children = self.rng, self.children
+        ids: list[Hashable] = []
+        node = -1
+        for _ in range(rng.randint(1, self.depth)):
+            below = children.setdefault(node, [])
+            if not below or rng.random() < 0.3:
+                below.append(len(children))
+                children[len(children)] = []
+            node = rng.choice(below)
+            ids.append(node)
+        lengths = [self.per_run] * len(ids)
+        lengths[-1] = rng.randint(1, self.per_run)
+        return BlockKeys(ids, lengths)

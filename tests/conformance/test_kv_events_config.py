@@ -2,8 +2,8 @@
 
 For every release of `vllm_release.RELEASES`, the `--kv-events-config` the operator renders for a
 KVAware pool with the Events index must validate whole with that release's `KVEventsConfig`
-(`vllm/config/kv_events.py`, loaded in a subprocess without torch, as `vllm_release` loads
-KVTransferConfig) and carry only its fields; the ports the pod declares per data-parallel rank must be
+(`vllm/config/kv_events.py`, loaded in a subprocess without torch by `vllm_release.validate_configs`,
+as KVTransferConfig is) and carry only its fields; the ports the pod declares per data-parallel rank must be
 the ones the release's `ZmqEventPublisher.offset_endpoint_port` binds; the API must refuse the Events
 index without the user's PYTHONHASHSEED exactly where the release seeds NONE_HASH at random without it,
 and the render must never set one itself; and the xxhash algorithms, which the API refuses with Events,
@@ -14,14 +14,12 @@ from __future__ import annotations
 
 import ast
 import json
-import subprocess
-import sys
 from functools import cache
 from typing import Any
 
 import pytest
 
-from tests.conformance.vllm_release import RELEASES, release_root
+from tests.conformance.vllm_release import RELEASES, release_root, validate_configs
 from tests.servings import serving
 from xpyd import vllm
 from xpyd.api.load import SpecError, parse_serving
@@ -33,40 +31,8 @@ pytestmark = pytest.mark.integration
 KV_EVENTS = "vllm/config/kv_events.py"
 PUBLISHER = "vllm/distributed/kv_events.py"
 CACHE_UTILS = "vllm/v1/core/kv_cache_utils.py"
-
-_VALIDATE = r"""
-import dataclasses, importlib.util, json, sys, types
-root = sys.argv[1]
-configs = json.loads(sys.stdin.read())
-def package(name, path):
-    module = types.ModuleType(name)
-    module.__path__ = [path]
-    sys.modules[name] = module
-package("vllm", f"{root}/vllm")
-package("vllm.config", f"{root}/vllm/config")
-package("vllm.utils", f"{root}/vllm/utils")
-sys.modules["torch"] = types.ModuleType("torch")
-platforms = types.ModuleType("vllm.platforms")
-platforms.current_platform = types.SimpleNamespace(device_type="cuda")
-sys.modules["vllm.platforms"] = platforms
-spec = importlib.util.spec_from_file_location("vllm.config.kv_events", f"{root}/vllm/config/kv_events.py")
-module = importlib.util.module_from_spec(spec)
-sys.modules[spec.name] = module
-spec.loader.exec_module(module)
-import pydantic
-cls = module.KVEventsConfig
-adapter = pydantic.TypeAdapter(cls)
-results = []
-for text in configs:
-    try:
-        value = adapter.validate_json(text)
-        results.append({"publisher": value.publisher, "enable": value.enable_kv_cache_events,
-                        "endpoint": value.endpoint, "replay": value.replay_endpoint, "topic": value.topic})
-    except pydantic.ValidationError as error:
-        results.append(str(error))
-print(json.dumps({"fields": [f.name for f in dataclasses.fields(cls)], "results": results}))
-"""
-
+#: What of a validated KVEventsConfig is compared with what the operator meant.
+ATTRIBUTES = ("publisher", "enable_kv_cache_events", "endpoint", "replay_endpoint", "topic")
 
 def minor(release: str) -> str:
     return ".".join(release.split(".")[:2])
@@ -85,13 +51,8 @@ def kv_aware_spec(release: str, seed: str | None = "random", **extra: Any) -> An
 
 @cache
 def release_check(release: str, text: str) -> tuple[frozenset[str], Any]:
-    root = release_root(release)
-    assert (root / KV_EVENTS).is_file(), f"vLLM {release} has no {KV_EVENTS}"
-    done = subprocess.run([sys.executable, "-c", _VALIDATE, str(root)], input=json.dumps([text]),
-                          capture_output=True, text=True, timeout=120, check=False)
-    assert done.returncode == 0, f"loading vLLM {release}'s KVEventsConfig failed:\n{done.stderr}"
-    out = json.loads(done.stdout.strip().splitlines()[-1])
-    return frozenset(out["fields"]), out["results"][0]
+    check = validate_configs(release, KV_EVENTS, "KVEventsConfig", [text], ATTRIBUTES)
+    return check.fields, check.results[0]
 
 
 @pytest.mark.parametrize("release", RELEASES)
@@ -104,8 +65,9 @@ def test_the_rendered_kv_events_config_is_accepted_whole(release: str) -> None:
         fields, verdict = release_check(release, text)
         assert not isinstance(verdict, str), f"vLLM {release} refuses {text}:\n{verdict}"
         assert set(json.loads(text)) <= fields, f"{sorted(set(json.loads(text)) - fields)} unknown to {release}"
-        assert verdict == {"publisher": "zmq", "enable": True, "endpoint": f"tcp://*:{KV_EVENTS_PORT}",
-                           "replay": f"tcp://*:{KV_EVENTS_REPLAY_PORT}", "topic": "kv-events"}
+        assert verdict == {"publisher": "zmq", "enable_kv_cache_events": True,
+                           "endpoint": f"tcp://*:{KV_EVENTS_PORT}", "replay_endpoint": f"tcp://*:{KV_EVENTS_REPLAY_PORT}",
+                           "topic": "kv-events"}
 
 
 def _offset_function(release: str) -> Any:

@@ -1,10 +1,11 @@
 """What a released vLLM accepts, read from its own code: the unpacked pure-Python files of its wheel
 (`bash e2e/build/vllm-wheels.sh` puts them in ${XPYD_CACHE:-~/.cache/xpyd}/vllm-src/<version>/).
 
-Nothing of vLLM is imported into the test process. `KVTransferConfig` is loaded in a subprocess per
-release, without torch: `vllm`, `vllm.config` and `vllm.utils` are registered as bare packages (their
-`__init__` imports torch), `torch` and `vllm.platforms` are stubs, and the configs are validated with
-`pydantic.TypeAdapter(KVTransferConfig).validate_json`, the call vLLM's CLI parser makes
+Nothing of vLLM is imported into the test process. Its config classes (`KVTransferConfig`,
+`KVEventsConfig`: `validate_configs`) are loaded in a subprocess per release, without torch: `vllm`,
+`vllm.config` and `vllm.utils` are registered as bare packages (their `__init__` imports torch),
+`torch` and `vllm.platforms` are stubs, and the configs are validated with
+`pydantic.TypeAdapter(cls).validate_json`, the call vLLM's CLI parser makes
 (`vllm/engine/arg_utils.py`). The CLI flags, the environment variables and the connector registry
 are read with `ast`.
 """
@@ -16,9 +17,11 @@ import json
 import os
 import subprocess
 import sys
+from collections.abc import Sequence
 from dataclasses import dataclass
 from functools import cache
 from pathlib import Path
+from typing import Any
 
 #: The releases at the API's version boundaries; the same list as e2e/build/vllm-wheels.sh pins.
 RELEASES = ("0.13.0", "0.16.0", "0.18.0", "0.23.0", "0.24.0", "0.32.0", "0.33.0")
@@ -54,11 +57,11 @@ def release_root(version: str) -> Path:
     return root
 
 
-# ---- KVTransferConfig, in a subprocess ----------------------------------------------------------
+# ---- vLLM's config classes, in a subprocess ---------------------------------------------------------
 
 _VALIDATE = r"""
 import dataclasses, importlib.util, json, sys, types
-root = sys.argv[1]
+root, rel, name, attributes = sys.argv[1], sys.argv[2], sys.argv[3], json.loads(sys.argv[4])
 configs = json.loads(sys.stdin.read())
 def package(name, path):
     module = types.ModuleType(name)
@@ -71,22 +74,44 @@ sys.modules["torch"] = types.ModuleType("torch")
 platforms = types.ModuleType("vllm.platforms")
 platforms.current_platform = types.SimpleNamespace(device_type="cuda")
 sys.modules["vllm.platforms"] = platforms
-spec = importlib.util.spec_from_file_location("vllm.config.kv_transfer", f"{root}/vllm/config/kv_transfer.py")
+spec = importlib.util.spec_from_file_location(rel.removesuffix(".py").replace("/", "."), f"{root}/{rel}")
 module = importlib.util.module_from_spec(spec)
 sys.modules[spec.name] = module
 spec.loader.exec_module(module)
 import pydantic
-cls = module.KVTransferConfig
+cls = getattr(module, name)
 adapter = pydantic.TypeAdapter(cls)
 results = []
 for text in configs:
     try:
-        adapter.validate_json(text)
-        results.append(None)
+        value = adapter.validate_json(text)
+        results.append({attribute: getattr(value, attribute) for attribute in attributes} if attributes else None)
     except pydantic.ValidationError as error:
         results.append(str(error))
 print(json.dumps({"fields": [f.name for f in dataclasses.fields(cls)], "results": results}))
 """
+
+
+@dataclass(frozen=True)
+class ConfigCheck:
+    #: The fields of the release's config class.
+    fields: frozenset[str]
+    #: Per config given: pydantic's message (a str) when the release refuses it, else the attributes
+    #: asked for of the validated config (None when none were asked for).
+    results: tuple[str | dict[str, Any] | None, ...]
+
+
+def validate_configs(version: str, rel: str, class_name: str, configs: list[str],
+                     attributes: Sequence[str] = ()) -> ConfigCheck:
+    """Validate each JSON text with the release's own config dataclass `class_name` of `rel` (a file of
+    vllm/config/), as its CLI parser does (`pydantic.TypeAdapter(cls).validate_json`)."""
+    root = release_root(version)
+    assert (root / rel).is_file(), f"vLLM {version} has no {rel}"
+    done = subprocess.run([sys.executable, "-c", _VALIDATE, str(root), rel, class_name, json.dumps(list(attributes))],
+                          input=json.dumps(configs), capture_output=True, text=True, timeout=120, check=False)
+    assert done.returncode == 0, f"loading vLLM {version}'s {class_name} failed:\n{done.stderr}"
+    out = json.loads(done.stdout.strip().splitlines()[-1])
+    return ConfigCheck(frozenset(out["fields"]), tuple(out["results"]))
 
 
 @dataclass(frozen=True)
@@ -99,12 +124,8 @@ class KVCheck:
 
 def validate_kv_transfer_configs(version: str, configs: list[str]) -> KVCheck:
     """Validate each `--kv-transfer-config` JSON text with the release's own KVTransferConfig."""
-    root = release_root(version)
-    done = subprocess.run([sys.executable, "-c", _VALIDATE, str(root)], input=json.dumps(configs),
-                          capture_output=True, text=True, timeout=120, check=False)
-    assert done.returncode == 0, f"loading vLLM {version}'s KVTransferConfig failed:\n{done.stderr}"
-    out = json.loads(done.stdout.strip().splitlines()[-1])
-    return KVCheck(frozenset(out["fields"]), tuple(out["results"]))
+    check = validate_configs(version, KV_TRANSFER, "KVTransferConfig", configs)
+    return KVCheck(check.fields, tuple(None if result is None else str(result) for result in check.results))
 
 
 # ---- read with ast -------------------------------------------------------------------------------

@@ -11,7 +11,7 @@ from collections.abc import Hashable, Sequence
 
 import pytest
 
-from tests.kvcache_reference import BlockByBlock, HeldBlocks, ReferencePool
+from tests.kvcache_reference import BlockByBlock, HeldBlocks, ReferencePool, RunTree
 from xpyd import vllm
 from xpyd.kvcache import events
 from xpyd.kvcache.events import (
@@ -234,21 +234,7 @@ def test_the_listener_hears_what_vllms_pool_caches_and_evicts_block_by_block(see
     reference.blocks = recording
     heard = Recorder()
     fast.listener = heard
-    children: dict[int, list[int]] = {-1: []}
-
-    def prompt() -> BlockKeys:
-        ids: list[Hashable] = []
-        node = -1
-        for _ in range(rng.randint(1, 4)):
-            below = children.setdefault(node, [])
-            if not below or rng.random() < 0.3:
-                below.append(len(children))
-                children[len(children)] = []
-            node = rng.choice(below)
-            ids.append(node)
-        lengths = [per_run] * len(ids)
-        lengths[-1] = rng.randint(1, per_run)
-        return BlockKeys(ids, lengths)
+    prompt = RunTree(rng, per_run, 4).prompt
 
     live: list[tuple[BlockKeys, RequestBlocks, RequestBlocks]] = []
     for _ in range(250):

@@ -11,7 +11,7 @@ from typing import Protocol
 
 import pytest
 
-from tests.kvcache_reference import ReferencePool
+from tests.kvcache_reference import ReferencePool, RunTree
 from tests.paths import TRACES
 from xpyd.kvcache.chains import TraceChains, TraceKeys, repeat_share
 from xpyd.kvcache.hashing import cbor, hash_block_tokens, hash_function, none_hash, request_block_hashes
@@ -214,21 +214,7 @@ def test_the_pool_keeps_the_blocks_vllms_pool_keeps_block_by_block(seed: int) ->
     num_blocks = rng.choice([4, 8, 16, 40, 100])
     per_run = rng.choice([1, 2, 3, 8])
     fast, reference = BlockPool(num_blocks), ReferencePool(num_blocks)
-    children: dict[int, list[int]] = {-1: []}
-
-    def prompt() -> BlockKeys:
-        ids: list[Hashable] = []
-        node = -1
-        for _ in range(rng.randint(1, 5)):
-            below = children.setdefault(node, [])
-            if not below or rng.random() < 0.3:
-                below.append(len(children))
-                children[len(children)] = []
-            node = rng.choice(below)
-            ids.append(node)
-        lengths = [per_run] * len(ids)
-        lengths[-1] = rng.randint(1, per_run)
-        return BlockKeys(ids, lengths)
+    prompt = RunTree(rng, per_run, 5).prompt
 
     live: list[tuple[BlockKeys | None, RequestBlocks, RequestBlocks]] = []
     for _ in range(300):
