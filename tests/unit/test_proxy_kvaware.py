@@ -1,21 +1,28 @@
 """KVAware routing (`xpyd.kvcache.scoring`, `xpyd.proxy.kvrouting`): the one formula as tables, the
-router's picks over indexed instances, the prompt forms it hashes, and its flags from the render."""
+router's picks over indexed instances, the prompt forms it hashes and those it does not, `/tokenize`
+within one deadline (against a fake session), each role's block size, and its flags from the render."""
 
 from __future__ import annotations
 
 import argparse
+import asyncio
 import random
-from typing import Any
+import time
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from typing import Any, cast
 
+import aiohttp
 import pytest
 
 from tests.servings import serving
 from xpyd.api.load import parse_serving
 from xpyd.api.models import KVIndex, RoutingPolicy
 from xpyd.kvcache import scoring
+from xpyd.kvcache.events import block_hash_key
 from xpyd.kvcache.hashing import request_block_hashes
 from xpyd.proxy.breaker import Breaker
-from xpyd.proxy.kvrouting import KVRequest, KVRouter, KVSettings, block_keys, event_key, first_prompt
+from xpyd.proxy.kvrouting import KVRequest, KVRouter, KVSettings, block_keys, first_prompt, untokenizable
 from xpyd.proxy.main import _check, add_arguments, config_from_args
 from xpyd.proxy.pool import Instance, Pool
 from xpyd.render import proxy_args
@@ -81,7 +88,7 @@ def router(index: KVIndex = KVIndex.EVENTS, **settings: Any) -> KVRouter:
 
 def request_of(r: KVRouter, tokens: list[int]) -> KVRequest:
     keys = block_keys(r.hasher, tokens)
-    return KVRequest(len(tokens), keys if keys.blocks else None)
+    return KVRequest(len(tokens), keys if keys.blocks else None, block_size=r.hasher.block_size)
 
 
 def hold(r: KVRouter, url: str, tokens: list[int], role: str = "prefill") -> None:
@@ -174,7 +181,7 @@ def test_keys_are_vllms_hashes_as_its_events_carry_them() -> None:
     tokens = list(range(10))
     digests = request_block_hashes(tokens, BLOCK, seed="0")
     assert block_keys(r.hasher, tokens).ids == [int.from_bytes(d, "big") & (2**64 - 1) for d in digests]
-    assert event_key(digests[0]) == event_key(int.from_bytes(digests[0], "big") & (2**64 - 1))
+    assert block_hash_key(digests[0]) == block_hash_key(int.from_bytes(digests[0], "big") & (2**64 - 1))
     salted = block_keys(r.hasher, tokens, "salt").ids
     assert salted[0] != block_keys(r.hasher, tokens).ids[0]
 
@@ -189,9 +196,186 @@ def test_keys_are_vllms_hashes_as_its_events_carry_them() -> None:
     ({"model": "m", "messages": [{"role": "user", "content": "hi"}], "add_generation_prompt": False,
       "temperature": 0.5}, True, None,
      {"model": "m", "messages": [{"role": "user", "content": "hi"}], "add_generation_prompt": False}),
+    ({"model": "m", "messages": [{"role": "user", "content": "hi"}], "media_io_kwargs": {"video": {"num_frames": 8}},
+      "mm_processor_kwargs": {"fps": 2}, "tools": []}, True, None,
+     {"model": "m", "messages": [{"role": "user", "content": "hi"}], "media_io_kwargs": {"video": {"num_frames": 8}},
+      "mm_processor_kwargs": {"fps": 2}, "tools": []}),
+    ({"model": "m", "messages": [{"role": "user", "content": "hi"}], "media_io_kwargs": None, "documents": None},
+     True, None, {"model": "m", "messages": [{"role": "user", "content": "hi"}]}),   # never documents
 ])
 def test_the_prompt_forms(body: dict[str, Any], chat: bool, ids: list[int] | None, ask: dict[str, Any] | None) -> None:
     assert first_prompt(body, chat) == (ids, ask)
+
+
+CHAT = {"model": "m", "messages": [{"role": "user", "content": "hi"}]}
+TOOLS = [{"type": "function", "function": {"name": "f", "parameters": {}}}]
+
+
+@pytest.mark.parametrize(("extra", "chat", "reason"), [
+    ({}, True, None),
+    ({"documents": [{"title": "t", "text": "x"}]}, True, "documents"),
+    ({"reasoning_effort": "low"}, True, "reasoning_effort"),
+    ({"response_format": {"type": "json_object"}}, True, "response_format"),
+    ({"tools": TOOLS, "tool_choice": "none"}, True, "tool_choice"),
+    ({"tools": TOOLS, "tool_choice": "required"}, True, "tool_choice"),
+    ({"tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "f"}}}, True, "tool_choice"),
+    ({"tools": TOOLS, "tool_choice": "auto"}, True, None),        # what tools without tool_choice mean
+    ({"tools": TOOLS}, True, None),
+    ({"tool_choice": "none"}, True, None),                        # without tools it renders nothing
+    ({"documents": None, "reasoning_effort": None, "response_format": None}, True, None),
+    ({"truncate_prompt_tokens": 100}, True, "truncate_prompt_tokens"),
+    ({"truncate_prompt_tokens": 100, "prompt": [1, 2, 3]}, False, "truncate_prompt_tokens"),
+    ({"documents": [{"text": "x"}], "prompt": "hi"}, False, None),   # a chat field on a completion: not read
+])
+def test_requests_whose_ids_tokenize_cannot_give(extra: dict[str, Any], chat: bool, reason: str | None) -> None:
+    """Fields vLLM's chat template is fed (ChatCompletionRequest.build_chat_params) that no release's
+    TokenizeChatRequest takes: /tokenize would render another prompt, so the request goes by load."""
+    assert untokenizable({**CHAT, **extra}, chat) == reason
+
+
+# -- /tokenize, against a fake session ---------------------------------------------------------------------
+
+class Tokenizer:
+    """How a fake engine answers /tokenize: after `delay` seconds, `status` with `tokens`, or `refused`."""
+
+    def __init__(self, status: int = 200, delay: float = 0.0, refused: bool = False,
+                 tokens: object = (1, 2, 3, 4, 5, 6, 7, 8, 9)) -> None:
+        self.status, self.delay, self.refused, self.tokens = status, delay, refused, tokens
+        self.asked = 0
+
+
+class FakeResponse:
+    def __init__(self, status: int, answer: object) -> None:
+        self.status, self.answer = status, answer
+
+    async def json(self, content_type: str | None = None) -> object:
+        return self.answer
+
+
+class FakeSession:
+    """`session.post(url, ...)` as the router calls it, answered by each URL's `Tokenizer`."""
+
+    def __init__(self, engines: dict[str, Tokenizer]) -> None:
+        self.engines = engines
+
+    @asynccontextmanager
+    async def post(self, url: str, **_: object) -> AsyncIterator[FakeResponse]:
+        engine = self.engines[url.removesuffix("/tokenize")]
+        engine.asked += 1
+        await asyncio.sleep(engine.delay)
+        if engine.refused:
+            raise aiohttp.ClientConnectionError("connection refused")
+        tokens = list(engine.tokens) if isinstance(engine.tokens, tuple) else engine.tokens
+        yield FakeResponse(engine.status, {"count": 9, "max_model_len": 100, "tokens": tokens})
+
+
+async def tokenize(engines: dict[str, Tokenizer], timeout: float = 0.25, body: dict[str, Any] | None = None,
+                   seed: int = 0) -> tuple[KVRouter, KVRequest, float]:
+    r = KVRouter(KVSettings(block_size=BLOCK, tokenize_timeout_s=timeout), random.Random(seed))
+    started = time.monotonic()
+    request = await r.prepare(body or {"model": "m", "prompt": "some text"}, False, 3,
+                              [instance(url) for url in engines], cast(aiohttp.ClientSession, FakeSession(engines)),
+                              {})
+    return r, request, time.monotonic() - started
+
+
+async def test_token_ids_come_from_tokenize_and_are_hashed() -> None:
+    r, request, _ = await tokenize({"a": Tokenizer()})
+    assert request.prompt_tokens == 9 and request.keys is not None
+    assert request.keys.ids == block_keys(r.hasher, list(range(1, 10))).ids
+    assert r.tokenize_seconds.count("completions") == 1 and not r.tokenize_failures.value("timeout")
+
+
+async def test_a_slow_tokenize_costs_one_short_deadline_and_no_second_attempt() -> None:
+    """The review's 4 s: two engines each given the whole timeout. Now one deadline for the request, and
+    after a timeout no other engine is asked: the request goes by load alone, counted."""
+    engines = {"a": Tokenizer(delay=5.0), "b": Tokenizer(delay=5.0)}
+    r, request, took = await tokenize(engines, timeout=0.05)
+    assert (request.prompt_tokens, request.keys) == (3, None)          # the estimate, by load alone
+    assert 0.04 < took < 0.5
+    assert sum(e.asked for e in engines.values()) == 1
+    assert r.tokenize_failures.value("timeout") == 1
+
+
+@pytest.mark.parametrize("first", [Tokenizer(refused=True), Tokenizer(status=503), Tokenizer(tokens=["x"])],
+                         ids=["refused", "5xx", "malformed"])
+async def test_a_fast_failure_asks_one_other_engine(first: Tokenizer) -> None:
+    for seed in range(6):    # whichever engine the draw asks first
+        engines = {"a": first, "b": Tokenizer()}
+        first.asked = 0
+        r, request, _ = await tokenize(engines, seed=seed)
+        assert request.prompt_tokens == 9 and request.keys is not None
+        assert engines["b"].asked == 1 and first.asked <= 1
+        assert sum(r.tokenize_failures.value(reason) for reason in ("error", "http_5xx", "malformed")) == 0
+
+
+async def test_the_deadline_covers_the_second_engine_too() -> None:
+    """A fast failure, then a slow engine: the second gets only what is left of the one deadline."""
+    for seed in range(4):
+        engines = {"a": Tokenizer(status=500, delay=0.03), "b": Tokenizer(delay=0.3)}
+        r, request, took = await tokenize(engines, timeout=0.05, seed=seed)
+        assert request.keys is None and 0.04 < took < 0.2
+        assert r.tokenize_failures.value("timeout") == 1 and engines["b"].asked == 1
+
+
+@pytest.mark.parametrize(("engines", "reason", "asked"), [
+    ({"a": Tokenizer(refused=True), "b": Tokenizer(refused=True)}, "error", 2),
+    ({"a": Tokenizer(status=502), "b": Tokenizer(status=500)}, "http_5xx", 2),
+    ({"a": Tokenizer(status=400), "b": Tokenizer(status=400)}, "http_4xx", 1),   # the request's own fault
+    ({"a": Tokenizer(status=404), "b": Tokenizer(status=404)}, "http_4xx", 1),
+    ({"a": Tokenizer(tokens=None), "b": Tokenizer(tokens=[1, True])}, "malformed", 2),
+])
+async def test_failures_are_counted_by_reason(engines: dict[str, Tokenizer], reason: str, asked: int) -> None:
+    r, request, _ = await tokenize(engines)
+    assert request.keys is None and r.tokenize_failures.value(reason) == 1
+    assert sum(e.asked for e in engines.values()) == asked
+
+
+async def test_a_chat_tokenize_cannot_render_goes_by_load_without_asking() -> None:
+    engines = {"a": Tokenizer()}
+    r = KVRouter(KVSettings(block_size=BLOCK), random.Random(0))
+    request = await r.prepare({**CHAT, "documents": [{"text": "x"}]}, True, 40, [instance("a")],
+                              cast(aiohttp.ClientSession, FakeSession(engines)), {})
+    assert (request.prompt_tokens, request.keys, engines["a"].asked) == (40, None, 0)
+    assert r.tokenize_failures.value("documents") == 1
+
+
+# -- each role's block size ------------------------------------------------------------------------------
+
+def test_a_role_takes_the_block_size_its_engines_publish() -> None:
+    """vLLM picks another block size than the render guessed (an MLA backend's 64, say): the role whose
+    engines publish it hashes at it from then on, the other role keeps its own."""
+    r = router()
+    assert r.learn_block_size("decode", 2 * BLOCK) and r.block_size("decode") == 2 * BLOCK
+    assert r.block_size("prefill") == BLOCK and r.block_size_changes.value("decode") == 1
+    assert not r.learn_block_size("decode", 2 * BLOCK) and not r.learn_block_size("decode", 0)
+    request = request_of(r, PROMPT)     # hashed by the prefill hasher only
+    assert request.keys_at(2 * BLOCK) is None
+    hold(r, "p", PROMPT)
+    r.index("d", "decode").store(block_keys(r.hashers["decode"], PROMPT).ids[0], 0.0)
+    assert r.hit_tokens(instance("p"), request, 0.0) == 16
+
+
+async def test_a_request_is_hashed_at_each_roles_block_size() -> None:
+    r = router()
+    r.learn_block_size("decode", 2 * BLOCK)
+    r.index("d", "decode").store(block_keys(r.hashers["decode"], PROMPT).ids[0], 0.0)
+    prepared = await r.prepare({"model": "m", "prompt": PROMPT}, False, 1, [], cast(aiohttp.ClientSession, None), {})
+    assert prepared.keys is not None and prepared.keys_at(BLOCK) is prepared.keys
+    assert prepared.keys.ids == block_keys(r.hasher, PROMPT).ids
+    assert r.hit_tokens(instance("d", "decode"), prepared, 0.0) == 2 * BLOCK
+    decode = [instance("d", "decode"), instance("e", "decode")]
+    assert {r.choose("decode", decode, prepared, 0.0).url for _ in range(10)} == {"d"}
+
+
+def test_a_role_whose_engines_hold_blocks_keeps_its_size() -> None:
+    """Engines of one role disagreeing: the size some engine's blocks are indexed at stays (no flapping);
+    once none is indexed (they restarted, say), the next size seen is taken."""
+    r = router()
+    hold(r, "a", PROMPT)
+    assert not r.learn_block_size("prefill", 64) and r.block_size("prefill") == BLOCK
+    r.index("a", "prefill").clear()
+    assert r.learn_block_size("prefill", 64) and r.hasher.block_size == 64
 
 
 # -- the pool and the legs' accounting -------------------------------------------------------------------
@@ -264,6 +448,15 @@ def test_routed_keys_do_not_depend_on_the_algorithm_or_seed_it_is_told() -> None
     (["--kv-hash-algo", "xxhash_cbor", "--kv-hash-seed", "3"], "xxhash is required"),   # not installed
     (["--kv-index", "Routed", "--kv-hash-algo", "xxhash"], None),
     (["--kv-events-port", "65535", "--kv-events-prefill-ranks", "2"], "below 65536"),
+    (["--kv-events-port", "65535", "--kv-events-decode-ranks", "2"], "below 65536"),
+    (["--kv-events-port", "65534", "--kv-events-decode-ranks", "2"], None),
+    (["--kv-events-replay-port", "65535", "--kv-events-decode-ranks", "2"], "--kv-events-replay-port 65535"),
+    (["--kv-events-port", "7000", "--kv-events-replay-port", "7001", "--kv-events-prefill-ranks", "2"], "overlap"),
+    (["--kv-events-port", "7000", "--kv-events-replay-port", "7000"], "overlap"),
+    (["--kv-events-port", "7001", "--kv-events-replay-port", "7000", "--kv-events-decode-ranks", "2"], "overlap"),
+    (["--kv-index", "Routed", "--kv-events-port", "65535", "--kv-events-decode-ranks", "2"], None),   # unused
+    (["--kv-tokenize-timeout", "0.1"], None),
+    (["--kv-tokenize-timeout", "11"], "--kv-tokenize-timeout"),
 ])
 def test_flags_that_cannot_work_are_refused(argv: list[str], problem: str | None) -> None:
     args = parse(["--routing-policy", "KVAware", "--prefill", "http://127.0.0.1:1", "--decode",
@@ -273,7 +466,8 @@ def test_flags_that_cannot_work_are_refused(argv: list[str], problem: str | None
 
 
 @pytest.mark.parametrize("argv", [["--kv-weight", "-1"], ["--kv-block-size", "0"], ["--kv-index", "Guess"],
-                                  ["--kv-events-port", "70000"], ["--kv-weight", "nan"]])
+                                  ["--kv-events-port", "70000"], ["--kv-weight", "nan"],
+                                  ["--kv-tokenize-timeout", "0"], ["--kv-tokenize-timeout", "inf"]])
 def test_bad_values_are_refused_by_the_parser(argv: list[str]) -> None:
     with pytest.raises(SystemExit):
         parse(argv)
@@ -281,7 +475,7 @@ def test_bad_values_are_refused_by_the_parser(argv: list[str]) -> None:
 
 # -- instances leaving -----------------------------------------------------------------------------
 
-def test_an_engine_that_leaves_mid_leg_loses_its_index_when_the_leg_ends() -> None:
+async def test_an_engine_that_leaves_mid_leg_loses_its_index_when_the_leg_ends() -> None:
     """Discovery drops a prefill while a leg is still on it: the instance stays until the leg ends, and
     then its index goes with it (not at the next discovery change, which may never come)."""
     from xpyd.proxy.config import ProxyConfig

@@ -32,10 +32,30 @@ def positive_int(text: str) -> int:
 
 def positive_float(text: str) -> float:
     """An argparse type: a finite number above zero."""
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"not a number: {text!r}") from None
+    value = _number(text)
     if not value > 0 or not math.isfinite(value):
         raise argparse.ArgumentTypeError(f"must be positive: {text!r}")
     return value
+
+
+def non_negative_float(text: str) -> float:
+    """An argparse type: a finite number of at least zero."""
+    value = _number(text)
+    if not value >= 0 or not math.isfinite(value):
+        raise argparse.ArgumentTypeError(f"must be a finite number of at least 0: {text!r}")
+    return value
+
+
+def port(text: str) -> int:
+    """An argparse type: a TCP port, 1 to 65535."""
+    value = positive_int(text)
+    if value > 65535:
+        raise argparse.ArgumentTypeError(f"not a port (1..65535): {text!r}")
+    return value
+
+
+def _number(text: str) -> float:
+    try:
+        return float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a number: {text!r}") from None

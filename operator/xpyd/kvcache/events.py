@@ -30,7 +30,8 @@ decodes what `encode_batch` writes with each release's own classes):
   (`STORED_FIELDS`, `REMOVED_FIELDS`: each field with the release that added it).
 - Block hashes (`ExternalBlockHash = bytes | int`) are the low 64 bits of vLLM's hash as an integer
   (`int.from_bytes(hash, "big") & (2**64 - 1)`) unless the engine runs with
-  VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES=0, which publishes the hash's bytes (`external_block_hash`).
+  VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES=0, which publishes the hash's bytes (`external_block_hash`);
+  `block_hash_key` makes either, or a digest, the 64-bit integer a router keys its index with.
 - The replay socket's answers carry the topic frame from 0.32 on.
 
 `decode_batch` takes every release's encoding (arrays or maps, integer or byte hashes), which is
@@ -65,6 +66,8 @@ OLDEST: Final[Version] = (0, 13)
 LATEST: Final[Version] = (0, 33)
 END_SEQ: Final = (-1).to_bytes(8, "big", signed=True)
 """The sequence number of the replay's end marker."""
+HASH_MASK: Final = (1 << 64) - 1
+"""A block hash as vLLM publishes it by default: the low 64 bits of its digest."""
 
 #: BlockStored's fields in order, each with the release that added it and whether it has a default
 #: (None) or is required.
@@ -154,7 +157,16 @@ def _msgpack() -> Any:
 
 def external_block_hash(block_hash: bytes, as_int: bool = True) -> ExternalBlockHash:
     """vLLM's `maybe_convert_block_hash`: the hash's low 64 bits as an integer, or its bytes."""
-    return int.from_bytes(block_hash, "big") & ((1 << 64) - 1) if as_int else block_hash
+    return block_hash_key(block_hash) if as_int else block_hash
+
+
+def block_hash_key(block_hash: ExternalBlockHash) -> int:
+    """A block hash as a 64-bit integer whichever way it comes: a digest (vLLM's own, or as published
+    with VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES=0) as its low 64 bits, which is what vLLM publishes by
+    default, and a published integer as it is. The one key a router's index and its prompts share."""
+    if isinstance(block_hash, bytes):
+        return int.from_bytes(block_hash, "big") & HASH_MASK
+    return block_hash & HASH_MASK
 
 
 # --- encoding --------------------------------------------------------------------------------------
