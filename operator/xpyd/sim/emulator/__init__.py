@@ -161,6 +161,10 @@ Prefix cache and KV events (vLLM 0.33's flags)
   removed (the engine model caches them only when a request ends, as blocks no prompt can hit; vLLM
   announces them as decode fills them); `kv_cache_report_mode: "full"` (announcing hits again) and
   preempting running requests to reset the cache are not emulated.
+- `GET /xpyd/kv/blocks` (not vLLM's) lists the prompt blocks the cache holds, as the KV events name
+  them, how many are cached twice (two requests computed them side by side) and the batches published:
+  what a router's index of the engine should hold (`?format=u64`: the 64-bit keys in binary).
+  benchmarks/kv_events_bench.py checks the proxy's Events index against it.
 """
 
 
