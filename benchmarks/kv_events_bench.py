@@ -22,12 +22,13 @@ as well as stores.
   whatever holds the proxy's event loop: requests with 100,000-token prompts (their JSON, hashing),
   steps that evict thousands of blocks, and this process's full garbage collections, which walk the
   50,000 objects the proxy's imports leave (aiohttp, the Kubernetes client, pydantic) for 20-40 ms
-  each; `--gc-freeze` takes those out of the collector's way (`gc.freeze()` once the proxy is set up),
-  and the full collections are printed either way. Everything shares this machine's CPUs with the
+  each unless they are frozen out of the collector's way (`gc.freeze()` once the proxy is set up, as
+  `xpyd proxy` does once it listens; `--no-gc-freeze` shows what that saves), and the full
+  collections are printed either way. Everything shares this machine's CPUs with the
   engines and the load generator.
 
     python benchmarks/kv_events_bench.py [--requests 600] [--start 782.145] [--speedup 2] [--time-scale 2]
-                                         [--gc-freeze] [--json FILE]
+                                         [--no-gc-freeze] [--json FILE]
 """
 
 from __future__ import annotations
@@ -343,9 +344,10 @@ def main(argv: list[str] | None = None) -> int:
                         "--num-gpu-blocks-override (default 25,001: 400,000 tokens, so they evict)")
     parser.add_argument("--max-model-len", type=int, default=200_000, help="the engines' --max-model-len")
     parser.add_argument("--sample-s", type=float, default=5.0, help="seconds between samples of the agreement")
-    parser.add_argument("--gc-freeze", action="store_true", help="gc.freeze() once the proxy is set up: its "
-                        "start-up objects (some 50,000: aiohttp, the Kubernetes client, pydantic) are no longer "
-                        "walked by every full collection, which otherwise holds the event loop 20-40 ms")
+    parser.add_argument("--gc-freeze", action=argparse.BooleanOptionalAction, default=True,
+                        help="gc.freeze() once the proxy is set up, as `xpyd proxy` does (default): its start-up "
+                        "objects (some 50,000: aiohttp, the Kubernetes client, pydantic) are no longer walked by "
+                        "every full collection, which otherwise holds the event loop 20-40 ms")
     parser.add_argument("--json", type=Path, default=None, help="write the figures here as JSON")
     args = parser.parse_args(argv)
     with tempfile.TemporaryDirectory(prefix="kv-events-bench-") as directory:
