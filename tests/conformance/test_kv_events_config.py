@@ -6,8 +6,10 @@ KVAware pool with the Events index must validate whole with that release's `KVEv
 as KVTransferConfig is) and carry only its fields; the ports the pod declares per data-parallel rank must be
 the ones the release's `ZmqEventPublisher.offset_endpoint_port` binds; the API must refuse the Events
 index without the user's PYTHONHASHSEED exactly where the release seeds NONE_HASH at random without it,
-and the render must never set one itself; and the xxhash algorithms, which the API refuses with Events,
-must be the ones the release seeds at random whatever the release.
+and the render must never set one itself; the xxhash algorithms, which the API refuses with Events,
+must be the ones the release seeds at random whatever the release; and the KV-cache group kinds the
+proxy's subscriber follows (`kvevents.FULL_ATTENTION_KINDS`) must be those the release gives its
+full-attention specs, written into each BlockStored, while BlockRemoved carries the group.
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ from tests.servings import serving
 from xpyd import vllm
 from xpyd.api.load import SpecError, parse_serving
 from xpyd.api.models import KV_EVENTS_PORT, KV_EVENTS_REPLAY_PORT, XXHASH_ALGOS
+from xpyd.proxy.kvevents import FULL_ATTENTION_KINDS
 from xpyd.render import engine, kvaware
 
 pytestmark = pytest.mark.integration
@@ -31,6 +34,9 @@ pytestmark = pytest.mark.integration
 KV_EVENTS = "vllm/config/kv_events.py"
 PUBLISHER = "vllm/distributed/kv_events.py"
 CACHE_UTILS = "vllm/v1/core/kv_cache_utils.py"
+KV_CACHE_INTERFACE = "vllm/v1/kv_cache_interface.py"
+KV_CACHE_MANAGER = "vllm/v1/core/kv_cache_manager.py"
+BLOCK_POOL = "vllm/v1/core/block_pool.py"
 #: What of a validated KVEventsConfig is compared with what the operator meant.
 ATTRIBUTES = ("publisher", "enable_kv_cache_events", "endpoint", "replay_endpoint", "topic")
 
@@ -135,3 +141,41 @@ def test_the_refused_algorithms_are_the_ones_the_release_seeds_at_random(release
         obj = kv_aware_object(release, engine={"vllmVersion": minor(release), "extraArgs": [
             f"--prefix-caching-hash-algo={algo}"], "env": [{"name": "PYTHONHASHSEED", "value": "random"}]})
         assert any("--prefix-caching-hash-algo" in line for line in _refusals(obj)), (release, algo)
+
+
+def _spec_kinds(release: str) -> tuple[dict[str, str], dict[str, list[str]]]:
+    """The release's `get_kv_cache_spec_kind` as (spec class -> kind value), its direct checks only, and
+    every class's bases in `kv_cache_interface.py`."""
+    tree = ast.parse((release_root(release) / KV_CACHE_INTERFACE).read_text())
+    bases = {node.name: [ast.unparse(base) for base in node.bases] for node in ast.walk(tree)
+             if isinstance(node, ast.ClassDef)}
+    values = {}
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ClassDef) and node.name == "KVCacheSpecKind":
+            values = {item.targets[0].id: item.value.value for item in node.body  # type: ignore[attr-defined]
+                      if isinstance(item, ast.Assign) and isinstance(item.value, ast.Constant)}
+    kinds = {}
+    for node in ast.walk(tree):
+        if isinstance(node, ast.FunctionDef) and node.name == "get_kv_cache_spec_kind":
+            for item in node.body:
+                if (isinstance(item, ast.If) and isinstance(item.test, ast.Call)
+                        and ast.unparse(item.test.func) == "isinstance" and isinstance(item.body[-1], ast.Return)):
+                    returned = ast.unparse(item.body[-1].value)   # type: ignore[arg-type]
+                    if returned.startswith("KVCacheSpecKind."):
+                        kinds[ast.unparse(item.test.args[1])] = values[returned.split(".", 1)[1]]
+    return kinds, bases
+
+
+@pytest.mark.parametrize("release", [r for r in RELEASES if vllm.parse_version(minor(r)) >= (0, 23)])
+def test_the_groups_followed_are_the_releases_full_attention(release: str) -> None:
+    kinds, bases = _spec_kinds(release)
+
+    def full_attention(cls: str) -> bool:
+        return cls == "FullAttentionSpec" or any(full_attention(base) for base in bases.get(cls, ()))
+
+    assert kinds, f"vLLM {release}: no get_kv_cache_spec_kind in {KV_CACHE_INTERFACE}"
+    assert {kind for cls, kind in kinds.items() if full_attention(cls)} == set(FULL_ATTENTION_KINDS), (release, kinds)
+    assert "event.kv_cache_spec_kind = kind" in (release_root(release) / KV_CACHE_MANAGER).read_text(), release
+    pool = (release_root(release) / BLOCK_POOL).read_text()
+    removed = pool[pool.index("BlockRemoved("):]
+    assert "group_idx=" in removed[:removed.index(")\n")], release

@@ -3,7 +3,9 @@ holds its prefix, with emulated engines (`xpyd engine-sim` processes) and with s
 tokenize text four characters to a token (`/tokenize`); the Events index follows engines' KV events
 over ZMQ (publishers written here with `xpyd.kvcache.events`, as vLLM's ZmqEventPublisher sends
 them): stored blocks attract a prompt, removed and cleared ones stop doing so, a gap is replayed or,
-when the replay has lost it, the index is rebuilt, and an engine's index goes when it leaves."""
+when the replay has lost it, the index is rebuilt, and an engine's index goes when it leaves; a replay
+that drops batches is asked again, a message past the size limit costs a gap and nothing else, and
+blocks of another size than --kv-block-size give the role their size."""
 
 from __future__ import annotations
 
@@ -167,6 +169,8 @@ class Publisher:
         self.seq = 0
         self.buffer: list[tuple[int, bytes]] = []
         self.replays = 0
+        #: Batches the next replay leaves out, as a full ROUTER queue drops them before vLLM 0.33.
+        self.drop_in_replay: set[int] = set()
         self.serving = asyncio.ensure_future(self._serve_replays())
 
     def publish(self, *batch_events: events.KVEvent, send: bool = True, ts: float | None = None) -> None:
@@ -185,7 +189,10 @@ class Publisher:
                 continue
             self.replays += 1
             identity, start = request
-            for reply in events.replay_reply(self.version, identity, "kv-events", self.buffer, start):
+            dropped, self.drop_in_replay = self.drop_in_replay, set()
+            for reply in events.replay_reply(self.version, identity, "kv-events",
+                                             [(seq, payload) for seq, payload in self.buffer if seq not in dropped],
+                                             start):
                 await self.router.send_multipart(list(reply))
 
     def close(self) -> None:
@@ -297,6 +304,99 @@ async def test_a_restarted_engine_is_replayed_from_its_first_batch() -> None:
             publisher.publish(stored([7]))
             await eventually(lambda: router.blocks(engine.url) == 1, what="the new engine's one block")
             assert r.proxy.kv.hub is not None and r.proxy.kv.hub.metrics.gaps.value("restart") == 1
+    finally:
+        publisher.close()
+        context.destroy(linger=0)
+
+
+async def events_rig(host: str, **settings: object) -> tuple[StubEngine, zmq.asyncio.Context, Publisher, KVSettings]:
+    port = _free_port_on([host])
+    engine = StubEngine(name="p0")
+    await engine.start(host)
+    context = zmq.asyncio.Context()
+    publisher = Publisher(context, host, port, port + 100)
+    return engine, context, publisher, KVSettings(index=KVIndex.EVENTS, block_size=BLOCK, events_port=port,
+                                                  events_replay_port=port + 100, **settings)  # type: ignore[arg-type]
+
+
+async def test_a_replay_that_drops_batches_is_asked_again_from_the_first_missing() -> None:
+    engine, context, publisher, settings = await events_rig("127.0.0.9")
+    for n in range(6):
+        publisher.publish(stored([200 + n]), send=False)
+    publisher.drop_in_replay = {2, 3}
+    try:
+        async with rig(engines=([engine], [StubEngine(name="d0")]), routing_policy=RoutingPolicy.KV_AWARE,
+                       kv=settings) as r:
+            assert r.proxy.kv is not None
+            router = r.proxy.kv.router
+            await eventually(lambda: router.blocks(engine.url) == 6, what="all six batches, the dropped ones again")
+            assert publisher.replays == 2
+            publisher.publish(stored([300]))
+            await eventually(lambda: router.blocks(engine.url) == 7, what="the live batch after them")
+    finally:
+        publisher.close()
+        context.destroy(linger=0)
+
+
+async def test_the_sockets_queue_little_and_refuse_huge_messages(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Each SUB and replay socket queues at most RCVHWM messages of at most MAX_MESSAGE_BYTES. A longer
+    message drops the connection, and ZMQ does not make one it dropped itself again: the subscriber
+    sees it drop and starts over (replayed from 0, which stops at the same message), then the gap the
+    replay cannot fill has the index rebuilt from the live batches; the proxy goes on."""
+    from xpyd.proxy import kvevents
+
+    monkeypatch.setattr(kvevents, "MAX_MESSAGE_BYTES", 4096)
+    engine, context, publisher, settings = await events_rig("127.0.0.10")
+    try:
+        async with rig(engines=([engine], [StubEngine(name="d0")]), routing_policy=RoutingPolicy.KV_AWARE,
+                       kv=settings) as r:
+            assert r.proxy.kv is not None and r.proxy.kv.hub is not None
+            router, hub = r.proxy.kv.router, r.proxy.kv.hub
+            task = hub.tasks[(engine.url, 0)]
+            await eventually(lambda: publisher.replays >= 1, what="the first replay")
+            sockets = kvevents.Subscriber(router, engine.url, "prefill", 0, "127.0.0.10", hub.context, hub.metrics)
+            probe = sockets._socket(zmq.SUB)
+            assert (probe.getsockopt(zmq.RCVHWM), probe.getsockopt(zmq.MAXMSGSIZE)) == (kvevents.RCVHWM, 4096)
+            probe.close(linger=0)
+            publisher.publish(stored([1]))
+            await eventually(lambda: router.blocks(engine.url) == 1, what="a small batch")
+            publisher.publish(stored(list(range(10, 2000))))          # about 20 kB: over the limit
+            for _ in range(20):                                       # ZMQ reconnects: the next ones come in
+                publisher.publish(stored([5000]))
+                await asyncio.sleep(0.1)
+                if hub.metrics.gaps.value("lost"):
+                    break
+            await eventually(lambda: hub.metrics.gaps.value("lost") == 1, timeout=10, what="the gap lost")
+            publisher.publish(stored([6000]))
+            await eventually(lambda: router.blocks(engine.url) >= 1 and not task.done(), what="the index rebuilt")
+            assert router.blocks(engine.url) <= 2             # 5000 and 6000 at most: 1 and the huge batch gone
+    finally:
+        publisher.close()
+        context.destroy(linger=0)
+
+
+async def test_blocks_of_another_size_give_the_role_their_size_and_prompts_hit() -> None:
+    """The render guessed --kv-block-size 16 but the engines run 64-token blocks (an MLA backend's): the
+    proxy learns 64 from the first BlockStored and routes on hits, instead of dropping every event."""
+    engine, context, publisher, settings = await events_rig("127.0.0.11")
+    other = StubEngine(name="p1")
+    await other.start("127.0.0.12")
+    prompt = list(range(1, 20 * BLOCK + 2))
+    size = 4 * BLOCK
+    hashes = cast(list[events.ExternalBlockHash], block_keys(settings.hasher(size), prompt).ids)
+    publisher.publish(events.BlockStored(hashes, None, prompt[:len(hashes) * size], size), send=False)
+    try:
+        async with rig(engines=([engine, other], [StubEngine(name="d0")]), routing_policy=RoutingPolicy.KV_AWARE,
+                       kv=settings) as r:
+            assert r.proxy.kv is not None
+            router = r.proxy.kv.router
+            await eventually(lambda: router.blocks(engine.url) == len(hashes), what="the replayed blocks")
+            assert router.block_size("prefill") == size and router.block_size_changes.value("prefill") == 1
+            for _ in range(4):
+                status, answer, _ = await r.post("/v1/completions", {"model": "m", "prompt": prompt, "max_tokens": 2})
+                assert status == 200, answer
+            assert served(engine) == 4 and served(other) == 0
+            assert router.predicted_hits.value("prefill") == 4 * len(hashes) * size
     finally:
         publisher.close()
         context.destroy(linger=0)

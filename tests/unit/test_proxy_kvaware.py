@@ -1,6 +1,8 @@
 """KVAware routing (`xpyd.kvcache.scoring`, `xpyd.proxy.kvrouting`): the one formula as tables, the
 router's picks over indexed instances, the prompt forms it hashes and those it does not, `/tokenize`
-within one deadline (against a fake session), each role's block size, and its flags from the render."""
+within one deadline (against a fake session), each role's block size, what the Events subscriber
+takes of a batch (block sizes, a hybrid model's groups), the index's memory per block, and its flags
+from the render."""
 
 from __future__ import annotations
 
@@ -18,9 +20,10 @@ import pytest
 from tests.servings import serving
 from xpyd.api.load import parse_serving
 from xpyd.api.models import KVIndex, RoutingPolicy
-from xpyd.kvcache import scoring
+from xpyd.kvcache import events, scoring
 from xpyd.kvcache.events import block_hash_key
 from xpyd.kvcache.hashing import request_block_hashes
+from xpyd.kvcache.pool import BlockKeys
 from xpyd.proxy.breaker import Breaker
 from xpyd.proxy.kvrouting import KVRequest, KVRouter, KVSettings, block_keys, first_prompt, untokenizable
 from xpyd.proxy.main import _check, add_arguments, config_from_args
@@ -349,6 +352,7 @@ def test_a_role_takes_the_block_size_its_engines_publish() -> None:
     assert r.learn_block_size("decode", 2 * BLOCK) and r.block_size("decode") == 2 * BLOCK
     assert r.block_size("prefill") == BLOCK and r.block_size_changes.value("decode") == 1
     assert not r.learn_block_size("decode", 2 * BLOCK) and not r.learn_block_size("decode", 0)
+    assert not r.learn_block_size("prefill", 1 << 40) and r.block_size("prefill") == BLOCK
     request = request_of(r, PROMPT)     # hashed by the prefill hasher only
     assert request.keys_at(2 * BLOCK) is None
     hold(r, "p", PROMPT)
@@ -495,3 +499,137 @@ async def test_an_engine_that_leaves_mid_leg_loses_its_index_when_the_leg_ends()
     leaving.release(100, 100)
     proxy.pools["prefill"].forget_if_done(leaving)
     assert urls[0] not in proxy.pools["prefill"].instances and urls[0] not in router.indexes
+
+
+# -- the Events index: what its subscriber takes (no sockets) -----------------------------------------------
+
+def subscriber(r: KVRouter, url: str = "a", role: str = "prefill", rank: int = 0) -> Any:
+    from xpyd.proxy.kvevents import EventMetrics, Subscriber
+
+    return Subscriber(r, url, role, rank, "127.0.0.1", cast(Any, None), EventMetrics())  # type: ignore[arg-type]
+
+
+def feed(sub: Any, *batch: events.KVEvent, version: events.Version = events.LATEST) -> None:
+    """One batch as the engine publishes it, through the subscriber's reading, applied."""
+    from xpyd.proxy.kvevents import index_update
+
+    sub.apply(0 if sub.next_seq is None else sub.next_seq, index_update(events.encode_batch(
+        events.EventBatch(1.0, list(batch)), version)))
+
+
+def stored_event(r: KVRouter, tokens: list[int], size: int, **fields: Any) -> events.BlockStored:
+    hashes = cast(list[events.ExternalBlockHash], block_keys(r.settings.hasher(size), tokens).ids)
+    return events.BlockStored(hashes, None, tokens[:len(hashes) * size], size, **fields)
+
+
+LONG = list(range(1, 8 * BLOCK + 2))   # 8 blocks of BLOCK, 4 of 2 x BLOCK
+
+
+@pytest.mark.parametrize("version", [(0, 13), (0, 23), (0, 33)])
+def test_the_events_block_size_becomes_the_roles(version: events.Version) -> None:
+    """vLLM chose another block size than --kv-block-size (an MLA backend's 64, say): the first blocks
+    published give the role that size, so the prompts hash as the engines do, instead of every
+    BlockStored being dropped and KVAware silently routing by load."""
+    r = router()
+    a = subscriber(r)
+    feed(a, stored_event(r, LONG, 2 * BLOCK), version=version)
+    assert r.block_size("prefill") == 2 * BLOCK and r.block_size("decode") == BLOCK
+    assert r.block_size_changes.value("prefill") == 1 and r.blocks("a") == 4
+    request = KVRequest(len(LONG), block_keys(r.hasher, LONG), block_size=r.hasher.block_size)
+    assert r.hit_tokens(instance("a"), request, 0.0) == 8 * BLOCK
+    # Another engine of the role publishing the old size: skipped (counted), the role keeps its size.
+    b = subscriber(r, "b")
+    feed(b, stored_event(r, LONG, BLOCK), version=version)
+    assert r.block_size("prefill") == 2 * BLOCK and r.blocks("b") == 0
+    assert b.metrics.skipped.value("prefill", "block_size") == 1
+
+
+def test_blocks_of_the_roles_size_are_taken_as_they_are() -> None:
+    r = router()
+    a = subscriber(r)
+    feed(a, stored_event(r, LONG, BLOCK))
+    assert r.blocks("a") == 8 and r.block_size_changes.value("prefill") == 0
+
+
+HYBRID = ("sliding_window", "full_attention")
+
+
+@pytest.mark.parametrize("version", [(0, 23), (0, 24), (0, 33)])
+@pytest.mark.parametrize("full", [0, 1])
+def test_a_hybrid_models_sliding_window_group_does_not_evict_the_full_attention_groups_blocks(
+        version: events.Version, full: int) -> None:
+    """vLLM 0.23+ publishes each KV-cache group's blocks under the same hashes, with group_idx, and the
+    group's kind in BlockStored: the sliding-window group drops blocks out of its window that the
+    full-attention group still holds, and those still hit. Only the full-attention group counts."""
+    kinds = HYBRID if full == 1 else HYBRID[::-1]
+    r = router()
+    a = subscriber(r)
+    feed(a, *[stored_event(r, LONG, BLOCK, group_idx=g, kv_cache_spec_kind=kinds[g]) for g in (0, 1)],
+         version=version)
+    keys = cast(list[events.ExternalBlockHash], block_keys(r.hasher, LONG).ids)
+    window = 1 - full
+    feed(a, *[events.BlockRemoved([key], group_idx=window) for key in keys[:6]], version=version)
+    assert r.blocks("a") == 8 and a.metrics.skipped.value("prefill", "group") == 1 + 6
+    feed(a, events.BlockRemoved([keys[7]], group_idx=full), version=version)
+    assert r.blocks("a") == 7 and a.followed_group == full
+
+
+@pytest.mark.parametrize(("kind", "taken"), [("mla_attention", True), ("sink_full_attention", True),
+                                             ("full_attention", True), ("mamba", False),
+                                             ("chunked_local_attention", False)])
+def test_the_group_followed_is_the_first_named_full_attention(kind: str, taken: bool) -> None:
+    r = router()
+    a = subscriber(r)
+    feed(a, stored_event(r, LONG, BLOCK, group_idx=0, kv_cache_spec_kind=kind))
+    assert (r.blocks("a") == 8) is taken
+
+
+def test_groups_without_a_kind_follow_group_0_and_no_group_is_always_followed() -> None:
+    r = router()
+    a = subscriber(r)
+    keys = cast(list[events.ExternalBlockHash], block_keys(r.hasher, LONG).ids)
+    feed(a, stored_event(r, LONG[:2 * BLOCK], BLOCK), stored_event(r, LONG, BLOCK, group_idx=2))
+    assert r.blocks("a") == 2
+    feed(a, stored_event(r, LONG, BLOCK, group_idx=0), events.BlockRemoved([keys[0]], group_idx=1))
+    assert r.blocks("a") == 8
+    feed(a, events.BlockRemoved([keys[0]]))
+    assert r.blocks("a") == 7
+
+
+def test_an_engine_restart_forgets_the_group_followed() -> None:
+    r = router()
+    a = subscriber(r)
+    feed(a, stored_event(r, LONG, BLOCK, group_idx=1, kv_cache_spec_kind="full_attention"))
+    assert a.followed_group == 1
+    a.reset()
+    assert a.followed_group is None and r.blocks("a") == 0
+
+
+# -- the index's memory ------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize(("index", "most"), [(KVIndex.EVENTS, 95), (KVIndex.ROUTED, 175)])
+def test_the_index_costs_what_docs_proxy_md_says_a_block(index: KVIndex, most: int) -> None:
+    """docs/proxy.md: about 76 B a block with Events and 140 B with Routed at a power-of-two capacity
+    (the default 131,072; dicts' fill moves it by about 15%), the keys included (64-bit ints from the
+    events, one float expiry per run with Routed)."""
+    import tracemalloc
+
+    blocks = 1 << 15
+    rng = random.Random(blocks)
+    raw = [rng.getrandbits(64) for _ in range(blocks)]
+    r = router(index, index_blocks=blocks)
+    tracemalloc.start()
+    try:
+        before = tracemalloc.take_snapshot()
+        target = r.index("a", "prefill")
+        if index == KVIndex.EVENTS:
+            for key in raw:
+                target.store(key ^ 1, 0.0)
+        else:
+            for start in range(0, blocks, 128):
+                target.record(BlockKeys.of([key ^ 1 for key in raw[start:start + 128]]), 0.0)
+        after = tracemalloc.take_snapshot()
+    finally:
+        tracemalloc.stop()
+    size = sum(stat.size_diff for stat in after.compare_to(before, "filename"))
+    assert target.blocks == blocks and size / blocks < most, size / blocks

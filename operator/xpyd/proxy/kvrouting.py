@@ -13,8 +13,8 @@ Per request (`KVRouter.prepare`, before the first pick):
 2. vLLM's block hashes of those ids (`kvcache.hashing.BlockHasher`: the engines' block size, hash
    algorithm and NONE_HASH seed, the request's `cache_salt`; Routed, which compares only its own keys,
    sha256 whatever the engines use), kept as the low 64 bits vLLM publishes in its KV events
-   (`kvcache.events.block_hash_key`): one key per full block. Each role has its hashing
-   (`learn_block_size` gives a role the block size its engines publish).
+   (`kvcache.events.block_hash_key`): one key per full block. Each role has its hashing: with the
+   Events index a role takes the block size its engines publish (`learn_block_size`).
 
 Per pick (`choose`, among the candidates pairing and health left): each candidate's hit is the run of
 the prompt's blocks from the first that its index holds (`kvcache.index.PrefixIndex.match`, at most
@@ -53,7 +53,6 @@ from xpyd.api.naming import ROLES, Role
 from xpyd.common.args import non_negative_float, port, positive_float, positive_int
 from xpyd.common.jsontypes import JSON
 from xpyd.kvcache import scoring
-from xpyd.kvcache.events import HASH_MASK as HASH_MASK  # xpyd.proxy.kvevents imports it from here
 from xpyd.kvcache.events import block_hash_key
 from xpyd.kvcache.hashing import CRYPTOGRAPHIC_HASH_ALGOS, DEFAULT_NONE_HASH_SEED, HASH_ALGOS, BlockHasher
 from xpyd.kvcache.index import PrefixIndex
@@ -87,6 +86,9 @@ MAX_TOKENIZE_TIMEOUT_S: Final = 10.0
 #: `/tokenize` answers after which the next engine is not asked: the request's own fault, which every
 #: engine of the pool would answer alike.
 _FINAL_STATUSES: Final = range(400, 500)
+#: The largest block size taken from an engine's events (vLLM's are 1 to a few thousand tokens; a
+#: hybrid model's attention blocks are made as large as its Mamba state).
+MAX_BLOCK_SIZE: Final = 1 << 16
 TOKENIZE_BUCKETS: Final = (0.0002, 0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.25, 0.5, 1.0, 2.0)
 _API: Final = KVAwareSpec()   # the API's defaults, which the flags' defaults follow
 
@@ -161,10 +163,6 @@ class KVRequest:
 def block_keys(hasher: BlockHasher, token_ids: Sequence[int], cache_salt: str | None = None) -> BlockKeys:
     """A prompt's block keys: vLLM's hashes of its full blocks, as the 64-bit integers its KV events carry."""
     return BlockKeys.of([block_hash_key(digest) for digest in hasher.hashes(token_ids, cache_salt)])
-
-
-#: A KV event's block hash as the index keys it (`kvcache.events.block_hash_key`).
-event_key: Final = block_hash_key
 
 
 def untokenizable(body: JSON, chat: bool) -> str | None:
@@ -310,9 +308,10 @@ class KVRouter:
         that is not the size the role is hashed at and no engine of the role has a block indexed (so
         none is published at the current size: they would be lost), the role's hashing takes `size`
         (True). False: the size is already the role's, or is not taken (the engines of one role
-        disagree: the blocks of the others' size are skipped), or is no size at all."""
+        disagree: the blocks of the others' size are skipped), or is no block size (below 1, above
+        `MAX_BLOCK_SIZE`)."""
         current = self.hashers[role]
-        if size == current.block_size or size < 1:
+        if size == current.block_size or not 1 <= size <= MAX_BLOCK_SIZE:
             return False
         if any(self.blocks(url) for url, owner in self.roles.items() if owner == role):
             return False
@@ -343,9 +342,10 @@ class KVRouter:
         hasher = self.hasher
         keys = block_keys(hasher, ids, salt)
         request = KVRequest(len(ids), keys if keys.blocks else None, block_size=hasher.block_size)
-        for other in {h.block_size: h for h in self.hashers.values() if h.block_size != hasher.block_size}.values():
-            more = block_keys(other, ids, salt)
-            request.other_keys[other.block_size] = more if more.blocks else None
+        decode = self.hashers["decode"]
+        if decode.block_size != hasher.block_size and self.settings.decode_credit > 0:
+            more = block_keys(decode, ids, salt)   # the decode credit's, at the decode engines' size
+            request.other_keys[decode.block_size] = more if more.blocks else None
         return request
 
     async def _tokenize(self, ask: JSON, chat: bool, tokenizers: Sequence[Instance],
@@ -520,7 +520,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--kv-index-blocks", type=positive_int, default=defaults.index_blocks,
                        help="blocks indexed per engine and per data-parallel rank; least recently seen go first")
     group.add_argument("--kv-block-size", type=positive_int, default=defaults.block_size,
-                       help="the engines' --block-size (tokens per KV block)")
+                       help="the engines' --block-size (tokens per KV block); with Events each role then takes "
+                       "the size its engines' events carry")
     group.add_argument("--kv-hash-algo", default=defaults.hash_algo, choices=HASH_ALGOS,
                        help="Events: the engines' --prefix-caching-hash-algo (Routed hashes with sha256)")
     group.add_argument("--kv-hash-seed", default=None,
