@@ -1,7 +1,8 @@
 """A small offline model of how the API server treats a DisaggregatedServing under the CRD's
 schema: structural defaulting, then every `x-kubernetes-validations` rule evaluated with a real
 CEL interpreter. Lets unit tests check the CRD's rules without an API server (the e2e suite
-checks the real one)."""
+checks the real one). `judged` puts the models' own verdict (`xpyd.api.load`, what `xpyd render`
+and the operator run) beside it: the two must agree on every case."""
 
 from __future__ import annotations
 
@@ -10,7 +11,33 @@ from typing import Any
 
 import cel
 
+from xpyd.api.crd import build_crd
+from xpyd.api.load import SpecError, parse_serving
+
 Schema = dict[str, Any]
+ROOT_SCHEMA: Schema = build_crd()["spec"]["versions"][0]["schema"]["openAPIV3Schema"]
+"""The CRD's schema of a DisaggregatedServing, as `xpyd crd` generates it."""
+
+
+def model_errors(obj: dict[str, Any]) -> list[str]:
+    """What the models refuse in `obj`, one line a problem (none: valid)."""
+    try:
+        parse_serving(copy.deepcopy(obj))
+    except SpecError as error:
+        return str(error).splitlines()[1:]
+    return []
+
+
+def judged(obj: dict[str, Any], message: str | None = None) -> list[str]:
+    """Check that the models and the CRD's CEL rules judge `obj` alike: both accept it (`message`
+    None) or both refuse it with a problem containing `message`. Returns the CEL's problems."""
+    problems, cel_problems = model_errors(obj), server_view(ROOT_SCHEMA, obj)
+    if message is None:
+        assert problems == [] and cel_problems == [], (problems, cel_problems)
+    else:
+        assert any(message in line for line in problems), problems
+        assert any(message in line for line in cel_problems), cel_problems
+    return cel_problems
 
 
 def apply_defaults(schema: Schema, obj: Any) -> Any:
