@@ -15,7 +15,8 @@ Routing (`SimConfig.routing`, the proxy's `routingPolicy`), ties broken by a see
   prompt held there)` (held blocks are not transferred). What a replica holds comes from its `index`:
   `Events`, the engine's own cache as its KV events would tell the proxy, without their delivery
   lag; `Routed`, a `kvcache.PrefixIndex` of what was sent there, forgotten `ttl_s` after the last
-  request that carried it, capped at the engine's KV blocks.
+  request that carried it, capped at `index_blocks` (the proxy's default, whatever the engine's KV
+  capacity).
 - `shared_cache`: the routing ceiling. The prefill engines share one block pool of their total size
   (`config.prefill` engines' blocks; replicas started later share it without growing it), so a
   prefix cached anywhere hits everywhere: what no router over separate caches can beat.
@@ -98,6 +99,7 @@ class Routing:
     kv_weight: float = 1.0           # KVAware prefill: load + kv_weight x prompt tokens not cached there
     decode_credit: float = 1.0       # KVAware decode: outstanding requests - credit x share of the prompt held
     ttl_s: float = 600.0             # Routed: a run is forgotten this long after the last request with it
+    index_blocks: int = 131072       # Routed: blocks indexed per engine (the API's kvAware.indexBlocks default)
     shared_cache: bool = False       # the ceiling: the prefill engines share one cache of their total size
 
     def __post_init__(self) -> None:
@@ -105,8 +107,9 @@ class Routing:
             raise ValueError(f"routing policy {self.policy!r}: not one of {', '.join(ROUTING_POLICIES)}")
         if self.index not in KV_INDEXES:
             raise ValueError(f"KV index {self.index!r}: not one of {', '.join(KV_INDEXES)}")
-        if not (self.kv_weight >= 0 and self.decode_credit >= 0 and self.ttl_s > 0):
-            raise ValueError("kv_weight and decode_credit must not be negative, ttl_s must be positive")
+        if not (self.kv_weight >= 0 and self.decode_credit >= 0 and self.ttl_s > 0 and self.index_blocks >= 1):
+            raise ValueError("kv_weight and decode_credit must not be negative, ttl_s must be positive and "
+                             "index_blocks at least 1")
 
 
 @dataclass(frozen=True)
@@ -612,7 +615,7 @@ class Simulator:
         replica = _Replica(f"{role}-{len(replicas)}", role, core, now, ready)
         routing = self.config.routing
         if routing.policy == KV_AWARE and routing.index == ROUTED and core.pool is not None:
-            replica.index = PrefixIndex(core.pool.num_blocks, routing.ttl_s)
+            replica.index = PrefixIndex(routing.index_blocks, routing.ttl_s)
         replicas.append(replica)
         if ready:
             self._routable[role].append(replica)
