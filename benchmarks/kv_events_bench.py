@@ -39,7 +39,6 @@ import gc
 import json
 import os
 import random
-import socket
 import subprocess
 import sys
 import tempfile
@@ -59,6 +58,7 @@ from xpyd.proxy.config import ProxyConfig
 from xpyd.proxy.discovery import static_endpoints
 from xpyd.proxy.kvrouting import KVSettings
 from xpyd.proxy.server import Proxy
+from xpyd.testing.ports import common_ports
 
 ROOT = Path(__file__).resolve().parents[1]
 TRACE = ROOT / "data" / "traces" / "mooncake_synthetic.jsonl"
@@ -75,28 +75,6 @@ def say(line: str) -> None:
 def quantile(samples: list[float], q: float) -> float:
     ordered = sorted(samples)
     return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
-
-
-def common_ports(hosts: list[str], count: int) -> list[int]:
-    """`count` ports free on every one of `hosts`, each with the port 100 above it free too (the replay)."""
-    found: list[int] = []
-    for _ in range(200):
-        with socket.socket() as probe:
-            probe.bind((hosts[0], 0))
-            port = int(probe.getsockname()[1])
-        if port + 100 > 65535 or port in found or port + 100 in found or port - 100 in found:
-            continue
-        try:
-            for host in hosts:
-                for candidate in (port, port + 100):
-                    with socket.socket() as other:
-                        other.bind((host, candidate))
-        except OSError:
-            continue
-        found.append(port)
-        if len(found) == count:
-            return found
-    raise RuntimeError("no common free ports on the engines' addresses")
 
 
 @dataclass

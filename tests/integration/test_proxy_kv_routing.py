@@ -12,7 +12,6 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import json
-import socket
 import subprocess
 import time
 from collections.abc import AsyncIterator, Iterator
@@ -31,6 +30,7 @@ from xpyd.cluster.controlplane import free_ports
 from xpyd.kvcache import events
 from xpyd.proxy.kvrouting import KVSettings, block_keys
 from xpyd.proxy.pool import Endpoint
+from xpyd.testing.ports import common_ports
 from xpyd.testing.stubengine import StubEngine
 
 pytestmark = pytest.mark.integration
@@ -206,22 +206,8 @@ def _now() -> float:
 
 
 def _free_port_on(hosts: list[str]) -> int:
-    """A port number free on every one of `hosts` (loopback addresses)."""
-    for _ in range(50):
-        with socket.socket() as probe:
-            probe.bind((hosts[0], 0))
-            port = int(probe.getsockname()[1])
-        if port + 200 > 65535:
-            continue
-        try:
-            for host in hosts:
-                for candidate in (port, port + 100):
-                    with socket.socket() as other:
-                        other.bind((host, candidate))
-        except OSError:
-            continue
-        return port
-    raise AssertionError("no common free port")
+    """A port free on every one of `hosts`, with its replay port free too."""
+    return common_ports(hosts, 1)[0]
 
 
 def stored(hashes: list[events.ExternalBlockHash]) -> events.BlockStored:
