@@ -23,34 +23,17 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import contextlib
 import statistics
-import subprocess
 import sys
 import time
-from collections.abc import Iterator
 from pathlib import Path
 
 import aiohttp
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from proxy_bench import HOST, _wait, free_port
+from proxy_bench import HOST, _process, _wait, free_port
 
 REQUEST = {"model": "m", "prompt": "a cold start", "max_tokens": 4}
-
-
-@contextlib.contextmanager
-def _process(argv: list[str]) -> Iterator[subprocess.Popen[bytes]]:
-    process = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    try:
-        yield process
-    finally:
-        process.terminate()
-        try:
-            process.wait(timeout=15)
-        except subprocess.TimeoutExpired:
-            process.kill()
-            process.wait()
 
 
 async def _held(session: aiohttp.ClientSession, proxy: str) -> int:
