@@ -13,7 +13,6 @@ discovery and its Pod condition on a mock API server:
 from __future__ import annotations
 
 import asyncio
-import time
 from typing import Any
 
 import kubernetes
@@ -69,12 +68,9 @@ async def test_held_requests_go_on_once_a_pair_exists() -> None:
         assert not any(task.done() for task in sent)
         await decode.start("127.0.0.1")
         r.set("decode", [decode])
-        paired = time.monotonic()
         answers = await asyncio.wait_for(asyncio.gather(*sent), 10)
-        released_within = time.monotonic() - paired
         try:
             assert [status for status, _, _ in answers] == [200] * 6
-            assert released_within < 5.0
             assert prefill.started == decode.started == 6
             after = await metrics(r)
             assert [sample(after, "xpyd_proxy_waiting_total", result=x) for x in ("held", "released")] == [6, 6]
@@ -115,10 +111,9 @@ async def test_a_full_room_answers_429_at_once_and_a_held_request_times_out_with
 
 async def test_without_the_room_nothing_is_held() -> None:
     async with rig(engines=([], [])) as r:
-        started = time.monotonic()
         status, body, _ = await r.post("/v1/completions", COMPLETION)
         assert status == 503 and body["error"]["message"] == "No prefill instance is available."
-        assert time.monotonic() - started < 1.0
+        assert sample(await metrics(r), "xpyd_proxy_waiting_total", result="held") == 0
         assert await _get(r, "/ready") == (503, {"status": "unavailable", "missing": ["prefill", "decode"]})
 
 

@@ -330,7 +330,7 @@ async def test_held_requests_go_when_a_pair_exists_and_the_room_counts_them() ->
     pool.on = True
     room.poke()  # discovery's event wakes them (the poll is a minute away)
     waited = await asyncio.wait_for(asyncio.gather(*waiters), 1.0)
-    assert all(0 < w < 1.0 for w in waited)
+    assert all(w > 0 for w in waited)   # held until the poke (wait_for's second bounds them)
     assert (room.requests, room.bytes, room.prompt_tokens) == (0, 0, 0)
     assert [room.outcomes.value(r) for r in ("held", "released", "overflow", "expired")] == [3, 3, 1, 0]
     assert await room.hold(10, 7, pool) == 0.0  # a pair exists: nothing is held
@@ -446,7 +446,6 @@ def test_the_operator_takes_an_idle_pool_to_zero_and_says_so() -> None:
 
 
 def test_a_proxy_pod_reporting_held_requests_starts_a_decision_at_once() -> None:
-    import threading
     import time
     from typing import cast
 
@@ -472,7 +471,7 @@ def test_a_proxy_pod_reporting_held_requests_starts_a_decision_at_once() -> None
     assert kube.status_patches[0]["autoscaler"]["lastDecision"]["reason"] == SCALE_FROM_ZERO
     assert len(state.queue) == 1  # the reconcile that applies it, queued
     state.changed(pods, after, after)     # the same report again: no second wake-up
-    assert state.wakes == 1 and threading.active_count() >= 1
+    assert state.wakes == 1
     state.stop()
 
 
