@@ -475,18 +475,8 @@ class Simulator:
         by_tokens = role == PREFILL
         if policy == POWER_OF_TWO and len(candidates) > 2:
             candidates = self._rng.sample(candidates, 2)
-        chosen: _Replica | None = None
-        best_load = 0
-        ties = 0
-        for replica in candidates:
-            load = replica.outstanding_tokens if by_tokens else replica.outstanding_requests
-            if chosen is None or load < best_load:
-                chosen, best_load, ties = replica, load, 1
-            elif load == best_load:
-                ties += 1
-                if self._rng.random() * ties < 1.0:   # reservoir sampling: uniform among the ties
-                    chosen = replica
-        return chosen
+        loads = [replica.outstanding_tokens if by_tokens else replica.outstanding_requests for replica in candidates]
+        return candidates[least(loads, self._rng)]   # seeded random ties, as KVAware's
 
     def _route_kv(self, role: str, index: int, candidates: list[_Replica], keys: BlockKeys | None,
                   now: float) -> _Replica:
