@@ -10,6 +10,7 @@ from typing import Any
 
 from aiohttp import web
 
+from xpyd.kvcache.events import block_hash_key
 from xpyd.sim.core import EnginePerf
 from xpyd.sim.emulator.config import EMULATED_VLLM_VERSION, KEEPALIVE_TIMEOUT_S, EmulatorConfig, env_flag
 from xpyd.sim.emulator.engine import Engine, Stream
@@ -274,15 +275,12 @@ async def kv_blocks(request: web.Request) -> web.Response:
     duplicated = sum(1 for _, copies in cached if copies > 1)
     batches = engine.kv_batches_published
     if request.query.get("format") == "u64":
-        keys = (block if isinstance(block, int) else int.from_bytes(block, "big") & KEY_MASK for block, _ in cached)
-        body = b"".join(key.to_bytes(8, "big") for key in keys)
+        body = b"".join(block_hash_key(block).to_bytes(8, "big") for block, _ in cached)
         return web.Response(body=body, content_type="application/octet-stream",
                             headers={"X-KV-Duplicated": str(duplicated), "X-KV-Batches": str(batches)})
     blocks = [block if isinstance(block, int) else block.hex() for block, _ in cached]
     return web.json_response({"blocks": blocks, "duplicated": duplicated, "batches": batches})
 
-
-KEY_MASK = (1 << 64) - 1
 
 
 async def faults(request: web.Request) -> web.Response:
