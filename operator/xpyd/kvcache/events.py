@@ -148,7 +148,8 @@ class EventBatch:
 
 
 @functools.cache
-def _msgpack() -> Any:
+def msgpack_module() -> Any:
+    """The msgpack module (untyped), imported the first time events are encoded or decoded."""
     try:
         return importlib.import_module("msgpack")
     except ImportError as error:
@@ -204,7 +205,7 @@ def event_object(event: KVEvent, version: Version) -> list[Any] | dict[str, Any]
 def encode_batch(batch: EventBatch, version: Version = LATEST) -> bytes:
     """An `EventBatch` as release `version` publishes it (msgpack, as msgspec encodes it)."""
     payload = [float(batch.ts), [event_object(event, version) for event in batch.events], batch.data_parallel_rank]
-    data: bytes = _msgpack().packb(payload, use_bin_type=True)
+    data: bytes = msgpack_module().packb(payload, use_bin_type=True)
     return data
 
 
@@ -273,7 +274,7 @@ def _event(raw: Any) -> KVEvent:
 
 def decode_batch(payload: bytes) -> EventBatch:
     """An `EventBatch` payload of any release (0.13 to 0.33); DecodeError when it is none."""
-    msgpack = _msgpack()
+    msgpack = msgpack_module()
     try:
         raw = msgpack.unpackb(payload, raw=False, strict_map_key=False)
     except (ValueError, TypeError, msgpack.UnpackException) as error:

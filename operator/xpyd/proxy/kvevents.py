@@ -54,8 +54,6 @@ holding it; `xpyd_proxy_kv_event_gaps_total` counts gaps by outcome,
 from __future__ import annotations
 
 import asyncio
-import functools
-import importlib
 import logging
 import time
 from collections.abc import Iterable
@@ -68,7 +66,7 @@ import zmq.asyncio
 
 from xpyd.api.naming import Role
 from xpyd.kvcache import events
-from xpyd.kvcache.events import HASH_MASK, block_hash_key
+from xpyd.kvcache.events import HASH_MASK, block_hash_key, msgpack_module
 from xpyd.kvcache.index import PrefixIndex
 from xpyd.proxy.kvrouting import KVRouter, KVSettings
 from xpyd.proxy.metrics import Counter, Histogram
@@ -209,7 +207,7 @@ def _update_of(batch: events.EventBatch) -> Update:
 def index_update(payload: bytes) -> Update:
     """A batch's payload as the index takes it (see the module docstring); DecodeError when it is no
     `EventBatch` of any release, as `events.decode_batch` says."""
-    msgpack = _msgpack()
+    msgpack = msgpack_module()
     try:
         raw = msgpack.unpackb(payload, raw=False, strict_map_key=False)
         if type(raw) is not list or not 2 <= len(raw) <= 3 or type(raw[1]) is not list:
@@ -222,11 +220,6 @@ def index_update(payload: bytes) -> Update:
         return Update(float(ts), changes, groups)
     except (_Unexpected, KeyError, IndexError, TypeError, ValueError, msgpack.UnpackException):
         return _update_of(events.decode_batch(payload))
-
-
-@functools.cache
-def _msgpack() -> Any:
-    return importlib.import_module("msgpack")   # a dependency, untyped
 
 
 class EventMetrics:

@@ -52,6 +52,7 @@ from xpyd.kvcache.events import (
     EventBatch,
     KVEvent,
     external_block_hash,
+    msgpack_module,
     offset_endpoint_port,
     parse_replay_request,
     publish_frames,
@@ -86,12 +87,8 @@ def encode_latest(batch: EventBatch) -> bytes:
             if required or value is not None:
                 out[name] = value
         objects.append(out)
-    data: bytes = _msgpack().packb([float(batch.ts), objects, batch.data_parallel_rank], use_bin_type=True)
+    data: bytes = msgpack_module().packb([float(batch.ts), objects, batch.data_parallel_rank], use_bin_type=True)
     return data
-
-
-def _msgpack() -> Any:
-    return importlib.import_module("msgpack")   # a dependency, untyped
 
 
 @dataclass(frozen=True)
