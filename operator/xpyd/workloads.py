@@ -92,6 +92,8 @@ def conversations(spec: Conversations | None = None) -> list[TraceRequest]:
             requests.append(TraceRequest(at_s, prompt, answer, tuple(ids)))
             context = prompt + answer
             at_s += answer * spec.answer_s_per_token + (rng.expovariate(1.0 / spec.think_s) if spec.think_s else 0.0)
+    if not requests:
+        raise ValueError(f"no conversation has a first turn within max_context ({spec.max_context} tokens)")
     requests.sort(key=lambda r: r.arrival_s)
     first = requests[0].arrival_s
     return [TraceRequest(r.arrival_s - first, r.isl, r.osl, r.prefix_blocks) for r in requests]

@@ -43,6 +43,11 @@ def test_the_default_workload_is_mostly_repeated_text() -> None:
     assert 0.8 < repeat_share(r.prefix_blocks for r in trace) < 0.9
 
 
+def test_a_workload_without_any_turn_is_refused() -> None:
+    with pytest.raises(ValueError, match="no conversation has a first turn within max_context"):
+        conversations(Conversations(conversations=3, system_tokens=4000, max_context=4002, user_tokens=50))
+
+
 @pytest.mark.parametrize(("fields", "message"), [
     ({"conversations": 0}, "at least 1"),
     ({"rate_per_s": 0.0}, "rate_per_s must be positive"),
