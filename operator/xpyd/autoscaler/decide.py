@@ -274,15 +274,25 @@ def metrics_suspicion(observation: Observation) -> str | None:
 # --- corrections -------------------------------------------------------------------------------------
 
 
+def _thin(observation: Observation, config: AutoscalerConfig) -> bool:
+    """The window saw too few prefill requests to teach anything about capacity or the cache."""
+    return observation.prefill.requests_per_s * observation.window_s < config.min_requests
+
+
+def _releasing(observation: Observation, config: AutoscalerConfig, state: AutoscalerState) -> bool:
+    """The window may still hold the release of the requests held while the pool started from zero
+    (all at once: a backlog, not a pattern to learn)."""
+    return observation.time_s - state.woken_s < config.startup_s + observation.window_s + 2 * config.interval_s
+
+
 def computed_share(observation: Observation, config: AutoscalerConfig) -> float:
     """The share of prompt tokens prefill computes: 1 - the window's prefill prefix-cache hit rate,
     at least MIN_COMPUTED_SHARE; 1 (every token computed) from a window with fewer requests than a
     correction needs, where a few repeated prompts (health checks) would read as a cache that serves
     everything."""
-    role = observation.prefill
-    if role.requests_per_s * observation.window_s < config.min_requests:
+    if _thin(observation, config):
         return 1.0
-    return max(MIN_COMPUTED_SHARE, 1.0 - role.prefix_cache_hit_rate)
+    return max(MIN_COMPUTED_SHARE, 1.0 - observation.prefill.prefix_cache_hit_rate)
 
 
 def _observed_prefill_correction(observation: Observation, config: AutoscalerConfig, state: RoleState,
@@ -299,8 +309,7 @@ def _observed_prefill_correction(observation: Observation, config: AutoscalerCon
     saturated rate is exact, and then over-provisions at high load.)"""
     role = observation.prefill
     rate = role.prompt_tokens_per_s
-    thin = role.requests_per_s * observation.window_s < config.min_requests
-    if role.ready < 1 or role.starting or role.draining or thin or not rate > 0:
+    if role.ready < 1 or role.starting or role.draining or _thin(observation, config) or not rate > 0:
         return None
     delivered = rate * computed / (role.ready * config.model.mix_tokens_per_s(mix))
     saturated = (role.num_requests_waiting >= role.ready and math.isfinite(state.waiting)
@@ -429,7 +438,7 @@ def _attainment(observation: Observation, config: AutoscalerConfig, state: Autos
     model = config.model
     share = window_attainment(observation.ttft_buckets, observation.tpot_buckets, model.ttft_target_s,
                               model.tpot_target_s)
-    woken = observation.time_s - state.woken_s < config.startup_s + observation.window_s + 2 * config.interval_s
+    woken = _releasing(observation, config, state)
     capped = (observation.prefill.replicas >= config.prefill.max_replicas
               and observation.decode.replicas >= config.decode.max_replicas)
     learnt = learn(state.attainment, observation.time_s, share, observation.request_rate * _span(observation, state),
@@ -701,8 +710,8 @@ def _burst(observation: Observation, config: AutoscalerConfig, state: Autoscaler
     steady = prefill.starting == 0 and prefill.draining == 0 and not math.isfinite(state.prefill.starting_since_s)
     if memory <= 0 or prefill.ready < 1 or not ttft_breach or not steady:
         return kept
-    if now - state.woken_s < config.startup_s + observation.window_s + 2 * config.interval_s:
-        return kept       # the held requests released at once after a start from zero: a backlog, not a pattern
+    if _releasing(observation, config, state):
+        return kept
     per_replica = config.model.saturated_tokens_per_s(k)
     capacity = prefill.ready * per_replica
     offered = observation.request_rate * observation.isl_mean
