@@ -1175,15 +1175,18 @@ def _gpu_budget_holds(spec: DisaggregatedServingSpec) -> bool:
     return floor <= budget
 
 
-def _kv_aware(spec: DisaggregatedServingSpec) -> bool:
+def kv_aware_routing(spec: DisaggregatedServingSpec) -> bool:
+    """The proxy routes by the engines' prefix caches (routingPolicy KVAware)."""
     return spec.proxy.routing_policy == RoutingPolicy.KV_AWARE
 
 
-def _kv_events(spec: DisaggregatedServingSpec) -> bool:
-    return _kv_aware(spec) and spec.proxy.kv_aware.index == KVIndex.EVENTS
+def kv_events_published(spec: DisaggregatedServingSpec) -> bool:
+    """The engines publish their KV events for a KVAware proxy (its Events index)."""
+    return kv_aware_routing(spec) and spec.proxy.kv_aware.index == KVIndex.EVENTS
 
 
-def _engine_args(spec: DisaggregatedServingSpec, *roles: str) -> list[str]:
+def engine_extra_args(spec: DisaggregatedServingSpec, *roles: str) -> list[str]:
+    """The engines' extra arguments: engine-wide, then those of `roles`, in order."""
     return [*spec.engine.extra_args, *(arg for role in roles for arg in getattr(spec, role).extra_args)]
 
 
@@ -1231,7 +1234,7 @@ _KV_AWARE_RULES: Final = (
         cel=f"{_KV_AWARE_CEL} || self.kvTransfer.connector != 'LMCacheConnectorV1'",
         message="proxy.routingPolicy KVAware routes on vLLM's prefix cache, which LMCacheConnectorV1 pools run "
         "without (--no-enable-prefix-caching): use LeastLoaded, PowerOfTwo or RoundRobin",
-        check=lambda s: not _kv_aware(s) or s.kv_transfer.connector != Connector.LMCACHE,
+        check=lambda s: not kv_aware_routing(s) or s.kv_transfer.connector != Connector.LMCACHE,
         field_path=".proxy.routingPolicy",
     ),
     Rule(
@@ -1239,21 +1242,22 @@ _KV_AWARE_RULES: Final = (
         "self.prefill.extraArgs.exists(a, a == '--no-enable-prefix-caching'))",
         message="proxy.routingPolicy KVAware routes on the prefill engines' prefix cache, which "
         "--no-enable-prefix-caching in engine.extraArgs or prefill.extraArgs turns off",
-        check=lambda s: not _kv_aware(s) or "--no-enable-prefix-caching" not in _engine_args(s, "prefill"),
+        check=lambda s: not kv_aware_routing(s) or "--no-enable-prefix-caching" not in engine_extra_args(s, "prefill"),
         field_path=".proxy.routingPolicy",
     ),
     Rule(
         cel=f"{_KV_EVENTS_CEL} || !self.engine.vllmVersion.matches('{KV_EVENTS_BEFORE_REGEX}')",
         message=f"proxy.kvAware.index Events needs engine.vllmVersion >= {vllm.format_version(KV_EVENTS_CHECKED_FROM)} "
         "(the releases whose KV events and block hashes the proxy was checked against): use index Routed",
-        check=lambda s: not _kv_events(s) or vllm.parse_version(s.engine.vllm_version) >= KV_EVENTS_CHECKED_FROM,
+        check=lambda s: (not kv_events_published(s)
+                         or vllm.parse_version(s.engine.vllm_version) >= KV_EVENTS_CHECKED_FROM),
         field_path=".proxy.kvAware.index",
     ),
     Rule(
         cel=f"{_KV_EVENTS_CEL} || (self.prefill.nodesPerReplica == 1 && self.decode.nodesPerReplica == 1)",
         message="proxy.kvAware.index Events needs nodesPerReplica 1 on both roles: the proxy subscribes to each "
         "engine pod, and a multi-node replica's ranks publish from its worker pods: use index Routed",
-        check=lambda s: not _kv_events(s) or not (s.prefill.multi_node or s.decode.multi_node),
+        check=lambda s: not kv_events_published(s) or not (s.prefill.multi_node or s.decode.multi_node),
         field_path=".proxy.kvAware.index",
     ),
     Rule(
@@ -1262,8 +1266,8 @@ _KV_AWARE_RULES: Final = (
         "self.decode.extraArgs.exists(a, a.startsWith('--kv-events-config')))",
         message="proxy.kvAware.index Events renders the engines' --kv-events-config (the endpoints the proxy "
         "subscribes to): remove it from engine.extraArgs, prefill.extraArgs and decode.extraArgs",
-        check=lambda s: not _kv_events(s) or not any(
-            a.startswith("--kv-events-config") for a in _engine_args(s, "prefill", "decode")),
+        check=lambda s: not kv_events_published(s) or not any(
+            a.startswith("--kv-events-config") for a in engine_extra_args(s, "prefill", "decode")),
         field_path=".proxy.kvAware.index",
     ),
     # The proxy hashes each prompt as the engines do, NONE_HASH's seed included; the operator never
@@ -1276,7 +1280,8 @@ _KV_AWARE_RULES: Final = (
         "sha256_cbor: vLLM seeds xxhash and xxhash_cbor at random per process, since a seed others know lets "
         "them craft colliding blocks, so the proxy cannot hash as the engines do: remove xxhash from "
         "engine.extraArgs, prefill.extraArgs and decode.extraArgs, or use index Routed",
-        check=lambda s: not _kv_events(s) or not any(_xxhash_arg(a) for a in _engine_args(s, "prefill", "decode")),
+        check=lambda s: (not kv_events_published(s)
+                         or not any(_xxhash_arg(a) for a in engine_extra_args(s, "prefill", "decode"))),
         field_path=".proxy.kvAware.index",
     ),
     Rule(
@@ -1286,7 +1291,7 @@ _KV_AWARE_RULES: Final = (
         message="proxy.kvAware.index Events hashes prompts with the engines' PYTHONHASHSEED, which the proxy is "
         "given and both roles must share: set it, if at all, as a literal value in engine.env, not with "
         "valueFrom and not in prefill.env or decode.env",
-        check=lambda s: not _kv_events(s) or _seeds_only_in_engine_env(s),
+        check=lambda s: not kv_events_published(s) or _seeds_only_in_engine_env(s),
         field_path=".proxy.kvAware.index",
     ),
     Rule(
@@ -1296,7 +1301,7 @@ _KV_AWARE_RULES: Final = (
         "engine.env: these releases seed the first block's hash at random per process without it, so no two "
         "engines hash alike. Set it yourself (PYTHONHASHSEED=random keeps Python's hash randomisation; "
         f"docs/proxy.md), or use engine.vllmVersion >= {_FIXED_NONE_HASH} or index Routed",
-        check=lambda s: not _kv_events(s) or _seeded_where_needed(s),
+        check=lambda s: not kv_events_published(s) or _seeded_where_needed(s),
         field_path=".proxy.kvAware.index",
     ),
 )

@@ -44,8 +44,9 @@ from xpyd.api.models import (
     PYTHONHASHSEED,
     DisaggregatedServingSpec,
     KVIndex,
-    RoleSpec,
-    RoutingPolicy,
+    engine_extra_args,
+    kv_aware_routing,
+    kv_events_published,
 )
 from xpyd.api.naming import ROLES, Role
 from xpyd.common.args import last_flag_value
@@ -54,25 +55,10 @@ from xpyd.common.jsontypes import JSON
 DEFAULT_HASH_ALGO: Final = vllm.PREFIX_CACHING_HASH_ALGOS[0]
 
 
-def kv_aware(spec: DisaggregatedServingSpec) -> bool:
-    """The proxy routes by the engines' prefix caches."""
-    return spec.proxy.routing_policy == RoutingPolicy.KV_AWARE
-
-
-def events(spec: DisaggregatedServingSpec) -> bool:
-    """The engines publish their KV events for a KVAware proxy."""
-    return kv_aware(spec) and spec.proxy.kv_aware.index == KVIndex.EVENTS
-
-
-def _args(spec: DisaggregatedServingSpec, role: Role) -> list[str]:
-    role_spec: RoleSpec = getattr(spec, role)
-    return [*spec.engine.extra_args, *role_spec.extra_args]
-
-
 def block_size(spec: DisaggregatedServingSpec, role: Role = "prefill") -> int:
     """The engines' tokens per KV block: their `--block-size`, else vLLM's default for the device. A
     value that is not an integer is vLLM's to refuse at start-up; the default stands in for it here."""
-    value = last_flag_value(_args(spec, role), "--block-size")
+    value = last_flag_value(engine_extra_args(spec, role), "--block-size")
     try:
         size = int(value) if value is not None else 0
     except ValueError:
@@ -84,7 +70,7 @@ def block_size(spec: DisaggregatedServingSpec, role: Role = "prefill") -> int:
 
 def hash_algo(spec: DisaggregatedServingSpec, role: Role = "prefill") -> str:
     """The engines' `--prefix-caching-hash-algo` (vLLM's default when unset)."""
-    return last_flag_value(_args(spec, role), "--prefix-caching-hash-algo") or DEFAULT_HASH_ALGO
+    return last_flag_value(engine_extra_args(spec, role), "--prefix-caching-hash-algo") or DEFAULT_HASH_ALGO
 
 
 def hash_seed(spec: DisaggregatedServingSpec) -> str | None:
@@ -108,12 +94,12 @@ def events_config(spec: DisaggregatedServingSpec) -> str:
 
 def engine_args(spec: DisaggregatedServingSpec, role: Role) -> list[str]:
     """The engines' flags for KVAware routing: the KV events, with the Events index."""
-    return [f"--kv-events-config={events_config(spec)}"] if events(spec) else []
+    return [f"--kv-events-config={events_config(spec)}"] if kv_events_published(spec) else []
 
 
 def engine_ports(spec: DisaggregatedServingSpec, role: Role) -> list[JSON]:
     """The KV-event ports of each data-parallel rank (Events only)."""
-    if not events(spec):
+    if not kv_events_published(spec):
         return []
     ranks = range(getattr(spec, role).data_parallel_size)
     return ([{"name": f"kv-events-{rank}", "containerPort": KV_EVENTS_PORT + rank, "protocol": "TCP"}
@@ -129,7 +115,7 @@ def _number(value: float) -> str:
 def proxy_args(spec: DisaggregatedServingSpec) -> list[str]:
     """`xpyd proxy` flags of the policy: its index, weights and the engines' block size, and, for the
     Events index, what the engines hash with and where and what they publish."""
-    if not kv_aware(spec):
+    if not kv_aware_routing(spec):
         return []
     settings = spec.proxy.kv_aware
     result = [f"--kv-index={settings.index.value}", f"--kv-weight={_number(settings.kv_weight)}",
