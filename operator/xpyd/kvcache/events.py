@@ -172,12 +172,13 @@ def block_hash_key(block_hash: ExternalBlockHash) -> int:
 
 # --- encoding --------------------------------------------------------------------------------------
 
+_CLASS_FIELDS: Final[dict[type, tuple[tuple[str, Version, bool], ...]]] = {
+    BlockStored: STORED_FIELDS, BlockRemoved: REMOVED_FIELDS, AllBlocksCleared: ()}
+"""Each event's fields, in the order of its array encoding."""
+
+
 def _fields(event: KVEvent) -> tuple[tuple[str, Version, bool], ...]:
-    if isinstance(event, BlockStored):
-        return STORED_FIELDS
-    if isinstance(event, BlockRemoved):
-        return REMOVED_FIELDS
-    return ()
+    return _CLASS_FIELDS[type(event)]
 
 
 def _wire(value: Any) -> Any:
@@ -233,8 +234,7 @@ def _event(raw: Any) -> KVEvent:
         cls = _CLASSES.get(tag)
         if cls is None:
             raise DecodeError(f"unknown KV event {tag!r}")
-        names = [name for name, _, _ in (STORED_FIELDS if cls is BlockStored else
-                                          REMOVED_FIELDS if cls is BlockRemoved else ())]
+        names = [name for name, _, _ in _CLASS_FIELDS[cls]]
         fields = dict(zip(names, values, strict=False))   # a newer release's extra fields are ignored
     elif isinstance(raw, dict):
         found = raw.get(TAG_FIELD)
@@ -242,15 +242,14 @@ def _event(raw: Any) -> KVEvent:
         cls = _CLASSES.get(tag)
         if cls is None:
             raise DecodeError(f"unknown KV event {tag!r}")
-        known = {name for name, _, _ in (STORED_FIELDS if cls is BlockStored else
-                                         REMOVED_FIELDS if cls is BlockRemoved else ())}
+        known = {name for name, _, _ in _CLASS_FIELDS[cls]}
         fields = {key: value for key, value in raw.items() if key in known}
     else:
         raise DecodeError(f"a KV event is an array or a map, not {type(raw).__name__}")
     if cls is AllBlocksCleared:
         return AllBlocksCleared()
-    required = [name for name, _, needed in (STORED_FIELDS if cls is BlockStored else REMOVED_FIELDS) if needed
-                and name not in ("lora_name",)]
+    # Fields every release writes; one a later release added (lora_name) an older one's event lacks.
+    required = [name for name, added, needed in _CLASS_FIELDS[cls] if needed and added == OLDEST]
     missing = [name for name in required if name not in fields]
     if missing:
         raise DecodeError(f"{tag} without {', '.join(missing)}")
