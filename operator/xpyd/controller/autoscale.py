@@ -316,7 +316,8 @@ class Autoscaler:
         pods = self.kube.list_objects("v1", "Pod", namespace, collect.pool_selector(name))
         held = collect.held_requests(pods)
         bare = collect.with_held(collect.pods_only(pods, now, float(scope.window_s)), held)
-        if wake and not waking(bare):
+        cold = waking(bare)   # held requests and a role without a ready pod: decided from the pods alone
+        if wake and not cold:
             return False  # it can serve, or nothing is held: the regular decisions see to it
         if not wake:  # a wake-up leaves the regular decisions' schedule (interval, spec changes) alone
             memory.last_run_s, memory.generation = now, meta.get("generation")
@@ -332,7 +333,7 @@ class Autoscaler:
                 self.kube.event(body, "Warning", PROFILE_UNAVAILABLE, str(error))
             return False
         config = config_for(serving, perf)
-        if waking(bare):
+        if cold:
             observation = bare
             decision = decide(observation, config, memory.state)
         else:
