@@ -44,8 +44,9 @@ import kopf
 
 from xpyd.api import models
 from xpyd.api.conditions import KV_TRANSFER_POD_CONDITION
-from xpyd.api.naming import FIELD_MANAGER, ROLE_LABEL, SERVING_LABEL
-from xpyd.api.waiting import Held, held_by_pod
+from xpyd.api.naming import FIELD_MANAGER, SERVING_LABEL
+from xpyd.api.waiting import Held
+from xpyd.autoscaler.collect import held_requests
 from xpyd.common.jsontypes import JSON
 from xpyd.controller.autoscale import Autoscaler
 from xpyd.controller.leader import LeaderElector
@@ -112,9 +113,7 @@ def pod_signal(pod: JSON | None) -> tuple[Any, ...]:
 
 def held_signal(pod: JSON | None) -> Held:
     """What a proxy pod says it holds for a ready pair (nothing for any other pod)."""
-    if pod is None or ((pod.get("metadata") or {}).get("labels") or {}).get(ROLE_LABEL) != "proxy":
-        return Held()
-    return held_by_pod(pod)
+    return Held() if pod is None else held_requests([pod])
 
 
 def is_urgent(kind: Kind, old: JSON | None, new: JSON | None) -> bool:
