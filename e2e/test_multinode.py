@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -104,7 +105,8 @@ def test_multi_node_pool_places_recovers_scales_and_deletes(operator: Cluster, n
     table = operator.kubectl("get", "xpyd", "-n", namespace).stdout.splitlines()
     assert table[1].split()[1:4] == ["1/1", "2/2", "True"]  # replicas are groups
     wide = operator.kubectl("get", "xpyd", "-n", namespace, "-o", "wide").stdout.splitlines()
-    columns = dict(zip(wide[0].split(), wide[1].split(), strict=False))
+    starts = [m.start() for m in re.finditer(r"\S+", wide[0])]   # cells by the header's offsets: some are empty
+    columns = {wide[0][a:b].strip(): wide[1][a:b].strip() for a, b in zip(starts, [*starts[1:], None], strict=True)}
     assert (columns["PREFILL-GPUS"], columns["DECODE-GPUS"]) == ("16", "32")  # every pod of every group
     # What LWS's webhooks default in the LeaderWorkerSets does not look like drift: applied once.
     assert not operator.get("events", "-n", namespace, "--field-selector", "reason=Updated")["items"]
