@@ -63,8 +63,8 @@ from xpyd.cluster.binaries import Binaries, locate_binaries
 from xpyd.cluster.controlplane import ClusterState, ControlPlane, free_port, write_kubeconfig
 from xpyd.common.jsontypes import JSON
 from xpyd.common.stats import percentile
-from xpyd.controller.handlers import CHILD_KINDS
 from xpyd.controller.reconcile import apply_in_waves, desired_children
+from xpyd.controller.watches import CHILD_KINDS
 from xpyd.kube import Kube
 from xpyd.kube.cache import Cache, Kind
 from xpyd.render import RenderOptions, render

@@ -10,7 +10,7 @@ import pytest
 from xpyd.api import models
 from xpyd.api.load import parse_serving
 from xpyd.api.naming import SERVING_LABEL
-from xpyd.controller.handlers import (
+from xpyd.controller.watches import (
     CHILD_KINDS,
     CHILD_SELECTOR,
     LWS_KIND,
@@ -18,6 +18,7 @@ from xpyd.controller.handlers import (
     is_urgent,
     owner_of,
     pod_signal,
+    pod_view,
 )
 from xpyd.kube import Kube
 from xpyd.kube.cache import (
@@ -27,7 +28,6 @@ from xpyd.kube.cache import (
     implies,
     is_not_older,
     parse_selector,
-    pod_view,
     selector_matches,
     without_managed_fields,
 )

@@ -6,8 +6,8 @@ from __future__ import annotations
 import pytest
 
 from xpyd.api.conditions import KV_TRANSFER_FAILING, KV_TRANSFER_POD_CONDITION
-from xpyd.controller.handlers import pod_signal
 from xpyd.controller.status import kv_transfer_problem
+from xpyd.controller.watches import pod_signal
 from xpyd.proxy.kvhealth import EngineTransferFailures, PairHealth, failed_transfers
 from xpyd.proxy.podreport import MAX_PAIRS_NAMED, kv_condition
 

@@ -36,7 +36,7 @@ from xpyd.autoscaler.observation import Observation, RoleObservation
 from xpyd.autoscaler.sizing import PromptMix
 from xpyd.autoscaler.state import decode as decode_state
 from xpyd.autoscaler.state import encode as encode_state
-from xpyd.controller.handlers import held_signal
+from xpyd.controller.watches import held_signal
 from xpyd.proxy.waiting import WaitExpired, WaitingRoom, WaitingRoomFull
 from xpyd.render import proxy_args
 
@@ -450,7 +450,8 @@ def test_a_proxy_pod_reporting_held_requests_starts_a_decision_at_once() -> None
     from typing import cast
 
     from tests.unit.test_autoscaler_operator import FakeKube, FakePrometheus, autoscaler
-    from xpyd.controller.handlers import OperatorState, cache_kinds
+    from xpyd.controller.runtime import OperatorRuntime
+    from xpyd.controller.watches import cache_kinds
     from xpyd.kube import Kube
 
     obj = _zero_body()
@@ -458,8 +459,8 @@ def test_a_proxy_pod_reporting_held_requests_starts_a_decision_at_once() -> None
     before, after = _proxy(Held()), _proxy(Held(3, 30, 300))
     kube = FakeKube([after])
     kube.objects["DisaggregatedServing"] = {"llama": obj}
-    state = OperatorState(kube=cast(Kube, kube), operator_image="x", resync_seconds=60, namespaces=[],
-                          autoscaler=autoscaler(kube, FakePrometheus(None), [1000.0]))
+    state = OperatorRuntime(kube=cast(Kube, kube), operator_image="x", resync_seconds=60, namespaces=[],
+                            autoscaler=autoscaler(kube, FakePrometheus(None), [1000.0]))
     (pods,) = [kind for kind in cache_kinds() if kind.kind == "Pod"]
     state.changed(pods, before, before)   # nothing held: nothing to decide
     assert state.wakes == 0

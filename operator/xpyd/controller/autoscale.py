@@ -291,7 +291,7 @@ class Autoscaler:
         A pool whose proxies hold requests while a role has no ready replica (a pool at zero, or
         starting from it) is decided from its pods alone, without Prometheus: its demand is in the
         proxies' pod conditions, and a pool at zero has no engine metrics. With `wake` (a proxy's
-        condition changed: `controller.handlers`), only such a pool is decided, at once."""
+        condition changed: `controller.runtime`), only such a pool is decided, at once."""
         meta = body["metadata"]
         namespace, name = meta["namespace"], meta["name"]
         try:

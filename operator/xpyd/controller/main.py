@@ -1,8 +1,10 @@
-"""`xpyd operator`: run the kopf operator with this project's settings."""
+"""`xpyd operator`: run the operator's runtime (xpyd.controller.runtime) in a kopf-hosted process,
+with this project's settings."""
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import os
 import secrets
@@ -18,11 +20,13 @@ from aiohttp import web
 
 from xpyd.common import exposition
 from xpyd.controller.autoscale import Autoscaler
-from xpyd.controller.handlers import OperatorState, register
 from xpyd.controller.leader import LeaderElector, Timing
 from xpyd.controller.metrics import OperatorMetrics
+from xpyd.controller.runtime import OperatorRuntime
 from xpyd.kube import Kube
 from xpyd.render import DEFAULT_OPERATOR_IMAGE
+
+log = logging.getLogger(__name__)
 
 #: The Lease the replicas of one operator elect their leader with.
 LEASE_NAME: Final = "xpyd-operator"
@@ -45,6 +49,39 @@ def candidate_identity() -> str:
     return f"{os.environ.get('POD_NAME') or socket.gethostname()}_{secrets.token_hex(4)}"
 
 
+def configure_settings(settings: kopf.OperatorSettings) -> None:
+    """kopf runs no resource handlers here: quiet event posting, no CRD scanning."""
+    settings.posting.level = logging.WARNING  # Events are written by the reconciler itself.
+    settings.networking.request_timeout = 60
+    # The resources are fixed: no need to list CustomResourceDefinitions (and no RBAC for it).
+    settings.scanning.disabled = True
+
+
+def register(registry: kopf.OperatorRegistry) -> None:
+    """Register the operator's start-up and clean-up on `registry` (its own: no global registry): kopf
+    only hosts the process (start-up and clean-up, signals, the liveness endpoint); the work is the
+    runtime's (xpyd.controller.runtime)."""
+
+    @kopf.on.startup(registry=registry)
+    async def _startup(settings: kopf.OperatorSettings, memo: kopf.Memo, **_: Any) -> None:
+        configure_settings(settings)
+        runtime: OperatorRuntime = memo.state
+        await asyncio.to_thread(runtime.start)
+        runtime.tasks.append(asyncio.create_task(_every(runtime.resync_seconds, runtime.resync, delay_first=True)))
+        if runtime.autoscaler is not None:
+            runtime.tasks.append(asyncio.create_task(_every(runtime.autoscale_tick_seconds, runtime.autoscale_due)))
+
+    @kopf.on.cleanup(registry=registry)
+    async def _cleanup(memo: kopf.Memo, **_: Any) -> None:
+        runtime: OperatorRuntime = memo.state
+        for task in runtime.tasks:
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+        runtime.tasks.clear()
+        await asyncio.to_thread(runtime.stop)
+
+
 def build(operator_image: str | None, resync_seconds: float, namespaces: list[str],
           kube: Kube | None = None, retry_seconds: float = 1.0,
           login: Callable[..., Any] | None = None, workers: int = 8, lease_namespace: str | None = None,
@@ -60,23 +97,23 @@ def build(operator_image: str | None, resync_seconds: float, namespaces: list[st
     register(registry)
     kopf.on.login(registry=registry)(login or kopf.login_via_client)
     kube = kube or Kube.from_environment()
-    state = OperatorState(kube=kube, operator_image=operator_image or DEFAULT_OPERATOR_IMAGE,
-                          resync_seconds=resync_seconds, namespaces=namespaces, retry_seconds=retry_seconds,
-                          autoscaler=Autoscaler(kube), workers=workers)
+    runtime = OperatorRuntime(kube=kube, operator_image=operator_image or DEFAULT_OPERATOR_IMAGE,
+                              resync_seconds=resync_seconds, namespaces=namespaces, retry_seconds=retry_seconds,
+                              autoscaler=Autoscaler(kube), workers=workers)
     if lease_namespace is not None:
-        state.elector = LeaderElector(kube, lease_namespace, LEASE_NAME, identity or candidate_identity(),
-                                      lease_timing or Timing(), on_started=state.lead, on_stopped=state.follow)
-        kube.fence = state.elector.holding
-    return registry, kopf.Memo(state=state)
+        runtime.elector = LeaderElector(kube, lease_namespace, LEASE_NAME, identity or candidate_identity(),
+                                        lease_timing or Timing(), on_started=runtime.lead, on_stopped=runtime.follow)
+        kube.fence = runtime.elector.holding
+    return registry, kopf.Memo(state=runtime)
 
 
-async def start_metrics(state: OperatorState, url: str) -> web.AppRunner:
+async def start_metrics(runtime: OperatorRuntime, url: str) -> web.AppRunner:
     """Serve the operator's metrics (the autoscaler's decisions, API requests, caches) on `url`, e.g.
     http://0.0.0.0:8081/metrics."""
     parsed = urlsplit(url)
 
-    own = exposition.registry([*([state.autoscaler.metrics] if state.autoscaler is not None else []),
-                               OperatorMetrics(state)])
+    own = exposition.registry([*([runtime.autoscaler.metrics] if runtime.autoscaler is not None else []),
+                               OperatorMetrics(runtime)])
 
     async def metrics(_: web.Request) -> web.Response:
         return exposition.response(own)
@@ -119,3 +156,15 @@ def run(namespaces: list[str], all_namespaces: bool, liveness: str | None, opera
                            lease_namespace=(lease_namespace or default_lease_namespace()) if leader_elect else None)
     asyncio.run(serve(registry, memo, scope, liveness, metrics=metrics))
     return 0
+
+
+async def _every(seconds: float, work: Callable[[], None], delay_first: bool = False) -> None:
+    """Run `work` in a thread every `seconds`; a bug in it is logged and the loop goes on."""
+    if delay_first:
+        await asyncio.sleep(seconds)
+    while True:
+        try:
+            await asyncio.to_thread(work)
+        except Exception:
+            log.exception("%s failed; the next round retries", getattr(work, "__name__", work))
+        await asyncio.sleep(seconds)

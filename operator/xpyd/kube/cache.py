@@ -15,10 +15,10 @@ return are written through, so a reconcile right after a write sees it before it
 arrives. An object is replaced only by one at least as new (resourceVersions are compared as
 integers when both are, which the API server's are; otherwise the latest arrival wins).
 
-Objects are stored through a `transform` (managedFields dropped; pods reduced to what the
-operator reads), which keeps the memory of a thousand pools small. `get` and `select` hand out
-the cache's own objects, not copies (a deep copy of a Deployment costs more than the rest of a
-reconcile): callers must not modify them.
+Objects are stored through a `transform` (managedFields dropped; a kind may reduce them further,
+as the operator does its pods), which keeps the memory of a thousand pools small. `get` and
+`select` hand out the cache's own objects, not copies (a deep copy of a Deployment costs more than
+the rest of a reconcile): callers must not modify them.
 """
 
 from __future__ import annotations
@@ -79,15 +79,6 @@ def without_managed_fields(obj: JSON) -> JSON:
     if isinstance(meta, dict) and "managedFields" in meta:
         obj = {**obj, "metadata": {k: v for k, v in meta.items() if k != "managedFields"}}
     return obj
-
-
-def pod_view(pod: JSON) -> JSON:
-    """What the operator reads of a pod: metadata, the node it runs on, and its status."""
-    pod = without_managed_fields(pod)
-    spec = pod.get("spec") or {}
-    view: JSON = {"apiVersion": pod.get("apiVersion", "v1"), "kind": "Pod", "metadata": pod.get("metadata", {}),
-                  "spec": {k: spec[k] for k in ("nodeName",) if k in spec}, "status": pod.get("status", {})}
-    return view
 
 
 def _version(obj: JSON) -> str:

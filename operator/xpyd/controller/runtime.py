@@ -1,4 +1,5 @@
-"""The operator's control loop: watch-fed caches, a work queue of pools, a bounded set of workers.
+"""The operator's runtime (`OperatorRuntime`): watch-fed caches, a work queue of pools, a bounded
+set of workers.
 
 - A `Cache` (xpyd.kube.cache) lists and watches the DisaggregatedServings and every kind the
   operator creates (selected by its labels) plus the pools' pods. The operator's `Kube` reads from
@@ -26,52 +27,32 @@
   start (every pool queued) when it acquires the Lease and stop when it loses it. Its writes are
   fenced (`Kube.fence`): once its renew deadline passes, a reconcile or decision still in flight
   cannot write, so the next leader never meets a write of the old one.
-kopf runs the process (startup and cleanup, signals, the liveness endpoint).
+The watches and what each event means are declared in xpyd.controller.watches; kopf only hosts the
+process (see xpyd.controller.main).
 """
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import threading
-from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Any, Final
-
-import kopf
+from typing import Final
 
 from xpyd.api import models
-from xpyd.api.conditions import KV_TRANSFER_POD_CONDITION
-from xpyd.api.naming import FIELD_MANAGER, SERVING_LABEL
-from xpyd.api.waiting import Held
-from xpyd.autoscaler.collect import held_requests
 from xpyd.common.jsontypes import JSON
 from xpyd.controller.autoscale import Autoscaler
 from xpyd.controller.leader import LeaderElector
 from xpyd.controller.lws import LeaderWorkerSetSupport
-from xpyd.controller.reconcile import LWS_API_VERSION, InvalidSpec, Verified, reconcile
+from xpyd.controller.reconcile import InvalidSpec, Verified, reconcile
+from xpyd.controller.watches import LWS_KIND, Key, cache_kinds, held_signal, is_urgent, owner_of, pod_signal
 from xpyd.controller.workqueue import WorkQueue
 from xpyd.kube import Kube, KubeError
-from xpyd.kube.cache import Cache, Kind, pod_view
-from xpyd.kube.pods import pod_ready
+from xpyd.kube.cache import Cache, Kind
 
 log = logging.getLogger(__name__)
 
-#: Every kind the operator renders for a pool (a test holds this equal to what rendering produces).
-CHILD_KINDS: Final[tuple[tuple[str, str], ...]] = (
-    ("apps/v1", "Deployment"),
-    ("v1", "Service"),
-    ("v1", "ServiceAccount"),
-    ("policy/v1", "PodDisruptionBudget"),
-    ("rbac.authorization.k8s.io/v1", "Role"),
-    ("rbac.authorization.k8s.io/v1", "RoleBinding"),
-)
-#: The children the operator watches: its own, of some pool.
-CHILD_SELECTOR: Final = f"app.kubernetes.io/managed-by={FIELD_MANAGER},{SERVING_LABEL}"
-#: Rendered for multi-node roles only, and watched once the cluster serves it (see controller.lws).
-LWS_KIND: Final = Kind(LWS_API_VERSION, "LeaderWorkerSet", CHILD_SELECTOR)
 #: How long start-up waits for the caches' first lists before serving from the API server instead.
 SYNC_TIMEOUT_SECONDS: Final = 60.0
 RETRY_CAP_SECONDS: Final = 300.0
@@ -80,66 +61,11 @@ RETRY_CAP_SECONDS: Final = 300.0
 #: watch events they cause) few during a rollout of many pools.
 STATUS_INTERVAL_SECONDS: Final = 2.0
 
-Key = tuple[str, str]
-
-
-def cache_kinds() -> list[Kind]:
-    """What the operator's cache holds: the pools, their children, their pods."""
-    return [Kind(models.API_VERSION, models.KIND),
-            *(Kind(api_version, kind, CHILD_SELECTOR) for api_version, kind in CHILD_KINDS),
-            Kind("v1", "Pod", SERVING_LABEL, pod_view, index_label=SERVING_LABEL)]
-
-
-def owner_of(kind: Kind, obj: JSON) -> Key | None:
-    """The pool an object belongs to: a DisaggregatedServing itself, or the one its label names."""
-    meta = obj.get("metadata") or {}
-    namespace = meta.get("namespace")
-    name = meta.get("name") if kind.kind == models.KIND else (meta.get("labels") or {}).get(SERVING_LABEL)
-    return (namespace, name) if namespace and name else None
-
-
-def pod_signal(pod: JSON | None) -> tuple[Any, ...]:
-    """What the reconcile reads of a pod (scheduling, readiness for a held rollout, crash loops,
-    deletion, a proxy's KV-transfer health): a pod event that leaves it unchanged needs no reconcile."""
-    if pod is None:
-        return ()
-    status = pod.get("status") or {}
-    read = [(c.get("type"), c.get("status"), c.get("reason"), c.get("message")) for c in status.get("conditions") or []
-            if c.get("type") in ("PodScheduled", KV_TRANSFER_POD_CONDITION)]
-    read.append(("Ready", pod_ready(pod), None, None))
-    waiting = [(s.get("state") or {}).get("waiting", {}).get("reason") for s in status.get("containerStatuses") or []]
-    return bool((pod.get("metadata") or {}).get("deletionTimestamp")), tuple(read), tuple(waiting)
-
-
-def held_signal(pod: JSON | None) -> Held:
-    """What a proxy pod says it holds for a ready pair (nothing for any other pod)."""
-    return Held() if pod is None else held_requests([pod])
-
-
-def is_urgent(kind: Kind, old: JSON | None, new: JSON | None) -> bool:
-    """Whether an event may need a child written (a new or changed DisaggregatedServing, a deleted
-    or edited child), rather than only a status refreshed (a child's or a pod's status moved; the
-    first listing). Urgent work is done first, so that under a burst of status churn new pools
-    still get their children at once."""
-    if kind.kind == "Pod":
-        return False
-    if new is None:
-        return kind.kind != models.KIND  # a deleted child comes back; a deleted pool needs nothing
-    if old is None:
-        return kind.kind == models.KIND  # a new pool (a child's first sighting is its own creation)
-    before, after = old.get("metadata") or {}, new.get("metadata") or {}
-    if before.get("generation") != after.get("generation"):
-        return True
-    if kind.kind == models.KIND:
-        return False  # its status moved (the autoscaler's decision queues its own urgent reconcile)
-    if after.get("generation") is None:
-        return True  # a kind without generation (Service, RBAC): any change may be an edit
-    return any(before.get(k) != after.get(k) for k in ("labels", "annotations", "ownerReferences"))
-
 
 @dataclass
-class OperatorState:
-    """Per-operator state, kept in kopf's memo (no module globals)."""
+class OperatorRuntime:
+    """One operator replica at work: its caches, queue, workers and autoscaler decisions (kept in
+    kopf's memo, no module globals)."""
 
     kube: Kube
     operator_image: str
@@ -203,7 +129,7 @@ class OperatorState:
 
     # --- one object ---------------------------------------------------------------------------
 
-    def reconcile(self, namespace: str, name: str) -> None:
+    def reconcile_pool(self, namespace: str, name: str) -> None:
         """Read the object and reconcile it, under its lock: a reconcile that waited for a decision
         must see that one's writes, or it would write a stale status again."""
         with self.lock(namespace, name):
@@ -222,7 +148,7 @@ class OperatorState:
             log.info("reconciled %s/%s: created %s, updated %s, status %s", namespace, name,
                      outcome.created or "-", outcome.updated or "-", "written" if outcome.status_written else "-")
 
-    def autoscale(self, namespace: str, name: str, wake: bool = False) -> None:
+    def autoscale_pool(self, namespace: str, name: str, wake: bool = False) -> None:
         """One autoscaler decision for the object (`wake`: only if it is cold with requests held); in
         Auto mode, a change of replicas queues its reconcile."""
         assert self.autoscaler is not None
@@ -312,7 +238,7 @@ class OperatorState:
     def _work(self, queue: WorkQueue[Key]) -> None:
         while (key := queue.get()) is not None:
             try:
-                self.reconcile(*key)
+                self.reconcile_pool(*key)
             except InvalidSpec:
                 queue.forget(key)  # reported in its status and Events; its next change comes back
             except KubeError as error:
@@ -375,7 +301,7 @@ class OperatorState:
 
     def _decide(self, key: Key, wake: bool = False) -> None:
         try:
-            self.autoscale(*key, wake=wake)
+            self.autoscale_pool(*key, wake=wake)
         except (KubeError, InvalidSpec) as error:
             log.warning("autoscaler decision for %s/%s failed, will retry: %s", *key, error)
         except Exception:  # a bug in one object's decision must not stop the others' (or the loop)
@@ -389,46 +315,15 @@ class OperatorState:
                 self.wake(key)
 
 
-def configure_settings(settings: kopf.OperatorSettings) -> None:
-    """kopf runs no resource handlers here: quiet event posting, no CRD scanning."""
-    settings.posting.level = logging.WARNING  # Events are written by the reconciler itself.
-    settings.networking.request_timeout = 60
-    # The resources are fixed: no need to list CustomResourceDefinitions (and no RBAC for it).
-    settings.scanning.disabled = True
-
-
-def register(registry: kopf.OperatorRegistry) -> None:
-    """Register the operator's start-up and clean-up on `registry` (its own: no global registry)."""
-
-    @kopf.on.startup(registry=registry)
-    async def _startup(settings: kopf.OperatorSettings, memo: kopf.Memo, **_: Any) -> None:
-        configure_settings(settings)
-        state: OperatorState = memo.state
-        await asyncio.to_thread(state.start)
-        state.tasks.append(asyncio.create_task(_every(state.resync_seconds, state.resync, delay_first=True)))
-        if state.autoscaler is not None:
-            state.tasks.append(asyncio.create_task(_every(state.autoscale_tick_seconds, state.autoscale_due)))
-
-    @kopf.on.cleanup(registry=registry)
-    async def _cleanup(memo: kopf.Memo, **_: Any) -> None:
-        state: OperatorState = memo.state
-        for task in state.tasks:
-            task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await task
-        state.tasks.clear()
-        await asyncio.to_thread(state.stop)
-
-
-def _list_all(state: OperatorState, what: str) -> tuple[list[JSON], list[str | None]]:
+def _list_all(runtime: OperatorRuntime, what: str) -> tuple[list[JSON], list[str | None]]:
     """Every DisaggregatedServing in the operator's scopes, and the scopes whose list succeeded (only
     there may an object missing from the list be taken as gone)."""
     bodies: list[JSON] = []
     listed: list[str | None] = []
-    scopes: list[str | None] = list(state.namespaces) or [None]  # None: every namespace
+    scopes: list[str | None] = list(runtime.namespaces) or [None]  # None: every namespace
     for scope in scopes:
         try:
-            bodies.extend(state.kube.list_servings(scope))
+            bodies.extend(runtime.kube.list_servings(scope))
         except KubeError as error:
             log.warning("%s could not list DisaggregatedServings: %s", what, error)
             continue
@@ -438,15 +333,3 @@ def _list_all(state: OperatorState, what: str) -> tuple[list[JSON], list[str | N
 
 def _key(body: JSON) -> Key:
     return body["metadata"]["namespace"], body["metadata"]["name"]
-
-
-async def _every(seconds: float, work: Callable[[], None], delay_first: bool = False) -> None:
-    """Run `work` in a thread every `seconds`; a bug in it is logged and the loop goes on."""
-    if delay_first:
-        await asyncio.sleep(seconds)
-    while True:
-        try:
-            await asyncio.to_thread(work)
-        except Exception:
-            log.exception("%s failed; the next round retries", getattr(work, "__name__", work))
-        await asyncio.sleep(seconds)

@@ -7,14 +7,14 @@ from typing import cast
 
 import pytest
 
-from xpyd.controller.handlers import OperatorState
+from xpyd.controller.runtime import OperatorRuntime
 from xpyd.kube import Kube
 
 pytestmark = pytest.mark.unit
 
 
 def test_the_operator_forgets_the_locks_of_objects_that_are_gone() -> None:
-    state = OperatorState(kube=cast(Kube, None), operator_image="x", resync_seconds=60, namespaces=[])
+    state = OperatorRuntime(kube=cast(Kube, None), operator_image="x", resync_seconds=60, namespaces=[])
     kept, gone, busy = state.lock("a", "kept"), state.lock("a", "gone"), state.lock("b", "busy")
     state.lock("c", "elsewhere")
     with busy:
