@@ -28,7 +28,7 @@ from xpyd.proxy.breaker import Breaker
 from xpyd.proxy.kvrouting import KVRequest, KVRouter, KVSettings, block_keys, first_prompt, untokenizable
 from xpyd.proxy.main import _check, add_arguments, config_from_args
 from xpyd.proxy.pool import Instance, Pool
-from xpyd.render import proxy_args
+from xpyd.render.proxy import proxy_args
 
 pytestmark = pytest.mark.unit
 

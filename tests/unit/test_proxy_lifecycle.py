@@ -28,7 +28,7 @@ from xpyd.proxy.main import (
 )
 from xpyd.proxy.pool import Instance
 from xpyd.proxy.server import Proxy
-from xpyd.render import proxy_args
+from xpyd.render.proxy import proxy_args
 
 pytestmark = pytest.mark.unit
 

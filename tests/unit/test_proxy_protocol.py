@@ -13,7 +13,7 @@ from xpyd.api.models import Connector, DisaggregatedServingSpec
 from xpyd.proxy import protocol
 from xpyd.proxy.main import _check, add_arguments, config_from_args
 from xpyd.proxy.validation import RequestError, parse, text_tokens
-from xpyd.render import proxy_args
+from xpyd.render.proxy import proxy_args
 
 pytestmark = pytest.mark.unit
 

@@ -14,7 +14,8 @@ from xpyd import vllm
 from xpyd.api.load import parse_serving
 from xpyd.api.models import DisaggregatedServingSpec
 from xpyd.common.args import last_flag_value
-from xpyd.render import engine, kvaware, proxy_args
+from xpyd.render import engine, kvaware
+from xpyd.render.proxy import proxy_args
 
 pytestmark = pytest.mark.unit
 

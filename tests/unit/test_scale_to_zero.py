@@ -38,7 +38,7 @@ from xpyd.autoscaler.state import decode as decode_state
 from xpyd.autoscaler.state import encode as encode_state
 from xpyd.controller.watches import held_signal
 from xpyd.proxy.waiting import WaitExpired, WaitingRoom, WaitingRoomFull
-from xpyd.render import proxy_args
+from xpyd.render.proxy import proxy_args
 
 pytestmark = pytest.mark.unit
 

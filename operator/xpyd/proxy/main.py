@@ -1,6 +1,6 @@
 """`xpyd proxy`: the command line, and running the proxy until SIGTERM/SIGINT.
 
-The operator starts it with (see `xpyd.render.proxy_args`)::
+The operator starts it with (see `xpyd.render.proxy.proxy_args`)::
 
     xpyd proxy --port=8000 --connector=NixlConnector --namespace=NS
         --prefill-selector=xpyd.io/serving=NAME,xpyd.io/role=prefill

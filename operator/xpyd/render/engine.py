@@ -1,4 +1,5 @@
-"""The parts of an engine pod that depend on the connector, the role and the vLLM version."""
+"""An engine pool's objects (`objects`), and the parts of an engine pod that depend on the
+connector, the role and the vLLM version."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ import math
 from typing import Any, Final, Literal
 
 from xpyd import vllm
+from xpyd.api import naming
 from xpyd.api.models import (
     ENGINE_DRAIN_QUIET_SECONDS,
     ENGINE_SHUTDOWN_MARGIN_SECONDS,
@@ -21,6 +23,7 @@ from xpyd.api.naming import Role
 from xpyd.common.jsontypes import JSON
 from xpyd.render import drain, kvaware, lmcache
 from xpyd.render.kvconfig import P2P_NCCL_KV_PORT, kv_transfer_config
+from xpyd.render.templates import documents
 
 MODEL_MOUNT: Final = "/models"
 HF_HOME: Final = "/cache/huggingface"
@@ -408,3 +411,69 @@ def progress_deadline_seconds(spec: DisaggregatedServingSpec) -> int:
     """`progressDeadlineSeconds` of the engine Deployments: above the hold (the API requires it) and
     above any pod's start-up budget, so a slow model load is not reported as a failed rollout."""
     return rollout_hold_seconds(spec) + PROGRESS_DEADLINE_MARGIN_SECONDS
+
+
+def objects(name: str, namespace: str, spec: DisaggregatedServingSpec, role: Role, *, replicas: int, held: bool,
+            compat: str, proxy_host: str) -> list[JSON]:
+    """An engine pool: its workload (a Deployment, or a LeaderWorkerSet for multi-node replicas),
+    its headless Service and its disruption budget. `held`: the Deployment keeps its old pods
+    while the other role rolls (`controller.rollout`); `compat`: the KV compatibility hash
+    (`xpyd.render.compat`); `proxy_host`: the proxy Service's DNS name."""
+    role_spec = getattr(spec, role)
+    common = {
+        "name": naming.child_name(name, role),
+        "namespace": namespace,
+        "labels": naming.labels(name, role),
+        "selector": naming.selector_labels(name, role),
+    }
+    values = {
+        **common,
+        "role": role_spec,
+        "replicas": replicas,
+        "connector": spec.kv_transfer.connector.value,
+        "transport": transport(spec),
+    }
+    if role_spec.multi_node:
+        workload = documents("engine-leaderworkerset.yaml.j2", **values,
+                             leader_template=_pod(name, spec, role, "leader", compat, proxy_host),
+                             worker_template=_pod(name, spec, role, "worker", compat, proxy_host))
+    else:
+        workload = documents("engine-deployment.yaml.j2", **values,
+                             min_ready_seconds=rollout_hold_seconds(spec) if held else 0,
+                             progress_deadline_seconds=progress_deadline_seconds(spec),
+                             pod_template=_pod(name, spec, role, None, compat, proxy_host))
+    service_ports = [{"name": p["name"], "port": p["containerPort"], "targetPort": p["name"], "protocol": "TCP"}
+                     for p in ports(spec, role, "leader" if role_spec.multi_node else None)]
+    return (workload
+            + documents("engine-service.yaml.j2", **common, ports=service_ports, multi_node=role_spec.multi_node)
+            + documents("pdb.yaml.j2", **common))
+
+
+def _pod(name: str, spec: DisaggregatedServingSpec, role: Role, node: NodeRole | None, compat: str,
+         proxy_host: str) -> JSON:
+    """The pod template of a pool: of its Deployment (`node` None), or of a multi-node replica's
+    leader or workers."""
+    role_spec = getattr(spec, role)
+    vols, mounts = volumes(spec, role)
+    (pod,) = documents(
+        "engine-pod.yaml.j2",
+        pod_labels={**naming.labels(name, role), naming.KV_COMPAT_LABEL: compat},
+        role=role_spec,
+        engine=spec.engine,
+        serving=node != "worker",
+        capabilities=capabilities(spec),
+        command=command(spec),
+        args=args(spec, role, proxy_host, node),
+        env=env(spec, role, proxy_host),
+        ports=ports(spec, role, node),
+        resources=resources(spec, role),
+        volumes=vols,
+        volume_mounts=mounts,
+        tolerations=tolerations(spec, role_spec),
+        node_selector=node_selector(role_spec),
+        image_pull_secrets=[s.to_wire() for s in spec.engine.image_pull_secrets],
+        drain_command=drain_command(spec, role) if node != "worker" else worker_drain_command(spec, role),
+        termination_grace_seconds=termination_grace_seconds(spec, role),
+        startup_failure_threshold=startup_failure_threshold(role_spec),
+    )
+    return pod
