@@ -15,7 +15,7 @@ from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Final
+from typing import Any, Final, Protocol
 
 import kubernetes
 
@@ -23,9 +23,6 @@ from xpyd.api import models
 from xpyd.api.naming import FIELD_MANAGER
 from xpyd.common.jsontypes import JSON
 from xpyd.common.timefmt import rfc3339
-
-if TYPE_CHECKING:
-    from xpyd.kube.cache import Cache
 
 log = logging.getLogger(__name__)
 
@@ -125,13 +122,29 @@ def load_client_config() -> kubernetes.client.Configuration:
     return config
 
 
+class ReadCache(Protocol):
+    """What `Kube` asks of a read cache (`xpyd.kube.cache.Cache` is the one there is)."""
+
+    def serves(self, api_version: str, kind: str, namespace: str | None, selector: str | None = None) -> bool:
+        """Whether a read of `kind` in `namespace` (a get: `selector` None; else a list) is answered."""
+        ...
+
+    def get(self, api_version: str, kind: str, namespace: str, name: str) -> JSON | None: ...
+
+    def select(self, api_version: str, kind: str, namespace: str | None, selector: str = "") -> list[JSON]: ...
+
+    def observe(self, obj: JSON) -> None:
+        """Write through an object an API write returned."""
+        ...
+
+
 @dataclass
 class Kube:
     """JSON-in, JSON-out access to the API server. With a `cache` (see `xpyd.kube.cache`), reads of
     the kinds it serves are answered from memory and the objects writes return are written through."""
 
     api: kubernetes.client.ApiClient
-    cache: Cache | None = None
+    cache: ReadCache | None = None
     #: When set, a write (of anything but a Lease) is sent only while it returns True: a replica that
     #: lost the leader's Lease cannot finish a decision it started under it (see controller.leader).
     fence: Callable[[], bool] | None = None
