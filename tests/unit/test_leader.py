@@ -1,4 +1,4 @@
-"""The leader election's pure core (`controller.leader.decide`) on a fake clock, and its shell
+"""The leader election's pure core (`controller.leader.next_lease_step`) on a fake clock, and its shell
 against an in-memory Lease store with the API server's optimistic concurrency."""
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ from xpyd.controller.leader import (
     Candidate,
     LeaderElector,
     Timing,
-    decide,
+    next_lease_step,
     released,
     succeeded,
 )
@@ -64,8 +64,8 @@ CASES: list[tuple[str, dict[str, Any] | None, Candidate, float, Action]] = [
 
 @pytest.mark.parametrize(("lease_read", "candidate", "now", "action"), [c[1:] for c in CASES],
                          ids=[c[0] for c in CASES])
-def test_decide(lease_read: dict[str, Any] | None, candidate: Candidate, now: float, action: Action) -> None:
-    step = decide(copy.deepcopy(lease_read), candidate, now, WALL, T, NS, NAME)
+def test_next_lease_step(lease_read: dict[str, Any] | None, candidate: Candidate, now: float, action: Action) -> None:
+    step = next_lease_step(copy.deepcopy(lease_read), candidate, now, WALL, T, NS, NAME)
     assert step.action == action
     leading_after = step.candidate.renewed_at is not None
     assert leading_after == (action == Action.RENEW)  # acquiring leads only once the write succeeded
@@ -86,18 +86,18 @@ def test_decide(lease_read: dict[str, Any] | None, candidate: Candidate, now: fl
 
 
 def test_a_new_version_restarts_the_wait() -> None:
-    step = decide(lease("b", version="8"), SEEN, 114.0, WALL, T, NS, NAME)
+    step = next_lease_step(lease("b", version="8"), SEEN, 114.0, WALL, T, NS, NAME)
     assert step.candidate.observed_version == "8" and step.candidate.observed_at == 114.0
 
 
 def test_leading_ends_at_the_renew_deadline_before_any_standby_may_start() -> None:
     # a's renewal is sent at t=100 and lands at once; b reads it at the earliest moment possible.
     a = succeeded(replace(ME, renewed_at=None), 100.0, {"metadata": {"resourceVersion": "8"}})
-    b = decide(lease("a", version="8"), Candidate("b"), 100.0, WALL, T, NS, NAME).candidate
+    b = next_lease_step(lease("a", version="8"), Candidate("b"), 100.0, WALL, T, NS, NAME).candidate
     for tenth in range(0, 300):
         now = 100.0 + tenth / 10
         a_acts = a.leading(now, T)
-        b_acquires = decide(lease("a", version="8"), b, now, WALL, T, NS, NAME).action == Action.ACQUIRE
+        b_acquires = next_lease_step(lease("a", version="8"), b, now, WALL, T, NS, NAME).action == Action.ACQUIRE
         assert not (a_acts and b_acquires), now
         if b_acquires:
             assert now - (100.0 + T.renew_deadline) >= T.lease_duration - T.renew_deadline

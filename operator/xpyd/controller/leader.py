@@ -1,6 +1,6 @@
 """Leader election on a `coordination.k8s.io/v1` Lease (client-go's leaderelection, in small).
 
-Every replica is a candidate. Every `retry_period` it reads the Lease and `decide()`s:
+Every replica is a candidate. Every `retry_period` it reads the Lease and takes its `next_lease_step()`:
 
 - ACQUIRE: the Lease is absent (create it), released (no holder), expired, or already names this
   candidate (a write whose answer was lost). "Expired" is judged on this candidate's own clock:
@@ -26,7 +26,6 @@ at its next read, within `retry_period`.
 
 from __future__ import annotations
 
-import datetime
 import logging
 import math
 import threading
@@ -37,6 +36,7 @@ from enum import Enum
 from typing import Final
 
 from xpyd.common.jsontypes import JSON
+from xpyd.common.timefmt import rfc3339
 from xpyd.kube import Kube, KubeError
 
 log = logging.getLogger(__name__)
@@ -93,7 +93,7 @@ class Candidate:
 
 
 @dataclass(frozen=True)
-class Step:
+class LeaseStep:
     """A decision: the action, the candidate after the read, and for ACQUIRE and RENEW the Lease
     to write (a create when it has no resourceVersion, else a PUT of that version)."""
 
@@ -102,26 +102,21 @@ class Step:
     lease: JSON | None = None
 
 
-def micro_time(seconds: float) -> str:
-    """A Lease's MicroTime (RFC 3339 with microseconds, UTC)."""
-    return datetime.datetime.fromtimestamp(seconds, datetime.UTC).strftime("%Y-%m-%dT%H:%M:%S.%fZ")
-
-
-def decide(lease: JSON | None, candidate: Candidate, now: float, wall: float, timing: Timing,
-           namespace: str, name: str) -> Step:
+def next_lease_step(lease: JSON | None, candidate: Candidate, now: float, wall: float, timing: Timing,
+                    namespace: str, name: str) -> LeaseStep:
     """What `candidate` does, given the Lease as read (None: absent) at `now` (monotonic clock;
     `wall`: the same moment in seconds since the epoch, written into the Lease)."""
     led = candidate.renewed_at is not None
     duration = math.ceil(timing.lease_duration)
+    stamp = rfc3339(wall, microseconds=True)
     if lease is None:
         if led:
-            return Step(Action.STEP_DOWN, replace(candidate, renewed_at=None))
+            return LeaseStep(Action.STEP_DOWN, replace(candidate, renewed_at=None))
         created: JSON = {"apiVersion": LEASE_API_VERSION, "kind": LEASE_KIND,
                          "metadata": {"name": name, "namespace": namespace},
                          "spec": {"holderIdentity": candidate.identity, "leaseDurationSeconds": duration,
-                                  "acquireTime": micro_time(wall), "renewTime": micro_time(wall),
-                                  "leaseTransitions": 0}}
-        return Step(Action.ACQUIRE, candidate, created)
+                                  "acquireTime": stamp, "renewTime": stamp, "leaseTransitions": 0}}
+        return LeaseStep(Action.ACQUIRE, candidate, created)
     meta = lease.get("metadata") or {}
     spec: JSON = lease.get("spec") or {}
     version = str(meta.get("resourceVersion") or "")
@@ -129,20 +124,19 @@ def decide(lease: JSON | None, candidate: Candidate, now: float, wall: float, ti
         candidate = replace(candidate, observed_version=version, observed_at=now)
     holder = spec.get("holderIdentity") or ""
     if led and (holder != candidate.identity or not candidate.leading(now, timing)):
-        return Step(Action.STEP_DOWN, replace(candidate, renewed_at=None))
+        return LeaseStep(Action.STEP_DOWN, replace(candidate, renewed_at=None))
     if holder and holder != candidate.identity:
         held_for = float(spec.get("leaseDurationSeconds") or duration)
         if now < candidate.observed_at + held_for:
-            return Step(Action.WAIT, candidate)
+            return LeaseStep(Action.WAIT, candidate)
     mine = holder == candidate.identity
     transitions = int(spec.get("leaseTransitions") or 0)
     new_spec = {**spec, "holderIdentity": candidate.identity, "leaseDurationSeconds": duration,
-                "renewTime": micro_time(wall),
-                "acquireTime": spec.get("acquireTime") if mine else micro_time(wall),
+                "renewTime": stamp, "acquireTime": spec.get("acquireTime") if mine else stamp,
                 "leaseTransitions": transitions if mine else transitions + 1}
     written = {"apiVersion": LEASE_API_VERSION, "kind": LEASE_KIND, "spec": new_spec,
                "metadata": {k: v for k, v in meta.items() if k != "managedFields"}}
-    return Step(Action.RENEW if led else Action.ACQUIRE, candidate, written)
+    return LeaseStep(Action.RENEW if led else Action.ACQUIRE, candidate, written)
 
 
 def succeeded(candidate: Candidate, sent_at: float, written: JSON) -> Candidate:
@@ -156,14 +150,15 @@ def released(lease: JSON | None, identity: str, wall: float) -> JSON | None:
     duration), or None when `identity` does not hold it."""
     if lease is None or (lease.get("spec") or {}).get("holderIdentity") != identity:
         return None
+    stamp = rfc3339(wall, microseconds=True)
     spec = {**lease["spec"], "holderIdentity": "", "leaseDurationSeconds": 1,
-            "acquireTime": micro_time(wall), "renewTime": micro_time(wall)}
+            "acquireTime": stamp, "renewTime": stamp}
     meta = {k: v for k, v in (lease.get("metadata") or {}).items() if k != "managedFields"}
     return {"apiVersion": LEASE_API_VERSION, "kind": LEASE_KIND, "metadata": meta, "spec": spec}
 
 
 class LeaderElector:
-    """The I/O shell: a thread running `decide()` every `retry_period` and writing what it says.
+    """The I/O shell: a thread running `next_lease_step()` every `retry_period` and writing what it says.
 
     `on_started` and `on_stopped` run in that thread when leadership begins and ends. `holding()`
     answers from the clock, not from the thread: a leader whose thread is stuck in a request still
@@ -214,7 +209,7 @@ class LeaderElector:
                 log.warning("cannot read Lease %s/%s: %s", self.namespace, self.name, error)
                 self._settle()
                 return None
-            step = decide(lease, self.candidate, now, self.wall(), self.timing, self.namespace, self.name)
+            step = next_lease_step(lease, self.candidate, now, self.wall(), self.timing, self.namespace, self.name)
             self.candidate = step.candidate
             if step.lease is not None:
                 try:
