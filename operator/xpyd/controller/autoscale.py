@@ -45,6 +45,7 @@ from prometheus_client.registry import Collector
 from xpyd.api.conditions import METRICS_AVAILABLE, PROFILE_UNAVAILABLE, RECOMMEND_ONLY, VALID_METRICS, ConditionType
 from xpyd.api.load import SpecError, parse_serving
 from xpyd.api.models import AutoscalingMode, CABundleRef, DisaggregatedServing, PrometheusSpec, SecretKeyRef
+from xpyd.api.waiting import Held
 from xpyd.autoscaler import collect
 from xpyd.autoscaler.config import config_for as config_for
 from xpyd.autoscaler.decide import (
@@ -168,6 +169,60 @@ def with_condition(old_status: JSON, condition: ConditionValue, generation: int 
     return [*conditions, *merged]
 
 
+@dataclass(frozen=True)
+class _PoolPods:
+    """A pool's pods as a decision reads them."""
+
+    pods: list[JSON]
+    #: What its proxies hold for a ready pair.
+    held: Held
+    #: The observation of the pods alone (no metrics), with what is held.
+    bare: Observation
+
+    @property
+    def cold(self) -> bool:
+        """Requests held and a role without a ready pod: decided from the pods alone."""
+        return waking(self.bare)
+
+
+@dataclass(frozen=True)
+class _Decided:
+    """A decision and what it was made from, as step 4 records it."""
+
+    profile: str
+    config: AutoscalerConfig
+    observation: Observation
+    held: Held
+    decision: Decision
+    #: `status.autoscaler.lastDecision` before this decision ({} when none).
+    previous: JSON
+
+
+def decision_status(body: JSON, mode: AutoscalingMode, decided: _Decided, now: float) -> JSON:
+    """The status patch of a decision: `status.autoscaler`, the ScalingActive condition, and in Auto
+    mode the desired replicas of prefill and decode."""
+    old_status: JSON = body.get("status") or {}
+    decision, previous, observation = decided.decision, decided.previous, decided.observation
+    stamp = rfc3339(now)
+    recorded = {"time": stamp, "prefill": decision.prefill.replicas, "decode": decision.decode.replicas,
+                "reason": decision.reason, "message": decision.message[:4096]}
+    observed = (observed_load(observation, decided.config.percentile) if not waking(observation)
+                else dict((old_status.get("autoscaler") or {}).get("observed") or {}))  # no metrics read
+    observed["heldRequests"] = decided.held.requests
+    autoscaler_status = {"lastDecision": recorded, "observed": observed,
+                         "recommendedRatio": decision.recommended_ratio, "profile": decided.profile,
+                         "attainment": attainment_status(decided.config, decision.state, now)}
+    if previous and all(previous.get(k) == recorded[k] for k in ("prefill", "decode", "reason", "message")):
+        autoscaler_status["lastDecision"] = previous  # nothing new was decided: keep its time
+    patch: JSON = {"autoscaler": autoscaler_status,
+                   "conditions": with_condition(old_status, scaling_condition(mode, decision, None),
+                                                body["metadata"].get("generation"), stamp)}
+    if mode == AutoscalingMode.AUTO:
+        patch["prefill"] = {"desiredReplicas": decision.prefill.replicas}
+        patch["decode"] = {"desiredReplicas": decision.decode.replicas}
+    return patch
+
+
 @dataclass
 class _Memory:
     """What the autoscaler keeps per object between decisions."""
@@ -285,25 +340,50 @@ class Autoscaler:
     # --- one decision -----------------------------------------------------------------------------
 
     def step(self, body: JSON, wake: bool = False) -> bool:
-        """One decision for `body` (read fresh by the caller, under its lock). Returns whether the
-        children's replicas must be reconciled (Auto mode and the desired replicas changed).
+        """One decision for `body` (read fresh by the caller, under its lock), in the five steps of
+        the module docstring. Returns whether the children's replicas must be reconciled (Auto mode
+        and the desired replicas changed).
 
         A pool whose proxies hold requests while a role has no ready replica (a pool at zero, or
         starting from it) is decided from its pods alone, without Prometheus: its demand is in the
         proxies' pod conditions, and a pool at zero has no engine metrics. With `wake` (a proxy's
         condition changed: `controller.runtime`), only such a pool is decided, at once."""
         meta = body["metadata"]
-        namespace, name = meta["namespace"], meta["name"]
         try:
             serving = parse_serving(body)
         except SpecError:
             return False  # reported by the reconcile
-        autoscaling = serving.spec.autoscaling
-        if autoscaling.mode == AutoscalingMode.OFF:
-            self.forget(namespace, name)
+        if serving.spec.autoscaling.mode == AutoscalingMode.OFF:
+            self.forget(meta["namespace"], meta["name"])
             return False
-        old_status: JSON = body.get("status") or {}
         now = self.clock()
+        memory = self._recall(body, serving, now)
+        pool = self._read_pods(body, serving, now)
+        if wake and not pool.cold:
+            return False  # it can serve, or nothing is held: the regular decisions see to it
+        if not wake:  # a wake-up leaves the regular decisions' schedule (interval, spec changes) alone
+            memory.last_run_s, memory.generation = now, meta.get("generation")
+        configured = self._configure(body, serving, memory, now)  # 1.
+        if configured is None:
+            return False
+        perf, config = configured
+        observation, problem = self._observe(body, serving, pool, now)  # 2.
+        decision = decide(observation, config, memory.state) if problem is None else \
+            hold(observation, config, memory.state, problem)  # 3.
+        memory.state = decision.state
+        previous = ((body.get("status") or {}).get("autoscaler") or {}).get("lastDecision") or {}
+        if wake and not decision.changed and previous.get("reason") == decision.reason:
+            return False  # more held, nothing more to start: no write (the proxies report twice a second)
+        self._record(body, serving.spec.autoscaling.mode, memory,
+                     _Decided(perf.description, config, observation, pool.held, decision, previous), now)  # 4.
+        return self._actuates(body, serving, memory)  # 5.
+
+    def _recall(self, body: JSON, serving: DisaggregatedServing, now: float) -> _Memory:
+        """What this process keeps of the object, restored from its status on the first decision
+        (of a restart, or a hand-over)."""
+        meta = body["metadata"]
+        namespace, name = meta["namespace"], meta["name"]
+        autoscaling = serving.spec.autoscaling
         with self._guard:
             memory = self._memory.get((namespace, name))
             if memory is None or memory.uid != meta.get("uid"):
@@ -311,75 +391,75 @@ class Autoscaler:
                 window = autoscaling.behavior.scale_down.stabilization_window_seconds
                 max_age = window + 2 * autoscaling.interval_seconds
                 memory = self._memory[(namespace, name)] = _Memory(
-                    uid=meta.get("uid", ""), state=restored(namespace, name, old_status, now - max_age))
-        scope = collect.Scope(namespace, name, autoscaling.prometheus.window_seconds)
-        pods = self.kube.list_objects("v1", "Pod", namespace, collect.pool_selector(name))
-        held = collect.held_requests(pods)
-        bare = collect.with_held(collect.pods_only(pods, now, float(scope.window_s)), held)
-        cold = waking(bare)   # held requests and a role without a ready pod: decided from the pods alone
-        if wake and not cold:
-            return False  # it can serve, or nothing is held: the regular decisions see to it
-        if not wake:  # a wake-up leaves the regular decisions' schedule (interval, spec changes) alone
-            memory.last_run_s, memory.generation = now, meta.get("generation")
-        stamp = rfc3339(now)
+                    uid=meta.get("uid", ""), state=restored(namespace, name, body.get("status") or {}, now - max_age))
+        return memory
 
+    def _read_pods(self, body: JSON, serving: DisaggregatedServing, now: float) -> _PoolPods:
+        """The pool's pods, what its proxies hold, and the observation they alone make."""
+        meta = body["metadata"]
+        window_s = float(serving.spec.autoscaling.prometheus.window_seconds)
+        pods = self.kube.list_objects("v1", "Pod", meta["namespace"], collect.pool_selector(meta["name"]))
+        held = collect.held_requests(pods)
+        return _PoolPods(pods, held, collect.with_held(collect.pods_only(pods, now, window_s), held))
+
+    def _configure(self, body: JSON, serving: DisaggregatedServing, memory: _Memory,
+                   now: float) -> tuple[PerfModel, AutoscalerConfig] | None:
+        """Step 1: the engines' profile and the decision's config; None when the profile cannot be
+        used (said in the ScalingActive condition, the metrics, and an Event when it starts)."""
+        meta, old_status = body["metadata"], body.get("status") or {}
         try:
-            perf = self._perf(serving, namespace, memory)
+            perf = self._perf(serving, meta["namespace"], memory)
         except ProfileError as error:
-            condition = scaling_condition(autoscaling.mode, None, str(error))
-            self._write(body, {"conditions": with_condition(old_status, condition, meta.get("generation"), stamp)})
-            self.metrics.decisions.labels(namespace, name, PROFILE_UNAVAILABLE).inc()
+            condition = scaling_condition(serving.spec.autoscaling.mode, None, str(error))
+            self._write(body, {"conditions": with_condition(old_status, condition, meta.get("generation"),
+                                                            rfc3339(now))})
+            self.metrics.decisions.labels(meta["namespace"], meta["name"], PROFILE_UNAVAILABLE).inc()
             if old_status_reason(old_status) != PROFILE_UNAVAILABLE:
                 self.kube.event(body, "Warning", PROFILE_UNAVAILABLE, str(error))
-            return False
-        config = config_for(serving, perf)
-        if cold:
-            observation = bare
-            decision = decide(observation, config, memory.state)
-        else:
-            try:
-                access = prometheus_access(autoscaling.prometheus, lambda kind, ref: self._read(kind, namespace, ref))
-                results = self.prometheus(autoscaling.prometheus.url, access).collect(scope, now)
-                observation = collect.with_held(collect.observation(results, pods, now, scope), held)
-                decision = decide(observation, config, memory.state)
-            except collect.MetricsError as error:
-                observation = bare
-                decision = hold(observation, config, memory.state, str(error))
-        memory.state = decision.state
-        previous = (old_status.get("autoscaler") or {}).get("lastDecision") or {}
-        if wake and not decision.changed and previous.get("reason") == decision.reason:
-            return False  # more held, nothing more to start: no write (the proxies report twice a second)
+            return None
+        return perf, config_for(serving, perf)
+
+    def _observe(self, body: JSON, serving: DisaggregatedServing, pool: _PoolPods,
+                 now: float) -> tuple[Observation, str | None]:
+        """Step 2: the observation to decide on, and why the metrics cannot be used (then the
+        observation is the pods' alone, as it is for a cold pool, decided without Prometheus)."""
+        if pool.cold:
+            return pool.bare, None
+        prometheus = serving.spec.autoscaling.prometheus
+        namespace, name = body["metadata"]["namespace"], body["metadata"]["name"]
+        scope = collect.Scope(namespace, name, prometheus.window_seconds)
+        try:
+            access = prometheus_access(prometheus, lambda kind, ref: self._read(kind, namespace, ref))
+            results = self.prometheus(prometheus.url, access).collect(scope, now)
+            return collect.with_held(collect.observation(results, pool.pods, now, scope), pool.held), None
+        except collect.MetricsError as error:
+            return pool.bare, str(error)
+
+    def _record(self, body: JSON, mode: AutoscalingMode, memory: _Memory, decided: _Decided, now: float) -> None:
+        """Step 4: the metrics, the status (with the desired replicas in Auto mode: step 5's
+        actuation), the Events and the log line of a decision."""
+        meta = body["metadata"]
+        namespace, name = meta["namespace"], meta["name"]
+        decision, config = decided.decision, decided.config
         self.metrics.decisions.labels(namespace, name, decision.reason).inc()
         if not decision.scaling_active:
             self.metrics.errors.labels(namespace, name).inc()
-        auto = autoscaling.mode == AutoscalingMode.AUTO
         with self._guard:
             memory.desired = {"prefill": decision.prefill.replicas, "decode": decision.decode.replicas}
             memory.attainment = decision.state.attainment.last_hour(now)
             memory.headroom = headroom(config, decision.state)
-
-        recorded = {"time": stamp, "prefill": decision.prefill.replicas, "decode": decision.decode.replicas,
-                    "reason": decision.reason, "message": decision.message[:4096]}
-        observed = (observed_load(observation, config.percentile) if not waking(observation)
-                    else dict((old_status.get("autoscaler") or {}).get("observed") or {}))  # no metrics read
-        observed["heldRequests"] = held.requests
-        autoscaler_status = {"lastDecision": recorded, "observed": observed,
-                             "recommendedRatio": decision.recommended_ratio, "profile": perf.description,
-                             "attainment": attainment_status(config, decision.state, now)}
-        if previous and all(previous.get(k) == recorded[k] for k in ("prefill", "decode", "reason", "message")):
-            autoscaler_status["lastDecision"] = previous  # nothing new was decided: keep its time
-        patch: JSON = {"autoscaler": autoscaler_status,
-                       "conditions": with_condition(old_status, scaling_condition(autoscaling.mode, decision, None),
-                                                    meta.get("generation"), stamp)}
-        if auto:
-            patch["prefill"] = {"desiredReplicas": decision.prefill.replicas}
-            patch["decode"] = {"desiredReplicas": decision.decode.replicas}
-        self._write(body, patch, decision.state)
-        self._announce(body, decision, previous, auto)
-        if decision.changed or decision.reason != previous.get("reason"):
+        self._write(body, decision_status(body, mode, decided, now), decision.state)
+        self._announce(body, decision, decided.previous, mode == AutoscalingMode.AUTO)
+        if decision.changed or decision.reason != decided.previous.get("reason"):
             log.info("autoscaler %s/%s: %s: %s", namespace, name, decision.reason, decision.message)
+
+    @staticmethod
+    def _actuates(body: JSON, serving: DisaggregatedServing, memory: _Memory) -> bool:
+        """Step 5: whether the reconcile must apply new desired replicas (Auto mode, and they differ
+        from those the status held before this decision)."""
+        old_status: JSON = body.get("status") or {}
         live = {role: (old_status.get(role) or {}).get("desiredReplicas") for role in ("prefill", "decode")}
-        return auto and live != memory.desired
+        return serving.spec.autoscaling.mode == AutoscalingMode.AUTO and live != memory.desired
 
     def _perf(self, serving: DisaggregatedServing, namespace: str, memory: _Memory) -> PerfModel:
         """The profile's model, rebuilt only when the profile (or its ConfigMap) changed."""
