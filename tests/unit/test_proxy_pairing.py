@@ -88,4 +88,4 @@ def test_readiness_needs_a_compatible_pair(prefill: list[str | None], decode: li
         for instance in proxy.pools[role].update(endpoints, 0.0, 0.0):
             instance.healthy = True
     assert proxy.missing_roles() == []
-    assert proxy.compatible_pair() is pair
+    assert proxy.pairing.compatible_pair() is pair

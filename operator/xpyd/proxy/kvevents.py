@@ -252,8 +252,8 @@ class Subscriber:
         self.router, self.url, self.role, self.rank = router, url, role, rank
         self.context, self.metrics = context, metrics
         self.topic = settings.events_topic.encode()
-        self.endpoint = "tcp://" + host_port(host, settings.events_port + rank)
-        self.replay_endpoint = "tcp://" + host_port(host, settings.events_replay_port + rank)
+        self.address = "tcp://" + host_port(host, settings.events_port + rank)
+        self.replay_address = "tcp://" + host_port(host, settings.events_replay_port + rank)
         self.next_seq: int | None = None   # the number of the next batch to apply
         self.last_ts = float("-inf")        # the newest batch applied (engine time)
         self.followed_group: int | None = None   # the full-attention KV-cache group followed, once named
@@ -276,7 +276,7 @@ class Subscriber:
         socket.setsockopt(zmq.LINGER, 0)
         socket.setsockopt(zmq.RCVHWM, RCVHWM)
         socket.setsockopt(zmq.MAXMSGSIZE, MAX_MESSAGE_BYTES)
-        if self.endpoint.startswith("tcp://["):
+        if self.address.startswith("tcp://["):
             socket.setsockopt(zmq.IPV6, 1)
         return socket
 
@@ -315,7 +315,7 @@ class Subscriber:
                 task.cancel()
 
         watching.add_done_callback(on_drop)
-        sub.connect(self.endpoint)
+        sub.connect(self.address)
         try:
             await self.replay(0)
             while True:
@@ -380,7 +380,7 @@ class Subscriber:
         """One replay from `start`: True or False as `replay` says, or the number of the first batch it
         skipped (dropped on the way: the batches before it are applied)."""
         dealer = self._socket(zmq.DEALER)
-        dealer.connect(self.replay_endpoint)
+        dealer.connect(self.replay_address)
         first: int | None = None
         expected = start
         try:

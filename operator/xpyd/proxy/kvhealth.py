@@ -7,7 +7,7 @@ the decode engine's own health (`xpyd.proxy.health`), not the pair's.
 
 `threshold` failures in a row make a pair failing: new requests avoid it for `cooldown` seconds,
 doubling while it keeps failing (up to `max_cooldown`); one success resets it. Avoiding is a
-preference: when every pair left is failing, they are used (`xpyd.proxy.server` falls back), since
+preference: when every pair left is failing, they are used (`xpyd.proxy.pairing` falls back), since
 refusing a request a pair might still serve would lose it for certain.
 
 The engines' own count of failed KV transfers (`FAILED_TRANSFERS_METRIC` on their /metrics, which

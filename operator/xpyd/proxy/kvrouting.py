@@ -457,7 +457,7 @@ class KVRouting:
         if context.authorization:
             headers["Authorization"] = context.authorization
         try:
-            return await self.router.prepare(parsed.body, parsed.endpoint == "chat", parsed.prompt_tokens, prefills,
+            return await self.router.prepare(parsed.body, parsed.api == "chat", parsed.prompt_tokens, prefills,
                                              session, headers)
         except Exception:  # a bug here must cost the request its cache hits, never the request
             log.exception("KVAware: request %s routed by load alone", context.request_id)

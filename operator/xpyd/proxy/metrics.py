@@ -4,8 +4,8 @@
 proxy registers its own in a `CollectorRegistry` of its own. They cache the child of each label
 tuple, so recording costs a dict lookup and prometheus_client's own `inc` / `observe` (instead of
 `labels(...)`, which converts and checks the values and takes a lock, on every call). `Gauge` is
-the scrape-time gauge: the proxy's per-upstream gauges are computed from the live instance set at
-scrape time, so an instance that left leaves no series behind.
+the scrape-time gauge: the proxy's gauges (`proxy_gauges`) are computed from the live instance set
+at scrape time, so an instance that left leaves no series behind.
 
 What this costs over the hand-written exposition it replaced (docs/proxy.md has the runs):
 recording one streamed request's metrics takes about 9-11 us instead of 2-2.5 us
@@ -17,7 +17,8 @@ takes about 5 ms instead of 1 ms of the event loop, once per scrape interval.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+import time
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Final, Generic, TypeVar
 
@@ -25,10 +26,13 @@ import prometheus_client
 from prometheus_client.metrics_core import Metric
 from prometheus_client.registry import Collector
 
+from xpyd.api.naming import Role
 from xpyd.common.exposition import GaugeSample, Labels, without_created
 from xpyd.common.exposition import ScrapeGauge as Gauge
+from xpyd.proxy.kvhealth import EngineTransferFailures, PairHealth
+from xpyd.proxy.pool import Instance, Pool
 
-__all__ = ["LATENCY_BUCKETS", "Counter", "Gauge", "GaugeSample", "Histogram", "ProxyMetrics"]
+__all__ = ["LATENCY_BUCKETS", "Counter", "Gauge", "GaugeSample", "Histogram", "ProxyMetrics", "proxy_gauges"]
 
 #: Seconds; vLLM's TTFT buckets with sub-millisecond ones in front (the proxy's own overhead).
 LATENCY_BUCKETS: Final = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75,
@@ -128,3 +132,62 @@ class ProxyMetrics:
     kv_handoff_failures: Counter = field(default_factory=lambda: Counter(
         "xpyd_proxy_kv_handoff_failures_total", "Decode legs the decode engine failed (HTTP 5xx, or no first "
         "byte in time) after their prefill succeeded, by prefill and decode upstream.", ("prefill", "decode")))
+
+
+def proxy_gauges(pools: Mapping[Role, Pool], in_flight: Callable[[], int], draining: Callable[[], bool],
+                 pair_health: PairHealth, engine_failures: EngineTransferFailures) -> list[Gauge]:
+    """The proxy's scrape-time gauges: its client requests and draining, its upstream instances
+    (per instance and per pool) and its KV-transfer health (`xpyd.proxy.kvhealth`)."""
+    return [
+        Gauge("xpyd_proxy_in_flight_requests", "Client requests in the proxy.", (),
+              lambda: [((), float(in_flight()))]),
+        Gauge("xpyd_proxy_upstream_in_flight", "Legs outstanding per upstream instance.", ("role", "upstream"),
+              lambda: _upstream_in_flight(pools)),
+        Gauge("xpyd_proxy_upstream_prompt_tokens", "Prompt tokens outstanding per prefill instance.",
+              ("upstream",), lambda: _upstream_tokens(pools)),
+        Gauge("xpyd_proxy_breaker_state", "Circuit breaker per upstream: 0 closed, 1 open, 2 half-open.",
+              ("role", "upstream"), lambda: _breaker_states(pools)),
+        Gauge("xpyd_proxy_upstream_healthy", "Last health probe per upstream: 1 answered 200, 0 otherwise.",
+              ("role", "upstream"), lambda: _health_states(pools)),
+        Gauge("xpyd_proxy_upstreams", "Upstream instances by role and state.", ("role", "state"),
+              lambda: _pool_states(pools)),
+        Gauge("xpyd_proxy_draining", "1 once the proxy was told to stop (readiness fails), else 0.", (),
+              lambda: [((), 1.0 if draining() else 0.0)]),
+        Gauge("xpyd_proxy_kv_pairs_failing", "Prefill/decode pairs whose KV hand-offs keep failing.", (),
+              lambda: [((), float(len(pair_health.failing(time.monotonic()))))]),
+        Gauge("xpyd_proxy_kv_engines_failing", "Engines whose own count of failed KV transfers "
+              "(vllm:nixl_num_failed_transfers_total) rose within the last minute.", (),
+              lambda: [((), float(len(engine_failures.failing(time.monotonic()))))]),
+    ]
+
+
+def _each(pools: Mapping[Role, Pool]) -> Iterable[Instance]:
+    for pool in pools.values():
+        yield from pool.instances.values()
+
+
+def _upstream_in_flight(pools: Mapping[Role, Pool]) -> Iterable[GaugeSample]:
+    for instance in _each(pools):
+        yield (instance.role, instance.url), float(instance.outstanding_requests)
+
+
+def _upstream_tokens(pools: Mapping[Role, Pool]) -> Iterable[GaugeSample]:
+    for instance in pools["prefill"].instances.values():
+        yield (instance.url,), float(instance.outstanding_tokens)
+
+
+def _breaker_states(pools: Mapping[Role, Pool]) -> Iterable[GaugeSample]:
+    now = time.monotonic()
+    for instance in _each(pools):
+        yield (instance.role, instance.url), float(instance.breaker.state(now))
+
+
+def _health_states(pools: Mapping[Role, Pool]) -> Iterable[GaugeSample]:
+    for instance in _each(pools):
+        yield (instance.role, instance.url), 1.0 if instance.healthy else 0.0
+
+
+def _pool_states(pools: Mapping[Role, Pool]) -> Iterable[GaugeSample]:
+    for role, pool in pools.items():
+        for state, count in pool.counts().items():
+            yield (role, state), float(count)

@@ -37,7 +37,10 @@ FALLBACK_MARGIN_SECONDS: Final = 1.0
 
 @dataclass(frozen=True)
 class Endpoint:
-    """One instance as discovery reports it."""
+    """One instance as discovery (or P2pNccl registration) lists it: an endpoint in Kubernetes'
+    sense, the address of a pod behind a Service with its readiness and termination. (The URL
+    clients use is the DisaggregatedServing's `status.endpoint`; which OpenAI API a request calls,
+    `validation.ClientApi`.)"""
 
     url: str
     ready: bool = True

@@ -47,7 +47,7 @@ import aiohttp
 from aiohttp import web
 
 from xpyd.api.models import RoutingPolicy
-from xpyd.api.naming import KV_COMPAT_LABEL, ROLES, Role
+from xpyd.api.naming import ROLES, Role
 from xpyd.common import exposition
 from xpyd.common.jsontypes import JSON
 from xpyd.proxy import protocol
@@ -56,10 +56,10 @@ from xpyd.proxy.health import HealthProber
 from xpyd.proxy.kvhealth import EngineTransferFailures, PairHealth
 from xpyd.proxy.kvrouting import KVRouting
 from xpyd.proxy.legs import Context, DecodeFailed, Legs, PrefillFailed, UpstreamAnswer
-from xpyd.proxy.metrics import Gauge, GaugeSample, ProxyMetrics
-from xpyd.proxy.picking import pairable, partners
+from xpyd.proxy.metrics import ProxyMetrics, proxy_gauges
+from xpyd.proxy.pairing import NoCompatiblePair, Pairing
 from xpyd.proxy.pool import Endpoint, Instance, Pool
-from xpyd.proxy.validation import ApiEndpoint, RequestError, error_body, parse
+from xpyd.proxy.validation import ClientApi, RequestError, error_body, parse
 from xpyd.proxy.waiting import WaitingError, WaitingRoom
 
 log = logging.getLogger(__name__)
@@ -83,20 +83,6 @@ def _error_response(status: int, message: str, request_id: str | None = None, pa
     return response
 
 
-def _compat(instance: Instance) -> str | None:
-    return instance.compat
-
-
-class NoCompatiblePair(RequestError):
-    """Both roles have instances that could take a request, but no prefill has a decode of its KV
-    compatibility hash (a rollout between revisions that cannot share KV, or a misconfiguration)."""
-
-    def __init__(self) -> None:
-        super().__init__(503, "No prefill and decode instances of the same KV compatibility (the pods' "
-                              f"{KV_COMPAT_LABEL} label) are available: a prefill's KV cache cannot be "
-                              "read by any decode instance now.")
-
-
 class Proxy:
     """The proxy: pools, upstream session, handlers. `start()` / `close()` around `app`'s life."""
 
@@ -109,6 +95,7 @@ class Proxy:
         self.metrics = ProxyMetrics()
         self.kv_health = PairHealth()
         self.kv_engines = EngineTransferFailures()
+        self.pairing = Pairing(self.pools, self.kv_health)
         self.waiting = WaitingRoom(config.wait_max_requests, config.wait_max_bytes, config.wait_timeout)
         self.kv = KVRouting(config.kv, self.rng) if config.routing_policy == RoutingPolicy.KV_AWARE else None
         for pool in self.pools.values():
@@ -124,30 +111,12 @@ class Proxy:
                                           self._spawn, self.kv_engines)
         self.legs = Legs(config, self.pools, self.metrics, lambda: self._session, self._timeouts,
                          self.health_prober)
-        self._gauges = [
-            Gauge("xpyd_proxy_in_flight_requests", "Client requests in the proxy.", (), self._in_flight_sample),
-            Gauge("xpyd_proxy_upstream_in_flight", "Legs outstanding per upstream instance.", ("role", "upstream"),
-                  self._upstream_in_flight),
-            Gauge("xpyd_proxy_upstream_prompt_tokens", "Prompt tokens outstanding per prefill instance.",
-                  ("upstream",), self._upstream_tokens),
-            Gauge("xpyd_proxy_breaker_state", "Circuit breaker per upstream: 0 closed, 1 open, 2 half-open.",
-                  ("role", "upstream"), self._breaker_states),
-            Gauge("xpyd_proxy_upstream_healthy", "Last health probe per upstream: 1 answered 200, 0 otherwise.",
-                  ("role", "upstream"), self._health_states),
-            Gauge("xpyd_proxy_upstreams", "Upstream instances by role and state.", ("role", "state"),
-                  self._pool_states),
-            Gauge("xpyd_proxy_draining", "1 once the proxy was told to stop (readiness fails), else 0.", (),
-                  self._draining_sample),
-            Gauge("xpyd_proxy_kv_pairs_failing", "Prefill/decode pairs whose KV hand-offs keep failing.", (),
-                  lambda: [((), float(len(self.kv_health.failing(time.monotonic()))))]),
-            Gauge("xpyd_proxy_kv_engines_failing", "Engines whose own count of failed KV transfers "
-                  "(vllm:nixl_num_failed_transfers_total) rose within the last minute.", (),
-                  lambda: [((), float(len(self.kv_engines.failing(time.monotonic()))))]),
-        ]
         m = self.metrics
+        gauges = proxy_gauges(self.pools, lambda: self.in_flight, lambda: self.draining, self.kv_health,
+                              self.kv_engines)
         self.registry = exposition.registry([m.requests, m.rejected, m.ttft, m.stream_ttft, m.duration, m.legs,
                                              m.retries, m.fallbacks, m.breaker_trips, m.kv_handoff_failures,
-                                             *self._gauges, *self.waiting.collectors(),
+                                             *gauges, *self.waiting.collectors(),
                                              *(self.kv.collectors(self.pools) if self.kv else ())])
 
     # -- life ----------------------------------------------------------------------------------
@@ -268,14 +237,14 @@ class Proxy:
         self.metrics.rejected.inc(str(status))
         return _error_response(status, message, request_id, param, headers)
 
-    async def _generate(self, request: web.Request, endpoint: ApiEndpoint, path: str) -> web.StreamResponse:
+    async def _generate(self, request: web.Request, api: ClientApi, path: str) -> web.StreamResponse:
         request_id = _printable_id(request.headers.get("X-Request-Id")) or str(uuid.uuid4())
         connector = self.config.connector.value
         if not self._authorized(request):
-            self.metrics.requests.inc(connector, endpoint, "unauthorized")
+            self.metrics.requests.inc(connector, api, "unauthorized")
             return self._reject(401, "Missing or invalid API key.", request_id)
         if self.in_flight >= self.config.max_concurrency:  # still demand: the autoscaler counts it
-            self.metrics.requests.inc(connector, endpoint, "overloaded")
+            self.metrics.requests.inc(connector, api, "overloaded")
             return self._reject(429, "The proxy is at its concurrency limit; retry later.", request_id,
                                 headers={"Retry-After": "1"})
         started = time.monotonic()
@@ -288,7 +257,7 @@ class Proxy:
                 outcome = "invalid"
                 return self._reject(413, f"The request body exceeds {self.config.max_body_bytes} bytes.", request_id)
             try:
-                parsed = parse(raw, endpoint, self.config.served_model_name)
+                parsed = parse(raw, api, self.config.served_model_name)
             except RequestError as error:
                 outcome = "invalid"
                 return self._reject(error.status, error.message, request_id, error.param)
@@ -315,17 +284,17 @@ class Proxy:
                                     headers={"X-Request-Id": request_id})
             outcome = context.outcome
             if context.first_byte_at is not None:
-                self.metrics.ttft.observe(context.first_byte_at - started, connector, endpoint)
+                self.metrics.ttft.observe(context.first_byte_at - started, connector, api)
                 if parsed.stream:
-                    self.metrics.stream_ttft.observe(context.first_byte_at - started, connector, endpoint)
+                    self.metrics.stream_ttft.observe(context.first_byte_at - started, connector, api)
             return response
         except asyncio.CancelledError:
             outcome = "cancelled"
             raise
         finally:
             self.in_flight -= 1
-            self.metrics.requests.inc(connector, endpoint, outcome)
-            self.metrics.duration.observe(time.monotonic() - started, connector, endpoint)
+            self.metrics.requests.inc(connector, api, outcome)
+            self.metrics.duration.observe(time.monotonic() - started, connector, api)
 
     # -- attempts ------------------------------------------------------------------------------
 
@@ -336,13 +305,12 @@ class Proxy:
         prefill_failures = decode_failures = 0
         reusable: JSON | None = None
         retrying: str | None = None  # the role whose failed leg the next attempt sends again
-        kv_compat: str | None = None  # the compatibility hash of the prefill whose KV is reusable
         kv_source: Instance | None = None  # the prefill whose KV the next decode leg reads
         if self.kv is not None:  # KVAware: the prompt's block keys (its token ids from /tokenize if need be)
-            context.kv = await self.kv.prepare(context, self.candidates(time.monotonic())[0], self._session)
+            context.kv = await self.kv.prepare(context, self.pairing.candidates(time.monotonic())[0], self._session)
         while True:
-            prefills, decodes = self.candidates(time.monotonic(), tried_prefill, tried_decode)
-            if reusable is not None and not partners(decodes, kv_compat, _compat):
+            prefills, decodes = self.pairing.candidates(time.monotonic(), tried_prefill, tried_decode)
+            if reusable is not None and not self.pairing.partners(kv_source, decodes, time.monotonic()):
                 if not decodes:
                     raise RequestError(503, "No decode instance is available.")
                 reusable = None  # no decode left that can read that KV: a whole new attempt
@@ -353,8 +321,7 @@ class Proxy:
                     return await self._without_prefill(context, reason, tried_decode)
                 if not decodes:
                     raise RequestError(503, "No decode instance is available.")
-                prefill = self.pools["prefill"].choose(self._healthy_pairs(pairable(prefills, decodes, _compat),
-                                                                           decodes, time.monotonic()),
+                prefill = self.pools["prefill"].choose(self.pairing.prefills(prefills, decodes, time.monotonic()),
                                                        self.kv.chooser("prefill", context.kv) if self.kv else None)
                 if prefill is None and decode_failures:  # pairs there were; the request's failed
                     raise RequestError(503, f"Decode failed on {decode_failures} instance(s); no other decode "
@@ -362,10 +329,9 @@ class Proxy:
                 if prefill is None:
                     reason = "prefill_failed" if prefill_failures else "no_compatible_pair"
                     return await self._without_prefill(context, reason, tried_decode)
-                kv_compat, kv_source = prefill.compat, prefill
-            decode = self.pools["decode"].choose(self._healthy_partners(
-                kv_source, partners(decodes, kv_compat, _compat), time.monotonic()),
-                self.kv.chooser("decode", context.kv) if self.kv else None)
+                kv_source = prefill
+            decode = self.pools["decode"].choose(self.pairing.partners(kv_source, decodes, time.monotonic()),
+                                                 self.kv.chooser("decode", context.kv) if self.kv else None)
             assert decode is not None  # a prefill is only chosen with partners, a reuse only kept with some
             if retrying is not None:  # counted once there is an instance to retry on
                 self.metrics.retries.inc(retrying)
@@ -404,38 +370,6 @@ class Proxy:
             finally:
                 decode.release()
                 self.pools["decode"].forget_if_done(decode)
-
-    def candidates(self, now: float, tried_prefill: Iterable[str] = (),
-                   tried_decode: Iterable[str] = ()) -> tuple[list[Instance], list[Instance]]:
-        """The prefill and the decode instances an attempt may use: per role the pool's candidates
-        (the ones not terminating, else the terminating ones within their fallback time), unless
-        those hold no compatible pair and the terminating ones complete one. That is a rollout of
-        both roles: the new revision has one role ready, the old revision's other role is only
-        left draining, and the old pair serves until the new one can."""
-        (prefill_live, prefill_fallback), (decode_live, decode_fallback) = \
-            self.pools["prefill"].tiers(now, tried_prefill), self.pools["decode"].tiers(now, tried_decode)
-        prefills, decodes = prefill_live or prefill_fallback, decode_live or decode_fallback
-        if not pairable(prefills, decodes, _compat):
-            every_prefill, every_decode = prefill_live + prefill_fallback, decode_live + decode_fallback
-            if pairable(every_prefill, every_decode, _compat):
-                return every_prefill, every_decode
-        return prefills, decodes
-
-    def _healthy_pairs(self, prefills: list[Instance], decodes: list[Instance], now: float) -> list[Instance]:
-        """Of the pairable `prefills`, those with a decode partner whose pair is not failing (all of
-        them when none has: avoiding is a preference, see `xpyd.proxy.kvhealth`)."""
-        healthy = [p for p in prefills if self._unavoided(p, partners(decodes, p.compat, _compat), now)]
-        return healthy or prefills
-
-    def _healthy_partners(self, prefill: Instance | None, decodes: list[Instance], now: float) -> list[Instance]:
-        """The `decodes` whose pair with `prefill` is not failing; when all are, all of them."""
-        if prefill is None:
-            return decodes
-        return self._unavoided(prefill, decodes, now) or decodes
-
-    def _unavoided(self, prefill: Instance, decodes: list[Instance], now: float) -> list[Instance]:
-        """The `decodes` whose pair with `prefill` is not avoided now (possibly none)."""
-        return [d for d in decodes if not self.kv_health.avoided(prefill.url, d.url, now)]
 
     def _handoff_failed(self, prefill: Instance, decode: Instance, reason: str) -> None:
         self.metrics.kv_handoff_failures.inc(prefill.url, decode.url)
@@ -493,7 +427,7 @@ class Proxy:
             decode.release()
             self.pools["decode"].forget_if_done(decode)
 
-    # -- other endpoints -----------------------------------------------------------------------
+    # -- the other paths ------------------------------------------------------------------------
 
     async def models(self, request: web.Request) -> web.StreamResponse:
         """GET /v1/models, answered by a decode instance."""
@@ -530,12 +464,6 @@ class Proxy:
         now = time.monotonic()
         return [role for role in needed if not self.pools[role].candidates(now)]
 
-    def compatible_pair(self) -> bool:
-        """Whether some prefill and decode instances that could take a request now share a KV
-        compatibility hash."""
-        now = time.monotonic()
-        return bool(pairable(*self.candidates(now), _compat))
-
     async def ready(self, request: web.Request) -> web.Response:
         """GET /ready (readiness): 200 while requests can be served; 503 once draining, so the pod
         leaves the Service's endpoints while it still serves what reaches it, and 503 while a role
@@ -550,7 +478,7 @@ class Proxy:
             return web.json_response({"status": "ready", "missing": missing, "waiting": self.waiting.requests})
         if missing:
             return web.json_response({"status": "unavailable", "missing": missing}, status=503)
-        if not self.config.decode_only_fallback and not self.compatible_pair():
+        if not self.config.decode_only_fallback and not self.pairing.compatible_pair():
             now = time.monotonic()
             compat = {role: sorted({i.compat or "" for i in pool.candidates(now)}) for role, pool in self.pools.items()}
             return web.json_response({"status": "unavailable", "missing": [], "reason": "no_compatible_pair",
@@ -560,35 +488,3 @@ class Proxy:
     async def metrics_page(self, request: web.Request) -> web.Response:
         """GET /metrics in the Prometheus text format."""
         return exposition.response(self.registry)
-
-    def _in_flight_sample(self) -> Iterable[GaugeSample]:
-        yield (), float(self.in_flight)
-
-    def _draining_sample(self) -> Iterable[GaugeSample]:
-        yield (), 1.0 if self.draining else 0.0
-
-    def _each(self) -> Iterable[Instance]:
-        for pool in self.pools.values():
-            yield from pool.instances.values()
-
-    def _upstream_in_flight(self) -> Iterable[GaugeSample]:
-        for instance in self._each():
-            yield (instance.role, instance.url), float(instance.outstanding_requests)
-
-    def _upstream_tokens(self) -> Iterable[GaugeSample]:
-        for instance in self.pools["prefill"].instances.values():
-            yield (instance.url,), float(instance.outstanding_tokens)
-
-    def _breaker_states(self) -> Iterable[GaugeSample]:
-        now = time.monotonic()
-        for instance in self._each():
-            yield (instance.role, instance.url), float(instance.breaker.state(now))
-
-    def _health_states(self) -> Iterable[GaugeSample]:
-        for instance in self._each():
-            yield (instance.role, instance.url), 1.0 if instance.healthy else 0.0
-
-    def _pool_states(self) -> Iterable[GaugeSample]:
-        for role, pool in self.pools.items():
-            for state, count in pool.counts().items():
-                yield (role, state), float(count)

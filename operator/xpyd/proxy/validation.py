@@ -15,7 +15,8 @@ from typing import Any, Final, Literal
 
 from xpyd.common.jsontypes import JSON
 
-ApiEndpoint = Literal["completions", "chat"]
+#: Which of the OpenAI APIs a client request calls (the `endpoint` label of the request metrics).
+ClientApi = Literal["completions", "chat"]
 
 #: OpenAI-style error `type` per HTTP status (the shape vLLM's ErrorResponse uses).
 ERROR_TYPES: Final = {
@@ -76,7 +77,7 @@ class ClientRequest:
     """A checked completion or chat request."""
 
     body: JSON
-    endpoint: ApiEndpoint
+    api: ClientApi
     model: str
     stream: bool
     prompt_tokens: int
@@ -95,7 +96,7 @@ def _is_number(value: Any) -> bool:
             and math.isfinite(value))
 
 
-def parse(raw: bytes, endpoint: ApiEndpoint, served_model: str | None = None) -> ClientRequest:
+def parse(raw: bytes, api: ClientApi, served_model: str | None = None) -> ClientRequest:
     """Parse and check a request body; RequestError (400, or 404 for another model) otherwise."""
     try:
         body = json.loads(raw, parse_constant=_reject_constant)
@@ -114,8 +115,8 @@ def parse(raw: bytes, endpoint: ApiEndpoint, served_model: str | None = None) ->
         raise RequestError(400, "`stream` must be a boolean.", "stream")
     if body.get("stream_options") is not None and not stream:
         raise RequestError(400, "Stream options can only be defined when `stream=True`.", "stream_options")
-    tokens = _prompt_tokens(body.get("prompt")) if endpoint == "completions" else _chat_tokens(body.get("messages"))
-    return ClientRequest(body=body, endpoint=endpoint, model=model, stream=bool(stream), prompt_tokens=tokens)
+    tokens = _prompt_tokens(body.get("prompt")) if api == "completions" else _chat_tokens(body.get("messages"))
+    return ClientRequest(body=body, api=api, model=model, stream=bool(stream), prompt_tokens=tokens)
 
 
 def _check_types(body: JSON) -> None:
