@@ -41,6 +41,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
+from xpyd.api.naming import PREFILL
 from xpyd.autoscaler.observation import Desired, Slo
 from xpyd.common.stats import percentile
 from xpyd.perf.model import PerfModel
@@ -53,7 +54,6 @@ from xpyd.sim.simulator import (
     KV_AWARE,
     LEAST_LOADED,
     POWER_OF_TWO,
-    PREFILL,
     ROUND_ROBIN,
     ROUTED,
     Routing,

@@ -21,6 +21,7 @@ import math
 import sys
 from pathlib import Path
 
+from xpyd.api.naming import DECODE, PREFILL
 from xpyd.autoscaler.observation import Slo
 from xpyd.common.stats import percentile
 from xpyd.kvcache.chains import repeat_share
@@ -28,7 +29,7 @@ from xpyd.perf.model import PerfModel
 from xpyd.perf.shapes import lookup_model
 from xpyd.sim.core import EngineConfig
 from xpyd.sim.report import prefix_cache
-from xpyd.sim.simulator import DECODE, PREFILL, SimConfig, SimResult, simulate
+from xpyd.sim.simulator import SimConfig, SimResult, simulate
 from xpyd.traces import TraceRequest, load_trace
 
 DATA = Path(__file__).resolve().parents[1] / "data"

@@ -9,11 +9,11 @@ from typing import Any
 import pytest
 
 from tests.paths import H200_PROFILE
+from xpyd.api.conditions import INSUFFICIENT_GPUS
 from xpyd.api.models import AutoscalingSpec
 from xpyd.autoscaler.decide import (
     DECODE_ADMISSION,
     GPU_BUDGET,
-    INSUFFICIENT_GPUS,
     METRICS_UNAVAILABLE,
     MIN_COMPUTED_SHARE,
     PREFILL_DEMAND,

@@ -142,13 +142,13 @@ def test_queue_threshold_steps_one_replica_per_period() -> None:
     policy = QueueThresholdPolicy(Desired(1, 1))
     busy = Observation(time_s=30.0, window_s=60.0, prefill=role(replicas=2, ready=2, num_requests_waiting=20.0),
                        decode=role(replicas=2, ready=2, kv_cache_usage_perc=0.95))
-    assert policy.decide(busy) == Desired(3, 3)
+    assert policy.desired_sizes(busy) == Desired(3, 3)
     later = Observation(time_s=120.0, window_s=60.0, prefill=busy.prefill, decode=busy.decode)
-    assert policy.decide(later) == Desired(2, 2)                 # within 3 min of the last step up
+    assert policy.desired_sizes(later) == Desired(2, 2)          # within 3 min of the last step up
     idle = Observation(time_s=240.0, window_s=60.0, prefill=role(replicas=3, ready=3),
                        decode=role(replicas=3, ready=3, kv_cache_usage_perc=0.1))
-    assert policy.decide(idle) == Desired(2, 2)
-    assert policy.decide(Observation(time_s=300.0, window_s=60.0, prefill=idle.prefill,
+    assert policy.desired_sizes(idle) == Desired(2, 2)
+    assert policy.desired_sizes(Observation(time_s=300.0, window_s=60.0, prefill=idle.prefill,
                                      decode=idle.decode)) == Desired(3, 3)   # 5 min between steps down
 
 
@@ -175,15 +175,15 @@ def dynamo_observation(time_s: float, rate: float, isl: float = 2000.0, osl: flo
 def test_dynamo_plans_every_180s_with_its_formulas() -> None:
     policy = DynamoSlaPolicy(PERF, 0.5, 0.025, Desired(1, 1))
     for time_s in (30.0, 60.0, 90.0, 120.0, 150.0):
-        assert policy.decide(dynamo_observation(time_s, 20.0)) == Desired(1, 1)
-    desired = policy.decide(dynamo_observation(180.0, 20.0))
+        assert policy.desired_sizes(dynamo_observation(time_s, 20.0)) == Desired(1, 1)
+    desired = policy.desired_sizes(dynamo_observation(180.0, 20.0))
     num_req = 20.0 * 180.0
     # p_correction = 1 s / prefill(2000) > 1, so min(1, .) leaves the demand as it is.
     assert desired.prefill == math.ceil(num_req * 2000 / 180.0 / PERF.prefill_tokens_per_second(2000))
     itl = 0.025 / policy.d_correction
     batch = PERF.max_batch_for_itl(itl, 2075.0)
     assert desired.decode == math.ceil(num_req * 150 / 180.0 / PERF.decode_tokens_per_second(batch, 2075.0))
-    assert policy.decide(dynamo_observation(210.0, 80.0)) == desired   # holds until the next interval
+    assert policy.desired_sizes(dynamo_observation(210.0, 80.0)) == desired  # holds until the next interval
 
 
 # --- oracle ------------------------------------------------------------------------------------------
@@ -203,10 +203,12 @@ def test_oracle_windows_grow_with_load_and_its_replay_meets_every_window() -> No
     assert schedule.peak == Desired(max(w.prefill for w in windows), max(w.decode for w in windows))
     assert schedule.mean.prefill == math.ceil((windows[0].prefill + windows[1].prefill) / 2)
     policy = OraclePolicy(windows, lead_s=30.0)
-    assert policy.decide(Observation(time_s=30.0, window_s=60.0)) == Desired(windows[0].prefill, windows[0].decode)
-    assert policy.decide(Observation(time_s=60.0, window_s=60.0)) == Desired(windows[1].prefill, windows[1].decode)
+    assert policy.desired_sizes(Observation(time_s=30.0, window_s=60.0)) == Desired(windows[0].prefill,
+                                                                                     windows[0].decode)
+    assert policy.desired_sizes(Observation(time_s=60.0, window_s=60.0)) == Desired(windows[1].prefill,
+                                                                                     windows[1].decode)
     early = OraclePolicy(windows, lead_s=150.0)
-    assert early.decide(Observation(time_s=30.0, window_s=60.0)).prefill == windows[1].prefill
+    assert early.desired_sizes(Observation(time_s=30.0, window_s=60.0)).prefill == windows[1].prefill
     assert policy.initial == Desired(windows[0].prefill, windows[0].decode)
 
 
@@ -232,9 +234,10 @@ def test_the_nowcast_knows_each_window_once_it_begins_and_pays_the_start_up_dela
     quiet, busy = schedule.windows
     nowcast = NowcastPolicy(schedule.windows, Desired(1, 2))
     assert nowcast.initial == Desired(quiet.prefill + 1, quiet.decode + 2)
-    assert nowcast.decide(Observation(time_s=59.9, window_s=60.0)) == Desired(quiet.prefill + 1, quiet.decode + 2)
-    assert nowcast.decide(Observation(time_s=60.0, window_s=60.0)) == Desired(busy.prefill + 1, busy.decode + 2)
-    assert nowcast.decide(Observation(time_s=900.0, window_s=60.0)) == Desired(busy.prefill + 1, busy.decode + 2)
+    assert nowcast.desired_sizes(Observation(time_s=59.9, window_s=60.0)) == Desired(quiet.prefill + 1,
+                                                                                      quiet.decode + 2)
+    assert nowcast.desired_sizes(Observation(time_s=60.0, window_s=60.0)) == Desired(busy.prefill + 1, busy.decode + 2)
+    assert nowcast.desired_sizes(Observation(time_s=900.0, window_s=60.0)) == Desired(busy.prefill + 1, busy.decode + 2)
     with pytest.raises(ValueError, match="windows"):
         NowcastPolicy(())
     with pytest.raises(ValueError, match="negative"):

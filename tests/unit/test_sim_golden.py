@@ -64,9 +64,9 @@ class Recording:
     policy: Policy
     seen: list[str] = field(default_factory=list)
 
-    def decide(self, observation: Observation) -> Desired:
+    def desired_sizes(self, observation: Observation) -> Desired:
         self.seen.append(repr(observation))
-        return self.policy.decide(observation)
+        return self.policy.desired_sizes(observation)
 
 
 def digest(values: Any) -> str:

@@ -14,11 +14,12 @@ import pytest
 
 from tests.paths import FIXTURE_TRACES, H200_PROFILE, TRACES
 from tests.unit.test_sim_core import LinearPerf, drive, times
+from xpyd.api.naming import DECODE, PREFILL
 from xpyd.kvcache.chains import TraceKeys, repeat_share
 from xpyd.kvcache.pool import BlockKeys
 from xpyd.sim.core import EngineConfig, EngineCore, EngineRequest, EventKind
 from xpyd.sim.report import build_report, prefix_cache, summary
-from xpyd.sim.simulator import DECODE, PREFILL, SimConfig, simulate
+from xpyd.sim.simulator import SimConfig, simulate
 from xpyd.traces import TraceRequest, read_trace
 
 pytestmark = pytest.mark.unit

@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 
 from tests.unit.test_sim_core import LinearPerf
+from xpyd.api.naming import PREFILL
 from xpyd.autoscaler.observation import Desired
 from xpyd.sim.policy import StaticPolicy
 from xpyd.sim.report import prefix_cache
@@ -14,7 +15,6 @@ from xpyd.sim.simulator import (
     KV_AWARE,
     LEAST_LOADED,
     POWER_OF_TWO,
-    PREFILL,
     ROUND_ROBIN,
     ROUTED,
     Routing,

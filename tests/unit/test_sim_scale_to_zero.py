@@ -32,7 +32,7 @@ class Wake:
         self.otherwise = otherwise or Desired(0, 0)
         self.seen: list[Observation] = []
 
-    def decide(self, observation: Observation) -> Desired:
+    def desired_sizes(self, observation: Observation) -> Desired:
         self.seen.append(observation)
         return Desired(1, 1) if observation.held_requests > 0 else self.otherwise
 

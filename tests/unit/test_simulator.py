@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 
 from tests.paths import FIXTURE_TRACES, H200_PROFILE
+from xpyd.api.naming import DECODE, PREFILL
 from xpyd.autoscaler.observation import Desired, Observation, Slo
 from xpyd.perf.model import PerfModel
 from xpyd.sim.cli import ProgressBar, add_parser
@@ -18,7 +19,7 @@ from xpyd.sim.core import EngineConfig
 from xpyd.sim.policies import POLICIES, build_policy
 from xpyd.sim.policy import PolicyContext, StaticPolicy
 from xpyd.sim.report import build_report, percentile, summary, timeline_bin_s
-from xpyd.sim.simulator import DECODE, PREFILL, SimConfig, Simulator, simulate
+from xpyd.sim.simulator import SimConfig, Simulator, simulate
 from xpyd.traces import TraceRequest, read_trace
 
 pytestmark = pytest.mark.unit
@@ -57,7 +58,7 @@ class Recorder:
     schedule: list[tuple[float, Desired]]
     seen: list[Observation] = field(default_factory=list)
 
-    def decide(self, observation: Observation) -> Desired:
+    def desired_sizes(self, observation: Observation) -> Desired:
         self.seen.append(observation)
         current = self.schedule[0][1]
         for at, desired in self.schedule:
@@ -109,7 +110,7 @@ def test_static_policy_keeps_the_sizes() -> None:
     assert result.gpu_seconds[PREFILL] == pytest.approx(2 * result.end_s)
     assert result.gpu_seconds[DECODE] == pytest.approx(3 * result.end_s)
     static = build_policy("static", PolicyContext(Desired(1, 2), Slo(), LinearPerf(), 30.0, 120.0))
-    assert static.decide(Observation(time_s=0.0, window_s=60.0)) == Desired(1, 2)
+    assert static.desired_sizes(Observation(time_s=0.0, window_s=60.0)) == Desired(1, 2)
     assert "static" in POLICIES
     with pytest.raises(ValueError, match="unknown policy"):
         build_policy("psychic", PolicyContext(Desired(1, 1), Slo(), LinearPerf(), 30.0, 120.0))

@@ -4,10 +4,12 @@ from __future__ import annotations
 
 from typing import Final, Literal
 
-#: An engine pool's role (one definition for rendering, the proxy and the autoscaler).
+#: An engine pool's role (one definition for rendering, the proxy, the autoscaler and the simulator).
 Role = Literal["prefill", "decode"]
 Component = Literal["prefill", "decode", "proxy"]
-ROLES: Final[tuple[Role, ...]] = ("prefill", "decode")
+PREFILL: Final = "prefill"
+DECODE: Final = "decode"
+ROLES: Final[tuple[Role, ...]] = (PREFILL, DECODE)
 
 FIELD_MANAGER: Final = "xpyd-operator"
 SERVING_LABEL: Final = "xpyd.io/serving"

@@ -32,15 +32,20 @@ from prometheus_api_client.exceptions import PrometheusApiClientException
 from prometheus_api_client.prometheus_connect import PrometheusConnect
 from urllib3.util.retry import Retry
 
-from xpyd.api.naming import LWS_GROUP_KEY_LABEL, LWS_SIZE_ANNOTATION, LWS_WORKER_INDEX_LABEL, ROLE_LABEL, SERVING_LABEL
+from xpyd.api.naming import (
+    LWS_GROUP_KEY_LABEL,
+    LWS_SIZE_ANNOTATION,
+    LWS_WORKER_INDEX_LABEL,
+    ROLE_LABEL,
+    ROLES,
+    SERVING_LABEL,
+)
 from xpyd.api.waiting import Held, held_by_pod
 from xpyd.autoscaler.observation import Observation, Quantiles, RoleObservation, hit_rate
 from xpyd.common.jsontypes import JSON
 from xpyd.common.netguard import NonLoopbackAddress, guard_url
 from xpyd.common.timefmt import parse_rfc3339
 from xpyd.kube.pods import condition
-
-ENGINE_ROLES: Final = ("prefill", "decode")
 
 #: Seconds without a fresh scrape of a role's engines after which their gauges are stale; also how
 #: long a pod may be ready before Prometheus must have found it (discovery plus a scrape interval).
@@ -293,8 +298,8 @@ def observation(results: Mapping[str, Samples], pods: Sequence[JSON], now: float
     (Pods that just became ready are not in Prometheus yet: discovery and the first scrape take a
     scrape interval or two.)
     """
-    counts = {role: count_pods(pods, role, now) for role in ENGINE_ROLES}
-    for role in ENGINE_ROLES:
+    counts: dict[str, PodCounts] = {role: count_pods(pods, role, now) for role in ROLES}
+    for role in ROLES:
         if counts[role].ready == 0:
             continue
         scraped = _value(results, "up", role, 0.0)

@@ -15,6 +15,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
+from xpyd.api.naming import PREFILL
 from xpyd.autoscaler.forecast import Forecaster, HoltForecaster
 from xpyd.autoscaler.sizing import DEFAULT_MAX_NUM_BATCHED_TOKENS, DEFAULT_MAX_NUM_SEQS, PoolModel
 from xpyd.common.args import last_flag_value
@@ -22,9 +23,6 @@ from xpyd.perf.model import PerfModel
 
 if TYPE_CHECKING:
     from xpyd.api.models import AutoscalingSpec, DisaggregatedServing
-
-PREFILL = "prefill"
-DECODE = "decode"
 
 
 @dataclass(frozen=True)

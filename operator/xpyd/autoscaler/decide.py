@@ -93,10 +93,11 @@ import math
 from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
 
+from xpyd.api.conditions import INSUFFICIENT_GPUS
+from xpyd.api.naming import DECODE, PREFILL
+
 # The configuration lives in `config` (with the spec's translation); its names stay importable from here.
 from xpyd.autoscaler.attainment import AttainmentState, learn, window_attainment
-from xpyd.autoscaler.config import DECODE as DECODE
-from xpyd.autoscaler.config import PREFILL as PREFILL
 from xpyd.autoscaler.config import AutoscalerConfig as AutoscalerConfig
 from xpyd.autoscaler.config import Pace as Pace
 from xpyd.autoscaler.config import RoleBounds as RoleBounds
@@ -104,7 +105,8 @@ from xpyd.autoscaler.forecast import SeriesState
 from xpyd.autoscaler.observation import Observation, Quantiles, RoleObservation
 from xpyd.autoscaler.sizing import Burst, DecodeSizing, PrefillSizing, PromptMix
 
-# Reasons (CamelCase, as in status conditions and Events).
+# Reasons (CamelCase, as in status conditions and Events; `InsufficientGPUs` is the Degraded
+# condition's, `xpyd.api.conditions.INSUFFICIENT_GPUS`).
 METRICS_UNAVAILABLE = "MetricsUnavailable"
 PREFILL_QUEUEING = "PrefillQueueing"
 DECODE_ADMISSION = "DecodeAdmission"
@@ -115,7 +117,6 @@ SCALE_DOWN = "DemandFell"
 SCALE_DOWN_DEFERRED = "ScaleDownStabilizing"
 SCALE_DOWN_UNSAFE = "ScaleDownUnsafe"
 SCALE_DOWN_GRACE = "ScaleDownGracePeriod"
-INSUFFICIENT_GPUS = "InsufficientGPUs"
 GPU_BUDGET = "GPUBudgetBinding"
 BOUNDS = "ReplicaBounds"
 WITHIN_TARGETS = "WithinTargets"

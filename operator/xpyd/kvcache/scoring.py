@@ -1,6 +1,7 @@
-"""KV-aware routing's one formula: how a router scores an instance for a prompt, given how much of the
-prompt that instance holds. Pure; the proxy's `KVAware` policy (`xpyd.proxy.kvrouting`) and the
-simulator's replay of it score with these functions, so their figures are one policy's.
+"""How a router picks an instance: KV-aware routing's one formula (how it scores an instance for a
+prompt, given how much of the prompt that instance holds) and the least-loaded pick. Pure; the proxy
+(`xpyd.proxy.kvrouting` for `KVAware`, `xpyd.proxy.picking` for `LeastLoaded` and `PowerOfTwo`) and
+the simulator's replay of it pick with these functions, so their figures are one policy's.
 
 - Prefill: `expected compute outstanding + kv_weight x prompt tokens not cached there`. The
   outstanding compute is the prompt tokens the router sent that instance, less the tokens it expected
@@ -12,6 +13,8 @@ simulator's replay of it score with these functions, so their figures are one po
 - A hit covers at most the prompt's full blocks before its last token (`hit_limit`): vLLM always
   computes a prompt's last token, so a fully cached prompt still recomputes its last block.
 - Ties are broken uniformly at random (`least`: one draw per tie after the first, reservoir style).
+- LeastLoaded and PowerOfTwo (`least_loaded`): the least load, or the lesser of two drawn at random;
+  what a load is (prompt tokens for prefill, requests for decode) is the caller's.
 """
 
 from __future__ import annotations
@@ -59,3 +62,13 @@ def least(costs: Sequence[float], rng: random.Random) -> int:
             if rng.random() * ties < 1.0:
                 best = position
     return best
+
+
+def least_loaded(loads: Sequence[float], rng: random.Random, power_of_two: bool = False) -> int:
+    """The position LeastLoaded picks: the least load, ties uniformly at random (`least`). With
+    `power_of_two` (PowerOfTwo), two distinct positions are drawn first (`rng.sample`) when there are
+    more than two, and the less loaded of them wins. `loads` must not be empty."""
+    if power_of_two and len(loads) > 2:
+        first, second = rng.sample(range(len(loads)), 2)
+        return (first, second)[least((loads[first], loads[second]), rng)]
+    return least(loads, rng)

@@ -14,6 +14,8 @@ breaking keeps them from herding onto the same idle instance.
 - KVAware: scored per request by `xpyd.proxy.kvrouting` (where the prompt's prefix is cached, weighed
   against load); a pick without a request (`/v1/models`, the decode-only fallback) is LeastLoaded's.
 
+LeastLoaded and PowerOfTwo are `xpyd.kvcache.scoring.least_loaded`, the simulator's pick too.
+
 Pairing: a prefill and a decode instance may serve one request only when their KV compatibility
 hashes (the pods' `xpyd.io/kv-compat` label, `xpyd.render.compat`) are equal; an instance without
 one (a fixed URL, a pod rendered before the label existed) pairs only with others without one. The
@@ -29,6 +31,7 @@ from collections.abc import Callable, Iterable, Sequence
 from typing import TypeVar
 
 from xpyd.api.models import RoutingPolicy
+from xpyd.kvcache.scoring import least_loaded
 
 T = TypeVar("T")
 
@@ -44,19 +47,8 @@ def pick(policy: RoutingPolicy, candidates: Sequence[T], load: Callable[[T], flo
     if policy == RoutingPolicy.ROUND_ROBIN:
         ordered = sorted(candidates, key=name)
         return ordered[turn % len(ordered)]
-    if policy == RoutingPolicy.POWER_OF_TWO:
-        first, second = rng.sample(list(candidates), 2)
-        return _least(first, second, load=load, rng=rng)
     loads = [load(candidate) for candidate in candidates]
-    lowest = min(loads)
-    return rng.choice([c for c, value in zip(candidates, loads, strict=True) if value == lowest])
-
-
-def _least(first: T, second: T, *, load: Callable[[T], float], rng: random.Random) -> T:
-    a, b = load(first), load(second)
-    if a == b:
-        return first if rng.random() < 0.5 else second
-    return first if a < b else second
+    return candidates[least_loaded(loads, rng, power_of_two=policy == RoutingPolicy.POWER_OF_TWO)]
 
 
 def pairable(prefills: Iterable[T], decodes: Iterable[T], compat: Callable[[T], str | None]) -> list[T]:

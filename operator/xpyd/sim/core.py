@@ -35,8 +35,8 @@ Scheduling rules (vLLM V1's scheduler, simplified where noted):
   overhead to add), and a saturated engine runs `max_num_batched_tokens` per `p(8192)`. A step that
   also carries decode tokens adds `decode_step_seconds(batch, kv_tokens)` (mixed steps are summed). When a step only
   decodes, the driver may let the core fuse up to `max_decode_steps` identical decode steps into one
-  `Step` (every step of it the same length, timed at the midpoint KV), ending at the latest at the
-  next composition change the core can foresee (a request finishing, a transfer or lease timer);
+  `EngineStep` (every step of it the same length, timed at the midpoint KV), ending at the latest at
+  the next composition change the core can foresee (a request finishing, a transfer or lease timer);
   `shorten()` cuts it at the next step boundary when something arrives. The emulator uses one step.
 - Roles follow the request, as in vLLM: `do_remote_decode` (the prefill leg of a P/D request)
   finishes after the first token and keeps its KV reserved until `release_kv()` (the consumer pulled
@@ -349,7 +349,7 @@ class Event(NamedTuple):
     time: float
 
 
-class Step(NamedTuple):
+class EngineStep(NamedTuple):
     """What the engine runs next: `num_steps` equal forward passes of `step_seconds` each from `start`.
 
     `prefill` lists (request, prompt tokens) chunks (only in single steps); `decode` lists the
@@ -406,7 +406,7 @@ class EngineCore:
         self._reserved_kv = 0
         self._decode_kv = 0    # prompt + generated tokens of the decoding requests
         self._decode_steps = 0
-        self._step: Step | None = None
+        self._step: EngineStep | None = None
         self._pending_aborts: list[EngineRequest] = []
 
     # --- inputs -------------------------------------------------------------------------------
@@ -498,7 +498,7 @@ class EngineCore:
 
     # --- stepping -----------------------------------------------------------------------------
 
-    def next_step(self, now: float, max_decode_steps: int = 1) -> Step | None:
+    def next_step(self, now: float, max_decode_steps: int = 1) -> EngineStep | None:
         """Schedule the next step at `now` (admitting requests, starting KV transfers), or None if idle.
 
         Call `poll(now)` first. Only one step may be in flight. `max_decode_steps > 1` lets a
@@ -527,8 +527,8 @@ class EngineCore:
                     first = perf.decode_step_seconds(batch, kv_tokens)
                     num_steps = max(1, min(num_steps, math.ceil((timer - now) / first - 1e-9)))
         decode_seconds = perf.decode_step_seconds(batch, kv_tokens + batch * (num_steps - 1) // 2) if batch else 0.0
-        step = Step(now, num_steps, prefill_seconds + decode_seconds, tuple(chunks), tuple(decoding), tuple(joiners),
-                    kv_tokens)
+        step = EngineStep(now, num_steps, prefill_seconds + decode_seconds, tuple(chunks), tuple(decoding),
+                          tuple(joiners), kv_tokens)
         self._step = step
         return step
 
@@ -609,7 +609,7 @@ class EngineCore:
                                   perf.prefill_seconds(first_tokens) + continued_seconds)
         return chunks, joiners, prefill_seconds
 
-    def shorten(self, step: Step, now: float) -> Step:
+    def shorten(self, step: EngineStep, now: float) -> EngineStep:
         """Cut a fused decode step at its first pass boundary at or after `now` (something arrived).
 
         Returns the step now in flight (the same one when it cannot end sooner); complete that one.
@@ -629,11 +629,11 @@ class EngineCore:
             num_steps += 1
         if num_steps >= step.num_steps:
             return step
-        self._step = Step(start=step.start, num_steps=num_steps, step_seconds=seconds, prefill=step.prefill,
-                          decode=step.decode, joiners=step.joiners, kv_tokens=step.kv_tokens)
+        self._step = EngineStep(start=step.start, num_steps=num_steps, step_seconds=seconds, prefill=step.prefill,
+                                decode=step.decode, joiners=step.joiners, kv_tokens=step.kv_tokens)
         return self._step
 
-    def complete(self, step: Step, now: float) -> list[Event]:
+    def complete(self, step: EngineStep, now: float) -> list[Event]:
         """Apply the step that ran until `now` (normally `step.end`); returns first tokens and finishes.
 
         Token times inside a fused step are `now - (num_steps - i) * step_seconds` for pass i.
@@ -702,7 +702,7 @@ class EngineCore:
     # --- gauges -------------------------------------------------------------------------------
 
     @property
-    def step_in_flight(self) -> Step | None:
+    def step_in_flight(self) -> EngineStep | None:
         """The step scheduled and not yet completed."""
         return self._step
 

@@ -118,7 +118,7 @@ class DynamoSlaPolicy:
         self.desired = self.initial
         self.next_adjustment_s = self.adjustment_interval_s
 
-    def decide(self, observation: Observation) -> Desired:
+    def desired_sizes(self, observation: Observation) -> Desired:
         """Hold the last sizes between adjustments; at each adjustment, re-plan from the interval's means."""
         self.history.append(observation)
         now = observation.time_s

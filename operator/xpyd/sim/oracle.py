@@ -104,7 +104,7 @@ class SchedulePolicy:
 
     windows: tuple[OracleWindow, ...]
 
-    def decide(self, observation: Observation) -> Desired:
+    def desired_sizes(self, observation: Observation) -> Desired:
         """The sizes of the window holding `observation.time_s` (the last after the trace)."""
         now = observation.time_s
         current = next((w for w in self.windows if w.start_s <= now < w.end_s), self.windows[-1])
@@ -306,7 +306,7 @@ class OraclePolicy:
     windows: tuple[OracleWindow, ...]
     lead_s: float
 
-    def decide(self, observation: Observation) -> Desired:
+    def desired_sizes(self, observation: Observation) -> Desired:
         """The largest sizes among the windows overlapping [now, now + lead)."""
         now = observation.time_s
         ahead = [w for w in self.windows if w.end_s > now and w.start_s < now + self.lead_s] or [self.windows[-1]]

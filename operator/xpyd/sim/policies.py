@@ -80,7 +80,7 @@ class XpydPolicy:
     state: AutoscalerState = field(default_factory=AutoscalerState)
     decisions: list[Decision] = field(default_factory=list)
 
-    def decide(self, observation: Observation) -> Desired:
+    def desired_sizes(self, observation: Observation) -> Desired:
         """Run `decide()`, keep its new state, return its sizes."""
         decision = decide(observation, self.config, self.state)
         self.state = decision.state
@@ -104,15 +104,15 @@ class NowcastPolicy:
         if self.extra.prefill < 0 or self.extra.decode < 0:
             raise ValueError(f"the nowcast's headroom cannot be negative: {self.extra}")
 
-    def decide(self, observation: Observation) -> Desired:
+    def desired_sizes(self, observation: Observation) -> Desired:
         """The sizes of the window holding `observation.time_s` (the last after the trace), plus `extra`."""
-        now = SchedulePolicy(self.windows).decide(observation)
+        now = SchedulePolicy(self.windows).desired_sizes(observation)
         return Desired(now.prefill + self.extra.prefill, now.decode + self.extra.decode)
 
     @property
     def initial(self) -> Desired:
         """The first window's sizes with the headroom: what the pool starts with."""
-        return self.decide(Observation(time_s=self.windows[0].start_s, window_s=0.0))
+        return self.desired_sizes(Observation(time_s=self.windows[0].start_s, window_s=0.0))
 
 
 @dataclass(frozen=True)
@@ -121,7 +121,7 @@ class FixedPolicy:
 
     desired: Desired
 
-    def decide(self, observation: Observation) -> Desired:
+    def desired_sizes(self, observation: Observation) -> Desired:
         """The fixed sizes."""
         return self.desired
 
@@ -143,7 +143,7 @@ class QueueThresholdPolicy:
     last_up: dict[str, float] = field(default_factory=lambda: {"prefill": -math.inf, "decode": -math.inf})
     last_down: dict[str, float] = field(default_factory=lambda: {"prefill": -math.inf, "decode": -math.inf})
 
-    def decide(self, observation: Observation) -> Desired:
+    def desired_sizes(self, observation: Observation) -> Desired:
         """One HPA step per role."""
         now = observation.time_s
         prefill, decode = observation.prefill, observation.decode

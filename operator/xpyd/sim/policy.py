@@ -2,9 +2,9 @@
 
 Every `interval` seconds of simulated time the simulator builds an `Observation`
 (`xpyd.autoscaler.observation`) from what an autoscaler would read from Prometheus and from the
-replica counts, calls `policy.decide(observation)` and scales each role to the returned `Desired`
-sizes. `decide` should be pure in the observation (keeping its own smoothing state is fine), so it
-can be table-tested and run unchanged in the operator. The policies themselves are registered in
+replica counts, calls `policy.desired_sizes(observation)` and scales each role to the returned
+`Desired` sizes. `desired_sizes` should be pure in the observation (keeping its own smoothing state is
+fine), so it can be table-tested and run unchanged in the operator. The policies themselves are registered in
 `xpyd.sim.policies`.
 """
 
@@ -43,7 +43,7 @@ class PolicyContext:
 class Policy(Protocol):
     """An autoscaling policy: desired pool sizes from an observation."""
 
-    def decide(self, observation: Observation) -> Desired:
+    def desired_sizes(self, observation: Observation) -> Desired:
         """The replica counts wanted now."""
         ...
 
@@ -54,7 +54,7 @@ class StaticPolicy:
 
     desired: Desired
 
-    def decide(self, observation: Observation) -> Desired:
+    def desired_sizes(self, observation: Observation) -> Desired:
         """The fixed sizes."""
         return self.desired
 

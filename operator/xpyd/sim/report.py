@@ -26,9 +26,10 @@ import math
 from pathlib import Path
 from typing import Any
 
+from xpyd.api.naming import ROLES
 from xpyd.common.stats import finite, percentile, summary_ms
 from xpyd.plotting import ROLE_COLORS, LatencyPanel, Series, TimelinePlot, write_timeline_plot
-from xpyd.sim.simulator import ROLES, SimResult
+from xpyd.sim.simulator import SimResult
 
 _NICE_BINS_S = (1, 2, 5, 10, 15, 30, 60, 120, 300, 600, 900, 1800, 3600)
 

@@ -59,11 +59,12 @@ from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
+from xpyd.api.naming import DECODE, PREFILL, ROLES
 from xpyd.autoscaler.observation import Desired, Observation, Quantiles, RoleObservation, Slo, hit_rate
 from xpyd.kvcache.chains import TraceKeys
 from xpyd.kvcache.index import PrefixIndex
 from xpyd.kvcache.pool import BlockKeys, BlockPool
-from xpyd.kvcache.scoring import decode_cost, hit_limit, least, prefill_cost
+from xpyd.kvcache.scoring import decode_cost, hit_limit, least, least_loaded, prefill_cost
 from xpyd.sim.core import (
     ITL_BUCKETS,
     TTFT_BUCKETS,
@@ -77,10 +78,6 @@ from xpyd.sim.core import (
 )
 from xpyd.sim.policy import Policy, StaticPolicy
 from xpyd.traces import TraceRequest
-
-PREFILL = "prefill"
-DECODE = "decode"
-ROLES = (PREFILL, DECODE)
 
 # The proxy's routing policies (`spec.proxy.routingPolicy`; the API's names) and, for KVAware, where
 # its view of the engines' caches comes from (`spec.proxy.kvAware.index`).
@@ -355,7 +352,7 @@ class Simulator:
                     self._on_expire(token, now)
                 else:
                     self._signal_pending = False
-                    self._decide(now)
+                    self._call_policy(now)
             else:
                 now = next_arrival
                 self._on_arrival(index, now)
@@ -366,8 +363,8 @@ class Simulator:
                     progress(index, total, now)
         end_s = now
         self._sample(end_s)
-        gpu_seconds = {role: 0.0 for role in ROLES}
-        busy_seconds = {role: 0.0 for role in ROLES}
+        gpu_seconds: dict[str, float] = {role: 0.0 for role in ROLES}
+        busy_seconds: dict[str, float] = {role: 0.0 for role in ROLES}
         for role, replicas in self._replicas.items():
             for replica in replicas:
                 stop = end_s if math.isnan(replica.stopped_s) else replica.stopped_s
@@ -469,14 +466,14 @@ class Simulator:
                 best.index.record(keys, now)
             return best
         if policy == ROUND_ROBIN:
+            # In the order the replicas became ready; the proxy's (`proxy.picking.pick`) is by name, as its
+            # discovery lists instances in no stable order. A simulated replica has no name to sort by.
             turn = self._turns[role]
             self._turns[role] = turn + 1
             return candidates[turn % len(candidates)]
         by_tokens = role == PREFILL
-        if policy == POWER_OF_TWO and len(candidates) > 2:
-            candidates = self._rng.sample(candidates, 2)
         loads = [replica.outstanding_tokens if by_tokens else replica.outstanding_requests for replica in candidates]
-        return candidates[least(loads, self._rng)]   # seeded random ties, as KVAware's
+        return candidates[least_loaded(loads, self._rng, power_of_two=policy == POWER_OF_TWO)]  # the proxy's pick
 
     def _route_kv(self, role: str, index: int, candidates: list[_Replica], keys: BlockKeys | None,
                   now: float) -> _Replica:
@@ -658,14 +655,14 @@ class Simulator:
     # --- the policy loop ----------------------------------------------------------------------------
 
     def _on_tick(self, now: float) -> None:
-        self._decide(now)
+        self._call_policy(now)
         self._push(now + self.config.interval_s, _TICK, None, 0)
 
-    def _decide(self, now: float) -> None:
+    def _call_policy(self, now: float) -> None:
         """One policy call at `now` (a tick, or the demand signal's) and its scaling."""
         self._snapshot(now)
         observation = self.observe(now)
-        desired = self.policy.decide(observation)
+        desired = self.policy.desired_sizes(observation)
         least = self.config.min_replicas
         wanted = {PREFILL: max(least, int(desired.prefill)), DECODE: max(least, int(desired.decode))}
         before = {PREFILL: observation.prefill.replicas, DECODE: observation.decode.replicas}

@@ -22,7 +22,7 @@ from xpyd.common.netguard import NonLoopbackAddress, require_loopback
 from xpyd.kvcache.events import external_block_hash
 from xpyd.kvcache.hashing import BlockHasher, none_hash_seed
 from xpyd.kvcache.pool import BlockKeys, Segment
-from xpyd.sim.core import EngineConfig, EngineCore, EnginePerf, EngineRequest, Event, EventKind, Phase, Step
+from xpyd.sim.core import EngineConfig, EngineCore, EnginePerf, EngineRequest, EngineStep, Event, EventKind, Phase
 from xpyd.sim.emulator.config import (
     KEEPALIVE_TIMEOUT_S,
     LAG_WARNING_INTERVAL_S,
@@ -624,7 +624,7 @@ class Engine:
         if stream.remote is not None:
             self._spawn(self._release_remote(stream.remote))
 
-    def _deliver(self, step: Step) -> None:
+    def _deliver(self, step: EngineStep) -> None:
         streams = self._streams
         core = self.core
         for request in step.decode:
