@@ -56,7 +56,7 @@ from aiohttp import web
 from xpyd.api.models import KVIndex, RoutingPolicy
 from xpyd.proxy.config import ProxyConfig
 from xpyd.proxy.discovery import static_endpoints
-from xpyd.proxy.kvrouting import KVSettings
+from xpyd.proxy.kvaware import KVAwareSettings
 from xpyd.proxy.server import Proxy
 from xpyd.testing.ports import common_ports
 
@@ -180,8 +180,8 @@ async def compare(session: aiohttp.ClientSession, proxy: Proxy, engine: Engine, 
 
 async def replay(args: argparse.Namespace, started: list[Engine], events_port: int, report: Path) -> Run:
     run = Run()
-    kv = KVSettings(index=KVIndex.EVENTS, block_size=BLOCK, events_port=events_port,
-                    events_replay_port=events_port + 100, events_topic=TOPIC)
+    kv = KVAwareSettings(index=KVIndex.EVENTS, block_size=BLOCK, events_port=events_port,
+                         events_replay_port=events_port + 100, events_topic=TOPIC)
     proxy = Proxy(ProxyConfig(routing_policy=RoutingPolicy.KV_AWARE, served_model_name=MODEL, kv=kv,
                               health_interval=0.5, seed=0))
     runner = web.AppRunner(proxy.app(), access_log=None, handler_cancellation=True, shutdown_timeout=1.0)

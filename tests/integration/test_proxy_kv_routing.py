@@ -28,7 +28,7 @@ from tests.integration.rig import eventually, rig
 from xpyd.api.models import KVIndex, RoutingPolicy
 from xpyd.cluster.controlplane import free_ports
 from xpyd.kvcache import events
-from xpyd.proxy.kvrouting import KVSettings, block_keys
+from xpyd.proxy.kvaware import KVAwareSettings, block_keys
 from xpyd.proxy.pool import Endpoint
 from xpyd.testing.ports import common_ports
 from xpyd.testing.stubengine import StubEngine
@@ -71,7 +71,7 @@ def turns(n: int, seed: int) -> Iterator[list[dict[str, str]]]:
 
 async def test_a_chats_next_turns_go_where_its_prefix_is() -> None:
     prefills: list[StubEngine] = [ChunkTokenizer(name=f"p{i}") for i in range(4)]
-    settings = KVSettings(index=KVIndex.ROUTED, block_size=BLOCK, kv_weight=1.0)
+    settings = KVAwareSettings(index=KVIndex.ROUTED, block_size=BLOCK, kv_weight=1.0)
     async with rig(engines=(prefills, [StubEngine(name="d0")]), routing_policy=RoutingPolicy.KV_AWARE,
                    kv=settings) as r:
         for seed in range(3):
@@ -94,7 +94,7 @@ async def test_engines_without_tokenize_cost_no_request() -> None:
 
     prefills: list[StubEngine] = [NoTokenize(name="p0"), NoTokenize(name="p1")]
     async with rig(engines=(prefills, [StubEngine(name="d0")]), routing_policy=RoutingPolicy.KV_AWARE,
-                   kv=KVSettings(index=KVIndex.ROUTED, block_size=BLOCK)) as r:
+                   kv=KVAwareSettings(index=KVIndex.ROUTED, block_size=BLOCK)) as r:
         for _ in range(4):
             status, answer, _ = await r.post("/v1/completions", {"model": "m", "prompt": "y" * 300, "max_tokens": 2})
             assert status == 200, answer
@@ -224,7 +224,7 @@ async def test_the_events_index_follows_the_engines_caches(version: events.Versi
         await engine.start(host)
     context = zmq.asyncio.Context()
     publishers = [Publisher(context, host, port, port + 100, version) for host in hosts]
-    settings = KVSettings(index=KVIndex.EVENTS, block_size=BLOCK, events_port=port, events_replay_port=port + 100)
+    settings = KVAwareSettings(index=KVIndex.EVENTS, block_size=BLOCK, events_port=port, events_replay_port=port + 100)
     prompt = list(range(1, 20 * BLOCK + 2))
     keys = cast(list[events.ExternalBlockHash], block_keys(settings.hasher(), prompt).ids)
     publishers[1].publish(stored(keys[:10]), send=False)   # before the proxy listened: replayed on connect
@@ -275,7 +275,7 @@ async def test_a_restarted_engine_is_replayed_from_its_first_batch() -> None:
     await engine.start(host)
     context = zmq.asyncio.Context()
     publisher = Publisher(context, host, port, port + 100)
-    settings = KVSettings(index=KVIndex.EVENTS, block_size=BLOCK, events_port=port, events_replay_port=port + 100)
+    settings = KVAwareSettings(index=KVIndex.EVENTS, block_size=BLOCK, events_port=port, events_replay_port=port + 100)
     try:
         async with rig(engines=([engine], [StubEngine(name="d0")]), routing_policy=RoutingPolicy.KV_AWARE,
                        kv=settings) as r:
@@ -295,14 +295,15 @@ async def test_a_restarted_engine_is_replayed_from_its_first_batch() -> None:
         context.destroy(linger=0)
 
 
-async def events_rig(host: str, **settings: object) -> tuple[StubEngine, zmq.asyncio.Context, Publisher, KVSettings]:
+async def events_rig(
+        host: str, **settings: object) -> tuple[StubEngine, zmq.asyncio.Context, Publisher, KVAwareSettings]:
     port = _free_port_on([host])
     engine = StubEngine(name="p0")
     await engine.start(host)
     context = zmq.asyncio.Context()
     publisher = Publisher(context, host, port, port + 100)
-    return engine, context, publisher, KVSettings(index=KVIndex.EVENTS, block_size=BLOCK, events_port=port,
-                                                  events_replay_port=port + 100, **settings)  # type: ignore[arg-type]
+    return engine, context, publisher, KVAwareSettings(index=KVIndex.EVENTS, block_size=BLOCK, events_port=port,
+                                                       events_replay_port=port + 100, **settings)  # type: ignore[arg-type]
 
 
 async def test_a_replay_that_drops_batches_is_asked_again_from_the_first_missing() -> None:

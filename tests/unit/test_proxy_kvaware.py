@@ -1,4 +1,4 @@
-"""KVAware routing (`xpyd.kvcache.scoring`, `xpyd.proxy.kvrouting`): the one formula as tables, the
+"""KVAware routing (`xpyd.kvcache.scoring`, `xpyd.proxy.kvaware`): the one formula as tables, the
 router's picks over indexed instances, the prompt forms it hashes and those it does not, `/tokenize`
 within one deadline (against a fake session), each role's block size, what the Events subscriber
 takes of a batch (block sizes, a hybrid model's groups), the index's memory per block, and its flags
@@ -25,7 +25,7 @@ from xpyd.kvcache.events import block_hash_key
 from xpyd.kvcache.hashing import request_block_hashes
 from xpyd.kvcache.pool import BlockKeys
 from xpyd.proxy.breaker import Breaker
-from xpyd.proxy.kvrouting import KVRequest, KVRouter, KVSettings, block_keys, first_prompt, untokenizable
+from xpyd.proxy.kvaware import KVAwareRequest, KVAwareRouter, KVAwareSettings, block_keys, first_prompt, untokenizable
 from xpyd.proxy.main import _check, add_arguments, config_from_args
 from xpyd.proxy.pool import Instance, Pool
 from xpyd.render.proxy import proxy_args
@@ -85,16 +85,16 @@ def instance(url: str, role: str = "prefill", computed: int = 0, requests: int =
     return node
 
 
-def router(index: KVIndex = KVIndex.EVENTS, **settings: Any) -> KVRouter:
-    return KVRouter(KVSettings(index=index, block_size=BLOCK, **settings), random.Random(0))
+def router(index: KVIndex = KVIndex.EVENTS, **settings: Any) -> KVAwareRouter:
+    return KVAwareRouter(KVAwareSettings(index=index, block_size=BLOCK, **settings), random.Random(0))
 
 
-def request_of(r: KVRouter, tokens: list[int]) -> KVRequest:
+def request_of(r: KVAwareRouter, tokens: list[int]) -> KVAwareRequest:
     keys = block_keys(r.hasher, tokens)
-    return KVRequest(len(tokens), keys if keys.blocks else None, block_size=r.hasher.block_size)
+    return KVAwareRequest(len(tokens), keys if keys.blocks else None, block_size=r.hasher.block_size)
 
 
-def hold(r: KVRouter, url: str, tokens: list[int], role: str = "prefill") -> None:
+def hold(r: KVAwareRouter, url: str, tokens: list[int], role: str = "prefill") -> None:
     """The engine at `url` caches the full blocks of `tokens` (as its BlockStored events would say)."""
     for key in block_keys(r.hasher, tokens).ids:
         r.index(url, role).store(key, 0.0)  # type: ignore[arg-type]
@@ -161,7 +161,7 @@ def test_a_request_without_token_ids_goes_by_load() -> None:
     r = router()
     hold(r, "a", PROMPT)
     nodes = [instance("a", computed=5), instance("b", computed=2)]
-    assert r.choose("prefill", nodes, KVRequest(17), 0.0).url == "b"
+    assert r.choose("prefill", nodes, KVAwareRequest(17), 0.0).url == "b"
 
 
 def test_data_parallel_ranks_each_have_an_index_and_the_best_rank_counts() -> None:
@@ -273,8 +273,8 @@ class FakeSession:
 
 
 async def tokenize(engines: dict[str, Tokenizer], timeout: float = 0.25, body: dict[str, Any] | None = None,
-                   seed: int = 0) -> tuple[KVRouter, KVRequest, float]:
-    r = KVRouter(KVSettings(block_size=BLOCK, tokenize_timeout_s=timeout), random.Random(seed))
+                   seed: int = 0) -> tuple[KVAwareRouter, KVAwareRequest, float]:
+    r = KVAwareRouter(KVAwareSettings(block_size=BLOCK, tokenize_timeout_s=timeout), random.Random(seed))
     started = time.monotonic()
     request = await r.prepare(body or {"model": "m", "prompt": "some text"}, False, 3,
                               [instance(url) for url in engines], cast(aiohttp.ClientSession, FakeSession(engines)),
@@ -336,7 +336,7 @@ async def test_failures_are_counted_by_reason(engines: dict[str, Tokenizer], rea
 
 async def test_a_chat_tokenize_cannot_render_goes_by_load_without_asking() -> None:
     engines = {"a": Tokenizer()}
-    r = KVRouter(KVSettings(block_size=BLOCK), random.Random(0))
+    r = KVAwareRouter(KVAwareSettings(block_size=BLOCK), random.Random(0))
     request = await r.prepare({**CHAT, "documents": [{"text": "x"}]}, True, 40, [instance("a")],
                               cast(aiohttp.ClientSession, FakeSession(engines)), {})
     assert (request.prompt_tokens, request.keys, engines["a"].asked) == (40, None, 0)
@@ -486,7 +486,7 @@ async def test_an_engine_that_leaves_mid_leg_loses_its_index_when_the_leg_ends()
     from xpyd.proxy.pool import Endpoint
     from xpyd.proxy.server import Proxy
 
-    proxy = Proxy(ProxyConfig(routing_policy=RoutingPolicy.KV_AWARE, kv=KVSettings(index=KVIndex.ROUTED)))
+    proxy = Proxy(ProxyConfig(routing_policy=RoutingPolicy.KV_AWARE, kv=KVAwareSettings(index=KVIndex.ROUTED)))
     router = proxy.kv.router if proxy.kv is not None else None
     assert router is not None
     urls = ("http://127.0.0.1:1", "http://127.0.0.1:2")
@@ -503,7 +503,7 @@ async def test_an_engine_that_leaves_mid_leg_loses_its_index_when_the_leg_ends()
 
 # -- the Events index: what its subscriber takes (no sockets) -----------------------------------------------
 
-def subscriber(r: KVRouter, url: str = "a", role: str = "prefill", rank: int = 0) -> Any:
+def subscriber(r: KVAwareRouter, url: str = "a", role: str = "prefill", rank: int = 0) -> Any:
     from xpyd.proxy.kvevents import EventMetrics, Subscriber
 
     return Subscriber(r, url, role, rank, "127.0.0.1", cast(Any, None), EventMetrics())  # type: ignore[arg-type]
@@ -517,7 +517,7 @@ def feed(sub: Any, *batch: events.KVEvent, version: events.Version = events.LATE
         events.EventBatch(1.0, list(batch)), version)))
 
 
-def stored_event(r: KVRouter, tokens: list[int], size: int, **fields: Any) -> events.BlockStored:
+def stored_event(r: KVAwareRouter, tokens: list[int], size: int, **fields: Any) -> events.BlockStored:
     hashes = cast(list[events.ExternalBlockHash], block_keys(r.settings.hasher(size), tokens).ids)
     return events.BlockStored(hashes, None, tokens[:len(hashes) * size], size, **fields)
 
@@ -535,7 +535,7 @@ def test_the_events_block_size_becomes_the_roles(version: events.Version) -> Non
     feed(a, stored_event(r, LONG, 2 * BLOCK), version=version)
     assert r.block_size("prefill") == 2 * BLOCK and r.block_size("decode") == BLOCK
     assert r.block_size_changes.value("prefill") == 1 and r.blocks("a") == 4
-    request = KVRequest(len(LONG), block_keys(r.hasher, LONG), block_size=r.hasher.block_size)
+    request = KVAwareRequest(len(LONG), block_keys(r.hasher, LONG), block_size=r.hasher.block_size)
     assert r.hit_tokens(instance("a"), request, 0.0) == 8 * BLOCK
     # Another engine of the role publishing the old size: skipped (counted), the role keeps its size.
     b = subscriber(r, "b")

@@ -8,7 +8,7 @@ import aiohttp
 
 from xpyd.api.models import Connector, RoutingPolicy
 from xpyd.proxy import protocol
-from xpyd.proxy.kvrouting import KVSettings
+from xpyd.proxy.kvaware import KVAwareSettings
 
 
 @dataclass(frozen=True)
@@ -53,7 +53,7 @@ class ProxyConfig:
     lmcache_alloc_port: int = protocol.LMCACHE_ALLOC_PORT
     decode_tensor_parallel_size: int = 1
     #: KVAware routing's index, weights and what the engines hash with (`--kv-*`).
-    kv: KVSettings = field(default_factory=KVSettings)
+    kv: KVAwareSettings = field(default_factory=KVAwareSettings)
     seed: int | None = None
 
 

@@ -26,9 +26,9 @@ class HealthProber:
     def __init__(self, config: ProxyConfig, pools: dict[Role, Pool], metrics: ProxyMetrics,
                  session: Callable[[], aiohttp.ClientSession], timeouts: dict[str, aiohttp.ClientTimeout],
                  spawn: Callable[[Awaitable[None]], None],
-                 kv_engines: EngineTransferFailures | None = None) -> None:
+                 engine_failures: EngineTransferFailures | None = None) -> None:
         self.config = config
-        self.kv_engines = kv_engines if kv_engines is not None else EngineTransferFailures()
+        self.engine_failures = engine_failures if engine_failures is not None else EngineTransferFailures()
         self.pools = pools
         self.metrics = metrics
         self.session = session
@@ -89,7 +89,7 @@ class HealthProber:
             value = failed_transfers(text)
         except (TimeoutError, aiohttp.ClientError, OSError, ValueError, UnicodeDecodeError):
             return
-        if value is not None and (rise := self.kv_engines.observe(instance.url, value, time.monotonic())):
+        if value is not None and (rise := self.engine_failures.observe(instance.url, value, time.monotonic())):
             log.warning("%s %s counts %g more failed KV transfer(s) (%s)", instance.role, instance.name or instance.url,
                         rise, "vllm:nixl_num_failed_transfers_total")
 

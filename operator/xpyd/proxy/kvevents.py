@@ -27,7 +27,7 @@ encoding are `xpyd.kvcache.events`'. One `Subscriber` per engine rank keeps that
 - The block size is learnt from the events: vLLM may pick another than `--block-size` or the
   render's guess (an MLA attention backend takes 64, say). The first BlockStored of another size
   than its role hashes at, while no engine of the role has a block indexed, gives the role that size
-  (`KVRouter.learn_block_size`: counted, logged); one of another size after that is skipped (the
+  (`KVAwareRouter.learn_block_size`: counted, logged); one of another size after that is skipped (the
   role's engines disagree), with one warning per engine rank.
 - Memory: each SUB and replay socket queues at most `RCVHWM` messages of at most `MAX_MESSAGE_BYTES`;
   the engine's PUB socket queues the rest, and what it drops is a gap. A longer message drops the
@@ -68,7 +68,7 @@ from xpyd.api.naming import Role
 from xpyd.kvcache import events
 from xpyd.kvcache.events import HASH_MASK, block_hash_key, msgpack_module
 from xpyd.kvcache.index import PrefixIndex
-from xpyd.proxy.kvrouting import KVRouter, KVSettings
+from xpyd.proxy.kvaware import KVAwareRouter, KVAwareSettings
 from xpyd.proxy.metrics import Counter, Histogram
 from xpyd.proxy.pool import Instance, Pool
 from xpyd.proxy.protocol import host_port
@@ -246,7 +246,7 @@ class EventMetrics:
 class Subscriber:
     """One engine rank's KV events into its index (see the module docstring)."""
 
-    def __init__(self, router: KVRouter, url: str, role: Role, rank: int, host: str,
+    def __init__(self, router: KVAwareRouter, url: str, role: Role, rank: int, host: str,
                  context: zmq.asyncio.Context, metrics: EventMetrics) -> None:
         settings = router.settings
         self.router, self.url, self.role, self.rank = router, url, role, rank
@@ -497,7 +497,7 @@ class Hub:
     """The subscribers of every listed engine rank: started as instances appear, stopped (and their
     indexes dropped) as they leave."""
 
-    def __init__(self, router: KVRouter, settings: KVSettings) -> None:
+    def __init__(self, router: KVAwareRouter, settings: KVAwareSettings) -> None:
         self.router = router
         self.settings = settings
         self.metrics = EventMetrics()

@@ -24,7 +24,7 @@ from xpyd.common.jsontypes import JSON
 from xpyd.proxy import protocol
 from xpyd.proxy.config import ProxyConfig
 from xpyd.proxy.health import HealthProber
-from xpyd.proxy.kvrouting import KVRequest
+from xpyd.proxy.kvaware import KVAwareRequest
 from xpyd.proxy.metrics import ProxyMetrics
 from xpyd.proxy.pool import Instance, Pool
 from xpyd.proxy.validation import ClientRequest, error_body
@@ -84,7 +84,7 @@ class Context:
     #: `mooncake_connector_proxy.py`: a new uuid4 per request, the same on both legs).
     upstream_id: str = ""
     #: KVAware routing's view of the prompt (None under the other policies).
-    kv: KVRequest | None = None
+    kv: KVAwareRequest | None = None
 
     def new_attempt(self) -> str:
         """Start an attempt: count it and mint its upstream id (returned)."""

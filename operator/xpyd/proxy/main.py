@@ -45,7 +45,7 @@ from xpyd.api.models import (
     Connector,
     RoutingPolicy,
 )
-from xpyd.proxy import kvrouting, protocol
+from xpyd.proxy import kvaware, protocol
 from xpyd.proxy.config import ProxyConfig
 from xpyd.proxy.server import API_KEY_ENV, Proxy
 
@@ -145,7 +145,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     connectors.add_argument("--decode-tensor-parallel-size", type=int, default=1, metavar="N",
                             help="LMCacheConnectorV1: the decode engines' --tensor-parallel-size (one init and "
                             "one alloc port per rank)")
-    kvrouting.add_arguments(parser)
+    kvaware.add_arguments(parser)
     parser.add_argument("--event-loop", default="auto", choices=("auto", "uvloop", "asyncio"),
                         help="auto (default): uvloop where it is installed (a dependency except on Windows), "
                         "else asyncio's")
@@ -192,7 +192,7 @@ def config_from_args(args: argparse.Namespace) -> ProxyConfig:
         lmcache_init_port=args.lmcache_init_port,
         lmcache_alloc_port=args.lmcache_alloc_port,
         decode_tensor_parallel_size=args.decode_tensor_parallel_size,
-        kv=kvrouting.settings_from_args(args),
+        kv=kvaware.settings_from_args(args),
     )
 
 
@@ -202,7 +202,7 @@ def _check(args: argparse.Namespace) -> str | None:
     static = bool(args.prefill or args.decode)
     if kube == static:
         return "give either --prefill-selector and --decode-selector (Kubernetes) or --prefill and --decode URLs"
-    if (kv_problem := kvrouting.problem(args)) is not None:
+    if (kv_problem := kvaware.problem(args)) is not None:
         return kv_problem
     if kube and not (args.prefill_selector and args.decode_selector):
         return "--prefill-selector and --decode-selector go together"

@@ -53,8 +53,8 @@ from xpyd.common.jsontypes import JSON
 from xpyd.proxy import protocol
 from xpyd.proxy.config import ProxyConfig, client_timeouts
 from xpyd.proxy.health import HealthProber
+from xpyd.proxy.kvaware import KVAware
 from xpyd.proxy.kvhealth import EngineTransferFailures, PairHealth
-from xpyd.proxy.kvrouting import KVRouting
 from xpyd.proxy.legs import Context, DecodeFailed, Legs, PrefillFailed, UpstreamAnswer
 from xpyd.proxy.metrics import ProxyMetrics, proxy_gauges
 from xpyd.proxy.pairing import NoCompatiblePair, Pairing
@@ -93,11 +93,11 @@ class Proxy:
             role: Pool(role, config.routing_policy, self.rng, breaker_threshold=config.breaker_threshold,
                        breaker_cooldown=config.breaker_cooldown) for role in ROLES}
         self.metrics = ProxyMetrics()
-        self.kv_health = PairHealth()
-        self.kv_engines = EngineTransferFailures()
-        self.pairing = Pairing(self.pools, self.kv_health)
+        self.pair_health = PairHealth()
+        self.engine_failures = EngineTransferFailures()
+        self.pairing = Pairing(self.pools, self.pair_health)
         self.waiting = WaitingRoom(config.wait_max_requests, config.wait_max_bytes, config.wait_timeout)
-        self.kv = KVRouting(config.kv, self.rng) if config.routing_policy == RoutingPolicy.KV_AWARE else None
+        self.kv = KVAware(config.kv, self.rng) if config.routing_policy == RoutingPolicy.KV_AWARE else None
         for pool in self.pools.values():
             pool.on_forget = self._forget_departed
         self._timeouts = client_timeouts(config)
@@ -108,12 +108,12 @@ class Proxy:
         self._tasks: set[asyncio.Task[None]] = set()
         self._prober: asyncio.Task[None] | None = None
         self.health_prober = HealthProber(config, self.pools, self.metrics, lambda: self._session, self._timeouts,
-                                          self._spawn, self.kv_engines)
+                                          self._spawn, self.engine_failures)
         self.legs = Legs(config, self.pools, self.metrics, lambda: self._session, self._timeouts,
                          self.health_prober)
         m = self.metrics
-        gauges = proxy_gauges(self.pools, lambda: self.in_flight, lambda: self.draining, self.kv_health,
-                              self.kv_engines)
+        gauges = proxy_gauges(self.pools, lambda: self.in_flight, lambda: self.draining, self.pair_health,
+                              self.engine_failures)
         self.registry = exposition.registry([m.requests, m.rejected, m.ttft, m.stream_ttft, m.duration, m.legs,
                                              m.retries, m.fallbacks, m.breaker_trips, m.kv_handoff_failures,
                                              *gauges, *self.waiting.collectors(),
@@ -200,8 +200,8 @@ class Proxy:
         instances no pool holds any more: at each discovery change, and when an unlisted instance's
         last leg ends (`Pool.on_forget`)."""
         instances = {url for pool in self.pools.values() for url in pool.instances}
-        self.kv_health.forget({url for pair in self.kv_health.pairs for url in pair} - instances)
-        self.kv_engines.forget(set(self.kv_engines.last) - instances)
+        self.pair_health.forget({url for pair in self.pair_health.pairs for url in pair} - instances)
+        self.engine_failures.forget(set(self.engine_failures.last) - instances)
         if self.kv is not None:
             self.kv.update(self.pools)
 
@@ -345,7 +345,7 @@ class Proxy:
                     context.new_attempt()
                     answer = await self.legs.attempt(context, prefill, decode)
                 if kv_source is not None:
-                    self.kv_health.succeeded(kv_source.url, decode.url)
+                    self.pair_health.succeeded(kv_source.url, decode.url)
                 return answer
             except PrefillFailed as failure:
                 assert prefill is not None
@@ -373,10 +373,10 @@ class Proxy:
 
     def _handoff_failed(self, prefill: Instance, decode: Instance, reason: str) -> None:
         self.metrics.kv_handoff_failures.inc(prefill.url, decode.url)
-        if self.kv_health.failed(prefill.url, decode.url, time.monotonic()):
+        if self.pair_health.failed(prefill.url, decode.url, time.monotonic()):
             log.warning("KV hand-off from %s to %s keeps failing (%s): the pair is avoided for %.0f s",
                         prefill.name or prefill.url, decode.name or decode.url, reason,
-                        self.kv_health.pairs[(prefill.url, decode.url)].cooldown)
+                        self.pair_health.pairs[(prefill.url, decode.url)].cooldown)
 
     def failing_pairs(self) -> list[JSON]:
         """The pairs whose hand-offs keep failing, by pod name where known (for /health and the pod's
@@ -384,7 +384,7 @@ class Proxy:
         names = {i.url: i.name or i.url for pool in self.pools.values() for i in pool.instances.values()}
         return [{"prefill": names.get(pair.prefill, pair.prefill), "decode": names.get(pair.decode, pair.decode),
                  "failures": pair.failures, "total": pair.total, "avoidedForSeconds": pair.avoided_for}
-                for pair in self.kv_health.failing(time.monotonic())]
+                for pair in self.pair_health.failing(time.monotonic())]
 
     def failing_engines(self) -> list[JSON]:
         """The engines whose own count of failed KV transfers rose within the window, by pod name
@@ -392,8 +392,8 @@ class Proxy:
         known = {i.url: i for pool in self.pools.values() for i in pool.instances.values()}
         return [{"engine": (known[url].name or url) if url in known else url,
                  "role": known[url].role if url in known else None,
-                 "failedTransfers": count, "windowSeconds": self.kv_engines.window}
-                for url, count in self.kv_engines.failing(time.monotonic())]
+                 "failedTransfers": count, "windowSeconds": self.engine_failures.window}
+                for url, count in self.engine_failures.failing(time.monotonic())]
 
     def kv_transfer_report(self) -> JSON:
         """The KV-transfer health this proxy sees: failing pairs and failing engines."""

@@ -1,7 +1,7 @@
 """KVAware routing: each prompt goes to the instance that holds most of its prefix in its prefix
 cache, weighed against load (`xpyd.kvcache.scoring`, the formula the simulator replays).
 
-Per request (`KVRouter.prepare`, before the first pick):
+Per request (`KVAwareRouter.prepare`, before the first pick):
 1. The prompt's token ids, as the engine will see them: a prompt of token ids as it is; text and chat
    messages from a prefill engine's own `POST /tokenize` (chat with the request's template fields),
    so the ids are the engine's by construction, chat template included. Only the first prompt of a
@@ -94,7 +94,7 @@ _API: Final = KVAwareSpec()   # the API's defaults, which the flags' defaults fo
 
 
 @dataclass(frozen=True)
-class KVSettings:
+class KVAwareSettings:
     """What `xpyd proxy` is told about KVAware routing (`--kv-*`; `xpyd.render.kvaware` renders them)."""
 
     index: KVIndex = _API.index
@@ -135,7 +135,7 @@ class KVSettings:
 
 
 @dataclass
-class KVRequest:
+class KVAwareRequest:
     """One request's prompt as KVAware routing sees it."""
 
     #: Prompt tokens: the ids' count when known, else the proxy's estimate.
@@ -232,10 +232,10 @@ class _Failed(Exception):
         self.final = final
 
 
-class KVRouter:
+class KVAwareRouter:
     """The per-instance indexes and the scoring of KVAware routing (see the module docstring)."""
 
-    def __init__(self, settings: KVSettings, rng: random.Random) -> None:
+    def __init__(self, settings: KVAwareSettings, rng: random.Random) -> None:
         self.settings = settings
         self.rng = rng
         hasher = settings.hasher()
@@ -322,26 +322,26 @@ class KVRouter:
     # -- a request ----------------------------------------------------------------------------------
 
     async def prepare(self, body: JSON, chat: bool, estimate: int, tokenizers: Sequence[Instance],
-                      session: aiohttp.ClientSession, headers: dict[str, str]) -> KVRequest:
+                      session: aiohttp.ClientSession, headers: dict[str, str]) -> KVAwareRequest:
         """The request's prompt for scoring: token ids from the body or from the `/tokenize` of one of
         `tokenizers` (prefill candidates, in random order: another only after a fast failure, all
         within `tokenize_timeout_s`), hashed at each role's block size."""
         ids, ask = first_prompt(body, chat)
         if ids is None and ask is None:
-            return KVRequest(estimate)
+            return KVAwareRequest(estimate)
         reason = untokenizable(body, chat)
         if reason is not None:
             self.tokenize_failures.inc(reason)
-            return KVRequest(estimate)
+            return KVAwareRequest(estimate)
         if ids is None and ask is not None and tokenizers:
             ids = await self._tokenize(ask, chat, tokenizers, session, headers)
         if ids is None:
-            return KVRequest(estimate)
+            return KVAwareRequest(estimate)
         salt = body.get("cache_salt")
         salt = salt if isinstance(salt, str) and salt else None
         hasher = self.hasher
         keys = block_keys(hasher, ids, salt)
-        request = KVRequest(len(ids), keys if keys.blocks else None, block_size=hasher.block_size)
+        request = KVAwareRequest(len(ids), keys if keys.blocks else None, block_size=hasher.block_size)
         decode = self.hashers["decode"]
         if decode.block_size != hasher.block_size and self.settings.decode_credit > 0:
             more = block_keys(decode, ids, salt)   # the decode credit's, at the decode engines' size
@@ -391,7 +391,7 @@ class KVRouter:
             raise _Failed("malformed")
         return ids
 
-    def hit_tokens(self, instance: Instance, request: KVRequest, now: float) -> int:
+    def hit_tokens(self, instance: Instance, request: KVAwareRequest, now: float) -> int:
         """The prompt tokens `instance` holds from the first, as its index says (at most the blocks
         before the prompt's last token), at its role's block size."""
         indexes = self.indexes.get(instance.url)
@@ -404,7 +404,7 @@ class KVRouter:
         limit = scoring.hit_limit(request.prompt_tokens, size)
         return max(index.match(keys, now, limit) for index in indexes) * size
 
-    def choose(self, role: Role, candidates: Sequence[Instance], request: KVRequest, now: float) -> Instance:
+    def choose(self, role: Role, candidates: Sequence[Instance], request: KVAwareRequest, now: float) -> Instance:
         """The candidate KVAware routing picks for `request` (see the module docstring); `candidates`
         must not be empty. Records the hits it scored, and, with the Routed index, what it sent."""
         if not candidates:
@@ -430,19 +430,19 @@ class KVRouter:
                 self.index(chosen.url, role).record(keys, now)
         return chosen
 
-    def chooser(self, role: Role, request: KVRequest | None) -> Callable[[Sequence[Instance]], Instance] | None:
+    def chooser(self, role: Role, request: KVAwareRequest | None) -> Callable[[Sequence[Instance]], Instance] | None:
         """A `Pool.choose` override for `request` (None: the request is picked by load alone)."""
         if request is None:
             return None
         return lambda candidates: self.choose(role, candidates, request, time.monotonic())
 
 
-class KVRouting:
+class KVAware:
     """KVAware routing as the proxy's server uses it: the router, and with the Events index the
     subscribers to every engine's KV events (`xpyd.proxy.kvevents`)."""
 
-    def __init__(self, settings: KVSettings, rng: random.Random) -> None:
-        self.router = KVRouter(settings, rng)
+    def __init__(self, settings: KVAwareSettings, rng: random.Random) -> None:
+        self.router = KVAwareRouter(settings, rng)
         self.hub: Hub | None = None
         if settings.index == KVIndex.EVENTS:
             from xpyd.proxy.kvevents import Hub  # pyzmq, needed only here
@@ -450,8 +450,8 @@ class KVRouting:
             self.hub = Hub(self.router, settings)
 
     async def prepare(self, context: Context, prefills: Sequence[Instance],
-                      session: aiohttp.ClientSession) -> KVRequest:
-        """The request's prompt for scoring (`KVRouter.prepare`), tokenized by one of `prefills`."""
+                      session: aiohttp.ClientSession) -> KVAwareRequest:
+        """The request's prompt for scoring (`KVAwareRouter.prepare`), tokenized by one of `prefills`."""
         parsed = context.parsed
         headers = {"X-Request-Id": context.request_id}
         if context.authorization:
@@ -461,9 +461,9 @@ class KVRouting:
                                              session, headers)
         except Exception:  # a bug here must cost the request its cache hits, never the request
             log.exception("KVAware: request %s routed by load alone", context.request_id)
-            return KVRequest(parsed.prompt_tokens)
+            return KVAwareRequest(parsed.prompt_tokens)
 
-    def chooser(self, role: Role, request: KVRequest | None) -> Callable[[Sequence[Instance]], Instance] | None:
+    def chooser(self, role: Role, request: KVAwareRequest | None) -> Callable[[Sequence[Instance]], Instance] | None:
         return self.router.chooser(role, request)
 
     def update(self, pools: Mapping[Role, Pool]) -> None:
@@ -506,7 +506,7 @@ class KVRouting:
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """The `--kv-*` flags of KVAware routing (`xpyd.render.kvaware` renders them from the spec)."""
-    defaults = KVSettings()
+    defaults = KVAwareSettings()
     group = parser.add_argument_group("KVAware routing (--routing-policy KVAware)")
     group.add_argument("--kv-index", default=defaults.index.value, choices=[i.value for i in KVIndex],
                        help="what the proxy knows the engines cache: Events (their KV events, subscribed to over "
@@ -544,14 +544,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                        help="Events: data-parallel ranks per decode engine pod")
 
 
-def settings_from_args(args: argparse.Namespace) -> KVSettings:
-    """`KVSettings` from the parsed `--kv-*` flags."""
-    return KVSettings(index=KVIndex(args.kv_index), kv_weight=args.kv_weight, decode_credit=args.kv_decode_credit,
-                      ttl_s=args.kv_ttl, index_blocks=args.kv_index_blocks, block_size=args.kv_block_size,
-                      hash_algo=args.kv_hash_algo, hash_seed=args.kv_hash_seed, events_port=args.kv_events_port,
-                      events_replay_port=args.kv_events_replay_port, events_topic=args.kv_events_topic,
-                      prefill_ranks=args.kv_events_prefill_ranks, decode_ranks=args.kv_events_decode_ranks,
-                      tokenize_timeout_s=args.kv_tokenize_timeout)
+def settings_from_args(args: argparse.Namespace) -> KVAwareSettings:
+    """`KVAwareSettings` from the parsed `--kv-*` flags."""
+    return KVAwareSettings(index=KVIndex(args.kv_index), kv_weight=args.kv_weight,
+                           decode_credit=args.kv_decode_credit, ttl_s=args.kv_ttl,
+                           index_blocks=args.kv_index_blocks, block_size=args.kv_block_size,
+                           hash_algo=args.kv_hash_algo, hash_seed=args.kv_hash_seed, events_port=args.kv_events_port,
+                           events_replay_port=args.kv_events_replay_port, events_topic=args.kv_events_topic,
+                           prefill_ranks=args.kv_events_prefill_ranks, decode_ranks=args.kv_events_decode_ranks,
+                           tokenize_timeout_s=args.kv_tokenize_timeout)
 
 
 def problem(args: argparse.Namespace) -> str | None:
@@ -580,7 +581,7 @@ def problem(args: argparse.Namespace) -> str | None:
     return None
 
 
-def _ports_problem(settings: KVSettings) -> str | None:
+def _ports_problem(settings: KVAwareSettings) -> str | None:
     """Why the engines' KV event ports cannot be: each rank of either role publishes on the events port
     plus its rank and answers replays on the replay port plus its rank (vLLM's `offset_endpoint_port`)."""
     ranks = max(settings.prefill_ranks, settings.decode_ranks)
