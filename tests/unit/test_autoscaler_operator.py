@@ -408,7 +408,7 @@ def test_reconcile_follows_the_decision_and_keeps_the_condition() -> None:
                                     "message": "m", "lastTransitionTime": "2026-12-01T00:00:00Z"}]
     serving = parse_serving(obj)
     assert desired_replicas(serving)["prefill"] == 0   # a decided zero is kept
-    status = compute_status(serving.spec, Observed(deployments={}, desired=desired_replicas(serving)),
+    status = compute_status(serving.spec, Observed(workloads={}, desired=desired_replicas(serving)),
                             obj["status"], 3, "http://x", "RDMA", "2026-12-01T00:01:00Z")
     (scaling,) = [c for c in status["conditions"] if c["type"] == "ScalingActive"]
     assert (scaling["status"], scaling["reason"], scaling["lastTransitionTime"]) == (

@@ -431,7 +431,7 @@ def test_the_operator_takes_an_idle_pool_to_zero_and_says_so() -> None:
     assert (desired["prefill"], desired["decode"]) == (0, 0)
     proxy = {"metadata": {"generation": 1}, "status": {"observedGeneration": 1, "replicas": 2, "readyReplicas": 2,
                                                        "updatedReplicas": 2}}
-    status = compute_status(serving.spec, Observed(deployments={"proxy": proxy}, desired=desired), obj["status"], 3,
+    status = compute_status(serving.spec, Observed(workloads={"proxy": proxy}, desired=desired), obj["status"], 3,
                             "http://x", "RDMA", "2026-12-01T00:01:00Z")
     (ready,) = [c for c in status["conditions"] if c["type"] == "Ready"]
     assert (ready["status"], ready["reason"]) == ("True", "IdleAtZero")
@@ -439,7 +439,7 @@ def test_the_operator_takes_an_idle_pool_to_zero_and_says_so() -> None:
     # Not so for a pool without minReplicas 0, whose zero the user asked for by hand.
     manual = parse_serving({**body(mode="Off"), "spec": {**body()["spec"], "prefill": {"replicas": 0},
                                                          "decode": {"replicas": 0}}})
-    status = compute_status(manual.spec, Observed(deployments={"proxy": proxy}, desired=desired_replicas(manual)),
+    status = compute_status(manual.spec, Observed(workloads={"proxy": proxy}, desired=desired_replicas(manual)),
                             {}, 3, "http://x", "RDMA", "2026-12-01T00:01:00Z")
     (ready,) = [c for c in status["conditions"] if c["type"] == "Ready"]
     assert ready["reason"] != "IdleAtZero"
@@ -535,7 +535,7 @@ def test_a_pool_starting_from_zero_is_ready_while_its_proxies_hold(decided: str,
                        "proxy": deployment(2, 2)}
         desired = {"prefill": 1, "decode": 1, "proxy": 2}
     old = {"autoscaler": {"lastDecision": {"reason": decided}}}
-    status = compute_status(serving.spec, Observed(deployments=deployments, desired=desired),
+    status = compute_status(serving.spec, Observed(workloads=deployments, desired=desired),
                             old, 3, "http://x", "RDMA", "2026-12-01T00:01:00Z")
     (found,) = [c for c in status["conditions"] if c["type"] == "Ready"]
     assert (found["status"], found["reason"]) == expected

@@ -122,8 +122,8 @@ def observed(prefill: JSON | None = None, decode: JSON | None = None, proxy: JSO
         return None if component in gone else given if given is not None else deployment(replicas)
 
     (p, d, x) = desired
-    return Observed(deployments={"prefill": pool("prefill", prefill, p), "decode": pool("decode", decode, d),
-                                 "proxy": pool("proxy", proxy, x)},
+    return Observed(workloads={"prefill": pool("prefill", prefill, p), "decode": pool("decode", decode, d),
+                               "proxy": pool("proxy", proxy, x)},
                     desired={"prefill": p, "decode": d, "proxy": x}, pods=pods)
 
 
@@ -165,7 +165,7 @@ STATUSES: list[tuple[str, JSON, Observed, list[JSON], list[tuple[str, str]]]] = 
      [("False", "DecodeUnavailable"), ("True", "RollingOut"), ("False", "AsExpected"), ("False", "AutoscalingOff")]),
     ("the proxy Deployment is missing", {}, observed(gone=("proxy",)), [],
      [("False", "ProxyUnavailable"), ("True", "RollingOut"), ("False", "AsExpected"), ("False", "AutoscalingOff")]),
-    ("nothing created yet", {}, Observed(deployments={}, desired={"prefill": 1, "decode": 1, "proxy": 1}), [],
+    ("nothing created yet", {}, Observed(workloads={}, desired={"prefill": 1, "decode": 1, "proxy": 1}), [],
      [("False", "PrefillUnavailable"), ("True", "RollingOut"), ("False", "AsExpected"), ("False", "AutoscalingOff")]),
     ("prefill scaled to zero while decode serves", {},
      observed(prefill=deployment(0), desired=(0, 1, 1)), [],
@@ -174,7 +174,7 @@ STATUSES: list[tuple[str, JSON, Observed, list[JSON], list[tuple[str, str]]]] = 
      observed(prefill=deployment(0), decode=deployment(0), proxy=deployment(0), desired=(0, 0, 0)), [],
      [("False", "ScaledToZero"), ("False", "Converged"), ("False", "AsExpected"), ("False", "AutoscalingOff")]),
     ("scaled to zero with no Deployments at all", {},
-     Observed(deployments={}, desired={"prefill": 0, "decode": 0, "proxy": 0}), [],
+     Observed(workloads={}, desired={"prefill": 0, "decode": 0, "proxy": 0}), [],
      [("False", "ScaledToZero"), ("False", "Converged"), ("False", "AsExpected"), ("False", "AutoscalingOff")]),
     ("a Deployment's status has not seen its latest generation", {},
      observed(prefill=deployment(1, stale=True)), [],
@@ -295,7 +295,7 @@ def test_multi_node_replicas_count_groups_and_their_gpus() -> None:
 def test_a_problem_of_the_reconcile_wins_over_what_pods_say() -> None:
     spec = parse_serving(serving()).spec
     missing = ConditionValue(ConditionType.DEGRADED, True, "LeaderWorkerSetMissing", "install LeaderWorkerSet")
-    seen = Observed(deployments={"prefill": None, "decode": None, "proxy": None},
+    seen = Observed(workloads={"prefill": None, "decode": None, "proxy": None},
                     desired={"prefill": 1, "decode": 1, "proxy": 2},
                     pods=(pending("llama-decode-b", NO_GPU),), problem=missing)
     degraded = compute_status(spec, seen, {}, 1, "http://llama:8000", "TCP", NOW)["conditions"][2]

@@ -18,7 +18,7 @@ import kopf
 from xpyd.api.conditions import INVALID_SPEC, ConditionType
 from xpyd.api.load import SpecError, parse_serving
 from xpyd.api.models import AutoscalingMode, DisaggregatedServing
-from xpyd.api.naming import FIELD_MANAGER, ROLE_LABEL, ROLES, SERVING_LABEL, Component, child_name
+from xpyd.api.naming import FIELD_MANAGER, ROLE_LABEL, ROLES, SERVING_LABEL, Component, Role, child_name
 from xpyd.common.jsontypes import JSON
 from xpyd.common.timefmt import rfc3339
 from xpyd.controller.diff import is_subset
@@ -146,53 +146,79 @@ def reconcile(kube: Kube, body: JSON, operator_image: str, now: Callable[[], str
     `Degraded` (`Outcome.blocked`)."""
     meta = body["metadata"]
     name, namespace, generation = meta["name"], meta["namespace"], meta.get("generation")
-    old_status: JSON = body.get("status") or {}
-    outcome = Outcome()
     try:
         serving = parse_serving(body)
     except SpecError as error:
-        message = str(error)
-        status = invalid_status(old_status, generation, message, now())
-        if status_changed(old_status, status):
-            kube.patch_status(namespace, name, status)
-            kube.event(body, "Warning", INVALID_SPEC, message)
-            outcome.status_written = True
-        raise InvalidSpec(message) from None
+        _write_invalid_status(kube, body, str(error), now())
+        raise InvalidSpec(str(error)) from None
 
+    outcome = Outcome()
     replicas = desired_replicas(serving)
     verified = verified if verified is not None else Verified()
     pods = kube.list_objects("v1", "Pod", namespace, f"{SERVING_LABEL}={name}")
     held = held_roles(compat_hash(serving.spec), pods,
                       [role for role in ROLES if not getattr(serving.spec, role).multi_node])
     key = (meta.get("uid"), generation, operator_image, tuple(sorted(replicas.items())), tuple(sorted(held)))
-    live_deployments = _unchanged_deployments(kube, namespace, key, verified)
-    if live_deployments is None:
+    live_workloads = _unchanged_workloads(kube, namespace, key, verified)
+    if live_workloads is None:
         options = RenderOptions(operator_image=operator_image, replicas={role: replicas[role] for role in ROLES},
                                 held=held)
-        live_deployments = _converge(kube, body, serving, options, key, verified, outcome,
-                                     lws or AssumeLeaderWorkerSets())
+        live_workloads = _converge(kube, body, serving, options, key, verified, outcome,
+                                   lws or AssumeLeaderWorkerSets())
 
+    observed = _observed(name, live_workloads, replicas, pods, outcome.blocked, held)
+    status = compute_status(serving.spec, observed, body.get("status") or {}, generation,
+                            endpoint(name, namespace, serving.spec), transport(serving.spec), now())
+    _write_status(kube, body, status, verified, status_interval, clock, outcome)
+    _announce_writes(kube, body, outcome)
+    return outcome
+
+
+def _write_invalid_status(kube: Kube, body: JSON, message: str, now: str) -> None:
+    """Say in the status (and an Event, when it changes) why the spec cannot be used."""
+    meta = body["metadata"]
+    old_status: JSON = body.get("status") or {}
+    status = invalid_status(old_status, meta.get("generation"), message, now)
+    if status_changed(old_status, status):
+        kube.patch_status(meta["namespace"], meta["name"], status)
+        kube.event(body, "Warning", INVALID_SPEC, message)
+
+
+def _observed(name: str, live_workloads: dict[str, JSON], replicas: dict[Component, int], pods: list[JSON],
+              problem: ConditionValue | None, held: frozenset[Role]) -> Observed:
+    """What the status is computed from: the pool's workloads, and the pods that explain a pool
+    short of ready replicas (Pending for lack of GPUs, crash loops); the proxy pods always report
+    their KV-transfer health."""
     components: tuple[Component, ...] = ("prefill", "decode", "proxy")
-    deployments = {c: live_deployments.get(child_name(name, c)) for c in components}
-    # Pods explain a pool short of ready replicas (Pending for lack of GPUs, crash loops); the proxy
-    # pods always report their KV-transfer health.
-    short = any((deployments[c] or {}).get("status", {}).get("readyReplicas", 0) < replicas[c]
-                for c in deployments)
+    workloads = {c: live_workloads.get(child_name(name, c)) for c in components}
+    short = any((workloads[c] or {}).get("status", {}).get("readyReplicas", 0) < replicas[c] for c in workloads)
     if not short:
         pods = [p for p in pods if ((p.get("metadata") or {}).get("labels") or {}).get(ROLE_LABEL) == "proxy"]
-    observed = Observed(deployments=deployments, desired=replicas, pods=pods, problem=outcome.blocked, held=held)
-    status = compute_status(serving.spec, observed, old_status, generation,
-                            endpoint(name, namespace, serving.spec), transport(serving.spec), now())
-    if status_changed(old_status, status):
-        wait = verified.status_written_at + status_interval - clock()
-        progress_only = not outcome.writes and old_status.get("observedGeneration") == generation
-        if wait > 0 and progress_only:
-            outcome.status_deferred = wait
-        else:
-            kube.patch_status(namespace, name, status)
-            verified.status_written_at = clock()
-            outcome.status_written = True
-            _report_transitions(kube, body, old_status, status)
+    return Observed(workloads=workloads, desired=replicas, pods=pods, problem=problem, held=held)
+
+
+def _write_status(kube: Kube, body: JSON, status: JSON, verified: Verified, status_interval: float,
+                  clock: Callable[[], float], outcome: Outcome) -> None:
+    """Write `status` when it changed: at once when this reconcile wrote a child or saw a new
+    generation, else at most once per `status_interval` (`outcome.status_deferred`: when to come
+    back). An Event for each condition that changed with it."""
+    meta = body["metadata"]
+    old_status: JSON = body.get("status") or {}
+    if not status_changed(old_status, status):
+        return
+    wait = verified.status_written_at + status_interval - clock()
+    progress_only = not outcome.writes and old_status.get("observedGeneration") == meta.get("generation")
+    if wait > 0 and progress_only:
+        outcome.status_deferred = wait
+        return
+    kube.patch_status(meta["namespace"], meta["name"], status)
+    verified.status_written_at = clock()
+    outcome.status_written = True
+    _report_transitions(kube, body, old_status, status)
+
+
+def _announce_writes(kube: Kube, body: JSON, outcome: Outcome) -> None:
+    """An Event for the children created, updated and deleted."""
     if outcome.created:
         kube.event(body, "Normal", "Created", "created " + ", ".join(outcome.created))
     if outcome.updated:
@@ -200,23 +226,22 @@ def reconcile(kube: Kube, body: JSON, operator_image: str, now: Callable[[], str
     if outcome.deleted:
         kube.event(body, "Normal", "Deleted", "deleted " + ", ".join(outcome.deleted) + " (replaced: the "
                    "spec asks for another kind)")
-    return outcome
 
 
-def _unchanged_deployments(kube: Kube, namespace: str, key: tuple[Any, ...],
-                           verified: Verified) -> dict[str, JSON] | None:
-    """The live workloads (Deployments, LeaderWorkerSets), when every child is as the last reconcile
-    of the same inputs left it; else None (render and compare)."""
+def _unchanged_workloads(kube: Kube, namespace: str, key: tuple[Any, ...],
+                         verified: Verified) -> dict[str, JSON] | None:
+    """The live workloads (Deployments, LeaderWorkerSets) by name, when every child is as the last
+    reconcile of the same inputs left it; else None (render and compare)."""
     if verified.key != key or not verified.children:
         return None
-    deployments: dict[str, JSON] = {}
+    workloads: dict[str, JSON] = {}
     for (api_version, kind, child), (known, rendered) in verified.children.items():
         live = kube.get(api_version, kind, namespace, child)
         if live is None or fingerprint(live, rendered) != known:
             return None
         if kind in WORKLOAD_KINDS:
-            deployments[child] = live
-    return deployments
+            workloads[child] = live
+    return workloads
 
 
 def desired_children(body: JSON, serving: DisaggregatedServing, options: RenderOptions) -> list[JSON]:
@@ -244,8 +269,7 @@ def _converge(kube: Kube, body: JSON, serving: DisaggregatedServing, options: Re
         outcome.blocked = lws_problem
     else:
         _prune(kube, body, serving, bool(multi_node) or lws.available, outcome)
-    children: dict[ChildRef, tuple[tuple[Any, ...], JSON]] = {}
-    live_deployments: dict[str, JSON] = {}
+    equal: list[tuple[JSON, JSON]] = []
     stale: list[JSON] = []
     for obj in objects:
         kind, child = obj["kind"], obj["metadata"]["name"]
@@ -253,18 +277,18 @@ def _converge(kube: Kube, body: JSON, serving: DisaggregatedServing, options: Re
         if live is None or not is_subset(obj, live):
             (outcome.created if live is None else outcome.updated).append(f"{kind}/{child}")
             stale.append(obj)
-            continue
+        else:
+            equal.append((obj, live))
+    children: dict[ChildRef, tuple[tuple[Any, ...], JSON]] = {}
+    live_workloads: dict[str, JSON] = {}
+    for obj, live in [*equal, *apply_in_waves(kube, stale)]:  # each child with its live object
+        kind, child = obj["kind"], obj["metadata"]["name"]
         children[(obj["apiVersion"], kind, child)] = (fingerprint(live, obj), _rendered_metadata(obj))
         if kind in WORKLOAD_KINDS:
-            live_deployments[child] = live
-    for obj, live in apply_in_waves(kube, stale):
-        children[(obj["apiVersion"], obj["kind"], obj["metadata"]["name"])] = (fingerprint(live, obj),
-                                                                               _rendered_metadata(obj))
-        if obj["kind"] in WORKLOAD_KINDS:
-            live_deployments[obj["metadata"]["name"]] = live
+            live_workloads[child] = live
     if outcome.blocked is None:
         verified.key, verified.children = key, children
-    return live_deployments
+    return live_workloads
 
 
 #: Applied after the rest of a pool's children (see apply_in_waves).

@@ -125,7 +125,8 @@ def kv_transfer_problem(pods: Sequence[JSON]) -> ConditionValue | None:
 class Observed:
     """What exists in the cluster for one DisaggregatedServing."""
 
-    deployments: Mapping[Component, JSON | None]  # the workloads: Deployments or LeaderWorkerSets
+    #: Each component's workload: a Deployment, or a LeaderWorkerSet for a multi-node role.
+    workloads: Mapping[Component, JSON | None]
     desired: Mapping[Component, int]
     pods: Sequence[JSON] = ()
     #: A problem the reconcile met that explains more than the pods do (LeaderWorkerSet missing).
@@ -137,9 +138,9 @@ class Observed:
 def compute_status(spec: DisaggregatedServingSpec, observed: Observed, old_status: JSON,
                    generation: int | None, endpoint: str, transport: str, now: str) -> JSON:
     """The status fields the reconciler owns (the autoscaler block is written elsewhere)."""
-    roles = {c: role_status(observed.deployments.get(c), observed.desired[c], getattr(spec, c), spec.on_cpu)
+    roles = {c: role_status(observed.workloads.get(c), observed.desired[c], getattr(spec, c), spec.on_cpu)
              for c in ("prefill", "decode")}
-    proxy = observed.deployments.get("proxy")
+    proxy = observed.workloads.get("proxy")
     proxy_status = {"replicas": (proxy or {}).get("status", {}).get("replicas", 0),
                     "readyReplicas": (proxy or {}).get("status", {}).get("readyReplicas", 0)}
 
@@ -177,8 +178,8 @@ def compute_status(spec: DisaggregatedServingSpec, observed: Observed, old_statu
                                "prefill {prefill}, decode {decode}, proxy {proxy} ready".format(**ready_counts))
 
     rolling = [c for c in ("prefill", "decode", "proxy")
-               if not _rolled_out(observed.deployments.get(c), observed.desired[c])]
-    outdated = {c: _outdated(observed.deployments.get(c)) for c in ("prefill", "decode")}
+               if not _rolled_out(observed.workloads.get(c), observed.desired[c])]
+    outdated = {c: _outdated(observed.workloads.get(c)) for c in ("prefill", "decode")}
     if all(outdated.values()):  # a change both roles share: their pods' KV compatibility hash changes
         progressing = ConditionValue(
             ConditionType.PROGRESSING, True, reasons.KV_REVISION_ROLLING_OUT,
