@@ -11,7 +11,7 @@ breaking keeps them from herding onto the same idle instance.
 - PowerOfTwo: two distinct candidates drawn at random, the less loaded of the two (ties random);
   nearly as balanced as LeastLoaded and less prone to herding when many proxies share a pool.
 - RoundRobin: candidates in a stable order (by name), one after another, ignoring load.
-- KVAware: scored per request by `xpyd.proxy.kvrouting` (where the prompt's prefix is cached, weighed
+- KVAware: scored per request by `xpyd.proxy.kvaware` (where the prompt's prefix is cached, weighed
   against load); a pick without a request (`/v1/models`, the decode-only fallback) is LeastLoaded's.
 
 LeastLoaded and PowerOfTwo are `xpyd.kvcache.scoring.least_loaded`, the simulator's pick too.
@@ -21,7 +21,8 @@ hashes (the pods' `xpyd.io/kv-compat` label, `xpyd.render.compat`) are equal; an
 one (a fixed URL, a pod rendered before the label existed) pairs only with others without one. The
 prefill is picked among those that have a compatible decode candidate (`pairable`), then the decode
 among that prefill's partners (`partners`): during a rollout new prefill pairs with new decode and
-old with old, and a prefill whose kind of decode is gone gets no requests.
+old with old, and a prefill whose kind of decode is gone gets no requests. `xpyd.proxy.pairing`
+applies these rules to the pools.
 """
 
 from __future__ import annotations
