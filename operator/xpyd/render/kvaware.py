@@ -112,8 +112,8 @@ def _number(value: float) -> str:
     return f"{value:g}"
 
 
-def proxy_args(spec: DisaggregatedServingSpec) -> list[str]:
-    """`xpyd proxy` flags of the policy: its index, weights and the engines' block size, and, for the
+def routing_args(spec: DisaggregatedServingSpec) -> list[str]:
+    """`xpyd proxy` flags of KVAware routing: its index, weights and the engines' block size, and, for the
     Events index, what the engines hash with and where and what they publish."""
     if not kv_aware_routing(spec):
         return []

@@ -58,7 +58,7 @@ def proxy_args(name: str, namespace: str, spec: DisaggregatedServingSpec) -> lis
         f"--decode-selector={naming.serving_selector_string(name, 'decode', spec.decode.multi_node)}",
         f"--engine-port={spec.engine.port}",
         f"--routing-policy={spec.proxy.routing_policy.value}",
-        *kvaware.proxy_args(spec),
+        *kvaware.routing_args(spec),
         f"--served-model-name={spec.model.served_name}",
         *connector,
         *_waiting_room_args(spec),
