@@ -6,14 +6,13 @@ from __future__ import annotations
 import json
 import os
 import subprocess
-import time
-from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import yaml
 
+from tests.eventually import eventually_blocking as eventually
 from xpyd.cluster.binaries import Binaries
 from xpyd.cluster.controlplane import ClusterState
 from xpyd.kube.pods import condition
@@ -58,18 +57,6 @@ class Cluster:
             self.kubectl("apply", "-n", namespace, "-f", str(manifest))
         else:
             self.kubectl("apply", "-n", namespace, "-f", "-", stdin=manifest)
-
-
-def eventually(check: Callable[[], Any], timeout: float = 60.0, interval: float = 0.5, what: str = "") -> Any:
-    """Poll `check` until it returns something truthy; fail with `what` after `timeout`."""
-    deadline = time.monotonic() + timeout
-    last: Any = None
-    while time.monotonic() < deadline:
-        last = check()
-        if last:
-            return last
-        time.sleep(interval)
-    raise AssertionError(f"timed out after {timeout:.0f}s waiting for {what or check} (last: {last!r})")
 
 
 def serving_of(cluster: Cluster, namespace: str, name: str) -> Any:

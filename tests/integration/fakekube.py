@@ -18,17 +18,16 @@ import time
 import uuid
 from collections import Counter
 from dataclasses import dataclass
-from typing import Any
 
 import aiohttp.web
 import kmock
 from kmock._internal import dicts as kdicts
 from kmock._internal import rendering
 
+from xpyd.common.jsontypes import JSON
 from xpyd.common.timefmt import rfc3339
 from xpyd.kube.cache import parse_selector, selector_matches
 
-JSON = dict[str, Any]
 WRITE_METHODS = {"POST", "PUT", "PATCH", "DELETE"}
 
 RESOURCES: dict[str, JSON] = {

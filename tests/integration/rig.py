@@ -9,7 +9,7 @@ import contextlib
 import json
 import socket
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -17,6 +17,7 @@ import aiohttp
 import kubernetes
 from aiohttp import web
 
+from tests.eventually import eventually
 from xpyd.api.naming import KV_COMPAT_LABEL, Role
 from xpyd.common.netguard import require_loopback
 from xpyd.common.timefmt import rfc3339
@@ -37,15 +38,6 @@ COMPLETION = {"model": "m", "prompt": "the quick brown fox", "max_tokens": 8, "m
 NAMESPACE = "inference"
 SELECTORS: dict[Role, str] = {"prefill": "xpyd.io/serving=llama,xpyd.io/role=prefill",
                               "decode": "xpyd.io/serving=llama,xpyd.io/role=decode"}
-
-
-async def eventually(check: Callable[[], bool], timeout: float = 5.0, what: str = "condition") -> None:
-    """Wait (bounded) until `check()` holds."""
-    deadline = asyncio.get_running_loop().time() + timeout
-    while not check():
-        if asyncio.get_running_loop().time() > deadline:
-            raise AssertionError(f"timed out waiting for {what}")
-        await asyncio.sleep(0.02)
 
 
 @dataclass

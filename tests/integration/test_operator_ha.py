@@ -11,15 +11,15 @@ from typing import Any
 
 import pytest
 
+from tests.eventually import eventually
 from tests.integration.fakekube import FakeKube, Write
-from tests.integration.test_operator import (
+from tests.integration.operatorrig import (
     LEASE_NAMESPACE,
     LEASE_TIMING,
     NS,
     Operator,
     children_exist,
     create_serving,
-    eventually,
     request,
 )
 from xpyd.controller.main import LEASE_NAME, serve

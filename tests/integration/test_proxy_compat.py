@@ -10,8 +10,9 @@ import copy
 
 import pytest
 
+from tests.eventually import eventually
 from tests.integration.fakekube import FakeKube
-from tests.integration.rig import COMPLETION, NAMESPACE, Rig, common_port, eventually, pod, pod_discovery, rig
+from tests.integration.rig import COMPLETION, NAMESPACE, Rig, common_port, pod, pod_discovery, rig
 from xpyd.api.naming import Role
 from xpyd.common.netguard import require_loopback
 from xpyd.proxy.pool import Endpoint

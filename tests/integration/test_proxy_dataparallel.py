@@ -15,7 +15,8 @@ from typing import Any
 
 import pytest
 
-from tests.integration.rig import COMPLETION, HOST, eventually, rig
+from tests.eventually import eventually
+from tests.integration.rig import COMPLETION, HOST, rig
 from xpyd.api.models import Connector
 from xpyd.proxy import protocol
 from xpyd.testing.stubengine import StubEngine

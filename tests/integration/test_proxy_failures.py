@@ -18,7 +18,8 @@ from typing import Any
 import aiohttp
 import pytest
 
-from tests.integration.rig import COMPLETION, HOST, Rig, common_port, eventually, rig
+from tests.eventually import eventually
+from tests.integration.rig import COMPLETION, HOST, Rig, common_port, rig
 from xpyd.api.models import Connector, RoutingPolicy
 from xpyd.cluster.controlplane import free_port, free_ports
 from xpyd.proxy.discovery import static_endpoints

@@ -23,8 +23,9 @@ import zmq
 import zmq.asyncio
 from aiohttp import web
 
+from tests.eventually import eventually
 from tests.integration.processes import HOST, kill, start_engine, start_proxy, wait_eligible, wait_for
-from tests.integration.rig import eventually, rig
+from tests.integration.rig import rig
 from xpyd.api.models import KVIndex, RoutingPolicy
 from xpyd.cluster.controlplane import free_ports
 from xpyd.kvcache import events

@@ -12,7 +12,8 @@ import msgpack
 import pytest
 import zmq
 
-from tests.integration.rig import COMPLETION, HOST, eventually, rig
+from tests.eventually import eventually
+from tests.integration.rig import COMPLETION, HOST, rig
 from xpyd.api.models import Connector
 from xpyd.proxy.p2pnccl import Registrations
 from xpyd.testing.stubengine import StubEngine

@@ -19,7 +19,8 @@ import aiohttp
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from tests.integration.rig import COMPLETION, HOST, Rig, eventually, rig
+from tests.eventually import eventually
+from tests.integration.rig import COMPLETION, HOST, Rig, rig
 from xpyd.api.models import Connector
 from xpyd.proxy import protocol
 from xpyd.proxy.metrics import LATENCY_BUCKETS

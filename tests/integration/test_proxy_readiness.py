@@ -18,8 +18,9 @@ from typing import Any
 
 import pytest
 
+from tests.eventually import eventually
 from tests.integration.fakekube import FakeKube
-from tests.integration.rig import COMPLETION, Rig, common_port, eventually, pod, pod_discovery, rig
+from tests.integration.rig import COMPLETION, Rig, common_port, pod, pod_discovery, rig
 from xpyd.common.netguard import require_loopback
 from xpyd.testing.stubengine import StubEngine
 

@@ -19,8 +19,9 @@ import kubernetes
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
+from tests.eventually import eventually
 from tests.integration.fakekube import FakeKube
-from tests.integration.rig import COMPLETION, NAMESPACE, Rig, common_port, eventually, pod, pod_discovery, rig
+from tests.integration.rig import COMPLETION, NAMESPACE, Rig, common_port, pod, pod_discovery, rig
 from xpyd.api.conditions import REQUESTS_WAITING_POD_CONDITION
 from xpyd.api.waiting import Held, held_by_pod
 from xpyd.common.netguard import require_loopback

@@ -1,5 +1,6 @@
-"""The pure-Python simulator gives the golden replays too: the compiled build (`make native`) and the
-sources it shadows must not drift apart (tests/unit/test_sim_golden.py checks the build in use)."""
+"""The pure-Python simulator gives the golden replays (tests/sim_goldens.py) too: the compiled build
+(`make native`) and the sources it shadows must not drift apart (tests/unit/test_sim_golden.py checks
+the build in use)."""
 
 from __future__ import annotations
 
@@ -11,13 +12,13 @@ import sys
 import pytest
 
 from tests.paths import ROOT
-from tests.unit.test_sim_golden import GOLDEN
+from tests.sim_goldens import GOLDEN
 
 pytestmark = pytest.mark.integration
 
 CHILD = """
 import json
-from tests.unit.test_sim_golden import CASES, replay
+from tests.sim_goldens import CASES, replay
 from xpyd.common import native
 print(json.dumps({"compiled": native.compiled(), "replays": {name: replay(case) for name, case in CASES.items()}}))
 """

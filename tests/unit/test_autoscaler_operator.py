@@ -20,6 +20,7 @@ from xpyd.autoscaler.collect import Access, MetricsError, Samples, Scope
 from xpyd.autoscaler.decide import AutoscalerState
 from xpyd.autoscaler.profile import ProfileError, perf_model
 from xpyd.common import exposition
+from xpyd.common.jsontypes import JSON
 from xpyd.controller.autoscale import Autoscaler, config_for
 from xpyd.controller.reconcile import desired_replicas
 from xpyd.controller.status import Observed, compute_status
@@ -29,8 +30,6 @@ pytestmark = pytest.mark.unit
 
 REPO = Path(__file__).resolve().parents[2]
 PROFILE_DIR = REPO / "operator" / "xpyd" / "perf" / "profiles"
-
-JSON = dict[str, Any]
 
 
 class FakeKube:

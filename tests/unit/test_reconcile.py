@@ -13,12 +13,12 @@ import xpyd.controller.reconcile as reconcile_module
 from xpyd.api import models
 from xpyd.api.load import parse_serving
 from xpyd.api.naming import KV_COMPAT_LABEL, ROLE_LABEL, SERVING_LABEL
+from xpyd.common.jsontypes import JSON
 from xpyd.controller.reconcile import Verified, fingerprint, reconcile
 from xpyd.render.engine import rollout_hold_seconds
 
 pytestmark = pytest.mark.unit
 
-JSON = dict[str, Any]
 NS = "inference"
 SERVING: JSON = {
     "apiVersion": models.API_VERSION, "kind": models.KIND,

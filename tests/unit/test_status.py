@@ -4,18 +4,17 @@
 from __future__ import annotations
 
 import copy
-from typing import Any
 
 import pytest
 
 from tests.servings import serving
 from xpyd.api.conditions import ConditionType
 from xpyd.api.load import parse_serving
+from xpyd.common.jsontypes import JSON
 from xpyd.controller.status import ConditionValue, Observed, compute_status, merge_conditions, status_changed
 
 pytestmark = pytest.mark.unit
 
-JSON = dict[str, Any]
 THEN = "2026-01-01T00:00:00Z"
 NOW = "2026-01-02T00:00:00Z"
 
