@@ -34,10 +34,6 @@ class Rule:
     check_transition: Callable[[Any, Any], bool] | None = None
     field_path: str | None = None
 
-    @property
-    def is_transition(self) -> bool:
-        return self.check_transition is not None
-
     def to_crd(self) -> dict[str, str]:
         rule = {"rule": self.cel, "message": self.message}
         if self.field_path:

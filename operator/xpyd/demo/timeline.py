@@ -101,12 +101,6 @@ def latency_so_far(records: Sequence[RequestRecord]) -> LatencySoFar:
     )
 
 
-def replica_changes(samples: Sequence[PoolSample]) -> list[tuple[PoolSample, PoolSample]]:
-    """Consecutive samples between which the desired size of a role changed."""
-    return [(a, b) for a, b in itertools.pairwise(samples)
-            if (a.prefill_desired, a.decode_desired) != (b.prefill_desired, b.decode_desired)]
-
-
 def replica_summary(samples: Sequence[PoolSample]) -> dict[str, dict[str, int]]:
     """Per role, the desired replicas at the first sample, their peak, and at the last sample."""
     if not samples:

@@ -67,11 +67,6 @@ def error_body(status: int, message: str, param: str | None = None) -> JSON:
     return {"error": {"message": message, "type": ERROR_TYPES.get(status, "Error"), "param": param, "code": status}}
 
 
-def error_bytes(status: int, message: str, param: str | None = None) -> bytes:
-    """`error_body` serialised."""
-    return json.dumps(error_body(status, message, param)).encode()
-
-
 @dataclass(frozen=True)
 class ClientRequest:
     """A checked completion or chat request."""

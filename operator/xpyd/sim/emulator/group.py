@@ -51,10 +51,6 @@ class GroupSpec:
             raise ValueError("--headless on node rank 0: the first node runs the API server")
         require_loopback(self.master_addr, "--master-addr")
 
-    @property
-    def is_leader(self) -> bool:
-        return self.node_rank == 0
-
 
 class GroupLeader:
     """The leader's side: accepts the workers, knows whether all are there, fails when one goes."""
