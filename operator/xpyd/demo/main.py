@@ -100,7 +100,7 @@ class DemoFailed(RuntimeError):
 
 
 @dataclass
-class Step:
+class DemoStep:
     """The step in progress: its number, what it does, and where its logs are (files, and pod-log
     name prefixes `<namespace>_<pod>` resolved when it fails)."""
 
@@ -167,7 +167,7 @@ class Demo:
         self.out, self.err = out, err
         self.plane = ControlPlane(options.state_dir)
         self.started = time.monotonic()
-        self.step: Step | None = None
+        self.step: DemoStep | None = None
         self.binaries: Binaries | None = None
         self.state: ClusterState | None = None
         self.load: LoadRun | None = None
@@ -182,7 +182,7 @@ class Demo:
     def begin(self, title: str, logs: Sequence[Path] = (), pods: Sequence[str] = (), number: int = 0) -> None:
         """Start the next step (or step `number`) and say so."""
         number = number or (self.step.number + 1 if self.step else 1)
-        self.step = Step(number, title, tuple(logs), tuple(pods))
+        self.step = DemoStep(number, title, tuple(logs), tuple(pods))
         self._write(view.step_line(time.monotonic() - self.started, number, TOTAL_STEPS, title))
 
     def detail(self, text: str) -> None:
@@ -367,7 +367,7 @@ class Demo:
 
     def _failure(self, error: str) -> str:
         """The failure message of the current step (pod logs copied out of the cluster first)."""
-        step = self.step or Step(0, "starting")
+        step = self.step or DemoStep(0, "starting")
         pods = _collect_pod_logs(self.plane.state_dir, self.plane.logs / "pods")
         logs = [*step.logs, *(p for p in pods if any(p.name.startswith(prefix) for prefix in step.pods))]
         return view.failure_message(step.number, TOTAL_STEPS, step.title, error, logs or [self.plane.logs])
