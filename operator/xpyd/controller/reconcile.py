@@ -25,7 +25,7 @@ from xpyd.controller.diff import is_subset
 from xpyd.controller.rollout import held_roles
 from xpyd.controller.status import ConditionValue, Observed, compute_status, invalid_status, status_changed
 from xpyd.kube import Kube
-from xpyd.render import RenderOptions, endpoint, render
+from xpyd.render import RenderOptions, render, service_url
 from xpyd.render.compat import compat_hash
 from xpyd.render.engine import transport
 
@@ -168,7 +168,7 @@ def reconcile(kube: Kube, body: JSON, operator_image: str, now: Callable[[], str
 
     observed = _observed(name, live_workloads, replicas, pods, outcome.blocked, held)
     status = compute_status(serving.spec, observed, body.get("status") or {}, generation,
-                            endpoint(name, namespace, serving.spec), transport(serving.spec), now())
+                            service_url(name, namespace, serving.spec), transport(serving.spec), now())
     _write_status(kube, body, status, verified, status_interval, clock, outcome)
     _announce_writes(kube, body, outcome)
     return outcome

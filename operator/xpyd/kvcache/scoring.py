@@ -1,6 +1,6 @@
 """How a router picks an instance: KV-aware routing's one formula (how it scores an instance for a
 prompt, given how much of the prompt that instance holds) and the least-loaded pick. Pure; the proxy
-(`xpyd.proxy.kvrouting` for `KVAware`, `xpyd.proxy.picking` for `LeastLoaded` and `PowerOfTwo`) and
+(`xpyd.proxy.kvaware` for `KVAware`, `xpyd.proxy.picking` for `LeastLoaded` and `PowerOfTwo`) and
 the simulator's replay of it pick with these functions, so their figures are one policy's.
 
 - Prefill: `expected compute outstanding + kv_weight x prompt tokens not cached there`. The

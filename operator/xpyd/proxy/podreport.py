@@ -12,7 +12,7 @@ the engines whose own count of failed KV transfers rose) changes, at most every 
 proxy's waiting room holds while no prefill and decode pair is ready. It is the demand signal of a
 pool at zero, so it is written as soon as the room changes (the first held request at once), then
 at most every `WAITING_INTERVAL_SECONDS` while the counts keep changing; the operator's pod watch
-sees each write within milliseconds and decides (`controller.handlers.OperatorState.wake`)."""
+sees each write within milliseconds and decides (`controller.runtime.OperatorRuntime.wake`)."""
 
 from __future__ import annotations
 

@@ -33,8 +33,8 @@ class RenderOptions:
     held: frozenset[Role] = frozenset()
 
 
-def endpoint(name: str, namespace: str, spec: DisaggregatedServingSpec) -> str:
-    """The in-cluster URL clients use."""
+def service_url(name: str, namespace: str, spec: DisaggregatedServingSpec) -> str:
+    """The in-cluster URL clients use: the proxy Service's (`status.endpoint`)."""
     return f"http://{naming.child_name(name, 'proxy')}.{namespace}:{spec.proxy.port}"
 
 
