@@ -66,6 +66,9 @@ def add_parser(subparsers: Any) -> None:
                      "proxies' default)")
     sim.add_argument("--signal-delay-s", type=float, default=1.0,
                      help="with --scale-to-zero: how soon a held request makes the policy decide (default 1)")
+    sim.add_argument("--attainment", type=float, default=0.95, metavar="A",
+                     help="policy xpyd: the target attainment, the share of requests to meet both SLOs (0 < A < 1; "
+                     "default 0.95); its model sizes each SLO at a percentile of at least 100 A")
     sim.add_argument("--max-num-batched-tokens", type=int, default=8192, help="engine token budget per step")
     sim.add_argument("--max-num-seqs", type=int, default=256, help="engine running-request limit")
     sim.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True,
@@ -93,6 +96,8 @@ def run(args: argparse.Namespace) -> int:
         for name in ("slo_ttft_ms", "slo_tpot_ms"):
             if not getattr(args, name) > 0:
                 raise ValueError(f"--{name.replace('_', '-')} must be positive")
+        if not 0.0 < args.attainment < 1.0:
+            raise ValueError(f"--attainment must be between 0 and 1 (exclusive), not {args.attainment:g}")
         if args.policy not in POLICIES:
             raise ValueError(f"unknown policy {args.policy!r} (known: {', '.join(sorted(POLICIES))})")
         config = SimConfig(
@@ -111,7 +116,8 @@ def run(args: argparse.Namespace) -> int:
         return fail(str(error))
     progress = ProgressBar(sys.stderr) if args.progress or sys.stderr.isatty() else None
     started = wallclock.perf_counter()
-    result = simulate_policy(args.policy, trace, perf, config, progress, idle_s=args.scale_to_zero)
+    result = simulate_policy(args.policy, trace, perf, config, progress, idle_s=args.scale_to_zero,
+                             attainment=args.attainment)
     wall_s = wallclock.perf_counter() - started
     report = build_report(result, trace_name=Path(args.trace).name, speedup=args.speedup,
                           rate_scale=args.rate_scale)

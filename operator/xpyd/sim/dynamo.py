@@ -24,6 +24,8 @@ Read from ai-dynamo/dynamo `components/src/dynamo/planner/utils/` (`planner_core
   whose ITL meets the target (`PerfModel.max_batch_for_itl`, no margin or KV headroom). At least
   `min_endpoint` (1) each; the GPU budget (`max_gpu_budget`, default 8) is not applied here so that
   every policy runs without one; then the sizes are applied as they are (no stabilisation).
+- `margin` (not Dynamo's; the evaluation's knob for this policy's frontier): both roles are sized
+  for `(1 + margin)` times the predicted request count. The default 0 is Dynamo's planner as it is.
 """
 
 from __future__ import annotations
@@ -105,6 +107,7 @@ class DynamoSlaPolicy:
     prefill_gpus: int = 1
     decode_gpus: int = 1
     correction: bool = True
+    margin: float = 0.0
     desired: Desired = field(init=False)
     next_adjustment_s: float = field(init=False)
     p_correction: float = field(default=1.0, init=False)
@@ -115,6 +118,8 @@ class DynamoSlaPolicy:
     osl: ArimaLikePredictor = field(default_factory=ArimaLikePredictor, init=False)
 
     def __post_init__(self) -> None:
+        if not self.margin > -1.0:
+            raise ValueError(f"the margin must be above -1 (sizing for a positive load), not {self.margin:g}")
         self.desired = self.initial
         self.next_adjustment_s = self.adjustment_interval_s
 
@@ -142,6 +147,7 @@ class DynamoSlaPolicy:
                 expected_itl = self.perf.itl_seconds(max(1, round(concurrency)), isl + osl / 2)
                 self.d_correction = itl / expected_itl
         next_req, next_isl, next_osl = self.num_req.predict(), self.isl.predict(), self.osl.predict()
+        next_req *= 1.0 + self.margin
         if not (next_isl > 0 and next_osl > 0):
             return self.desired
         self.desired = Desired(self._num_prefill(next_req, next_isl), self._num_decode(next_req, next_isl, next_osl))

@@ -40,7 +40,7 @@ from xpyd.sim.simulator import ProgressCallback, SimConfig, SimResult, simulate
 from xpyd.traces import TraceRequest
 
 SIM_PERCENTILE = 95.0
-"""The SLO percentile `xpyd` targets in the simulator (the evaluation asks 95% of requests to meet both)."""
+"""The SLO percentile `xpyd`'s model sizes at in the simulator, at least (a higher target attainment raises it)."""
 SIM_MAX_REPLICAS = 64
 """Per-role maximum in the simulator (the CRD's defaults, 8 and 16, would cap the evaluation)."""
 
@@ -64,12 +64,15 @@ def pool_model(context: PolicyContext, percentile: float = SIM_PERCENTILE) -> Po
 def xpyd_config(context: PolicyContext, percentile: float = SIM_PERCENTILE) -> AutoscalerConfig:
     """The `xpyd` policy's config in the simulator: the CRD's defaults (pace, windows) with the run's
     SLOs, interval and start-up delay, bounds 1..`SIM_MAX_REPLICAS` (0.. with `context.idle_s`: the
-    pool scales to zero after that idle time), no GPU budget, and the evaluation's goal as the target
-    attainment (`percentile` / 100 of the requests meeting both SLOs: the headroom is learnt online)."""
+    pool scales to zero after that idle time), no GPU budget, and `context.attainment` as the target
+    attainment (the share of requests meeting both SLOs: the headroom is learnt online). As
+    `AutoscalerConfig.from_spec` does, the model sizes each SLO at a quantile of at least that share
+    (`percentile` / 100 otherwise)."""
     bounds = RoleBounds(0 if context.idle_s is not None else 1, SIM_MAX_REPLICAS)
-    return AutoscalerConfig(model=pool_model(context, percentile), prefill=bounds, decode=bounds,
+    model = replace(pool_model(context, percentile), quantile=max(percentile / 100.0, context.attainment))
+    return AutoscalerConfig(model=model, prefill=bounds, decode=bounds,
                             interval_s=context.interval_s, startup_s=context.startup_delay_s, idle_s=context.idle_s,
-                            attainment=percentile / 100.0)
+                            attainment=context.attainment)
 
 
 @dataclass
@@ -211,16 +214,18 @@ def build_policy(name: str, context: PolicyContext) -> Policy:
 
 
 def simulate_policy(name: str, trace: Sequence[TraceRequest], perf: EnginePerf, config: SimConfig,
-                    progress: ProgressCallback | None = None, idle_s: float | None = None) -> SimResult:
+                    progress: ProgressCallback | None = None, idle_s: float | None = None,
+                    attainment: float = PolicyContext.attainment) -> SimResult:
     """Replay `trace` under the registered policy `name`, built with the config's sizes, SLO and timing
     (the hindsight baselines also get the trace and the engines' arguments). A fixed policy
     (`static-peak`, `static-mean`) starts at its own sizes: its pool is there from t=0. With `idle_s`
-    the `xpyd` policy scales the pool to zero (the config's `min_replicas` must be 0)."""
+    the `xpyd` policy scales the pool to zero (the config's `min_replicas` must be 0); `attainment` is
+    its target attainment."""
     if idle_s is not None and config.min_replicas != 0:
         raise ValueError("scaling to zero (idle_s) needs SimConfig.min_replicas 0")
     context = PolicyContext(initial=Desired(config.prefill, config.decode), slo=config.slo, perf=perf,
                             interval_s=config.interval_s, startup_delay_s=config.startup_delay_s, trace=trace,
-                            engine=config.engine, idle_s=idle_s)
+                            engine=config.engine, idle_s=idle_s, attainment=attainment)
     policy = build_policy(name, context)
     if isinstance(policy, FixedPolicy):
         config = replace(config, prefill=policy.desired.prefill, decode=policy.desired.decode)

@@ -38,6 +38,13 @@ class PolicyContext:
     #: The `xpyd` policy scales the pool to zero after this many idle seconds (minReplicas 0 on both
     #: roles; the simulator's `SimConfig.min_replicas` 0 and its waiting room go with it). None: never.
     idle_s: float | None = None
+    #: The share of requests the `xpyd` policy aims to have meet both SLOs (its target attainment,
+    #: `autoscaling.slo.attainment`): strictly between 0 and 1.
+    attainment: float = 0.95
+
+    def __post_init__(self) -> None:
+        if not 0.0 < self.attainment < 1.0:
+            raise ValueError(f"the target attainment must be between 0 and 1 (exclusive), not {self.attainment:g}")
 
 
 class Policy(Protocol):
