@@ -11,6 +11,7 @@ from typing import Any, TextIO
 
 from xpyd.autoscaler.observation import Slo
 from xpyd.sim.core import EngineConfig, EnginePerf
+from xpyd.sim.oracle import OracleRefusal, run_verdict
 from xpyd.sim.policies import POLICIES, simulate_policy
 from xpyd.sim.simulator import SimConfig
 
@@ -45,7 +46,11 @@ def add_parser(subparsers: Any) -> None:
                      "(default llama-3.1-8b, the shipped profile's)")
     sim.add_argument("--kv-dtype", default="bf16", help="KV-cache dtype for the transfer size (default bf16)")
     sim.add_argument("--link-gbps", type=float, default=100.0, help="prefill-to-decode link in Gb/s (default 100)")
-    sim.add_argument("--policy", default="static", help=f"autoscaling policy ({', '.join(sorted(POLICIES))})")
+    sim.add_argument("--policy", default="static", help=f"autoscaling policy ({', '.join(sorted(POLICIES))}); "
+                     "oracle: the hindsight schedule of 60 s windows, each meeting --attainment of its requests, "
+                     "verified as it runs (this start-up and interval, from its own starting sizes, not "
+                     "--prefill/--decode); where it cannot meet that it exits 2 naming the windows, rather than "
+                     "print a run that misses it")
     sim.add_argument("--prefill", type=int, default=1, help="prefill replicas (static size, or the starting size)")
     sim.add_argument("--decode", type=int, default=1, help="decode replicas (static size, or the starting size)")
     sim.add_argument("--speedup", type=float, default=1.0, help="compress the trace's time K times (quick looks)")
@@ -116,11 +121,16 @@ def run(args: argparse.Namespace) -> int:
         return fail(str(error))
     progress = ProgressBar(sys.stderr) if args.progress or sys.stderr.isatty() else None
     started = wallclock.perf_counter()
-    result = simulate_policy(args.policy, trace, perf, config, progress, idle_s=args.scale_to_zero,
-                             attainment=args.attainment)
+    try:
+        result = simulate_policy(args.policy, trace, perf, config, progress, idle_s=args.scale_to_zero,
+                                 attainment=args.attainment)
+    except OracleRefusal as error:   # no oracle result that silently misses what it was built for
+        return fail(str(error))
     wall_s = wallclock.perf_counter() - started
     report = build_report(result, trace_name=Path(args.trace).name, speedup=args.speedup,
                           rate_scale=args.rate_scale)
+    if args.policy == "oracle":
+        report["oracle"] = run_verdict(result, args.attainment)
     try:
         if args.report:
             Path(args.report).write_text(json.dumps(report, indent=2) + "\n")
@@ -129,7 +139,8 @@ def run(args: argparse.Namespace) -> int:
             plot(result, args.plot, title=f"{Path(args.trace).name} x{args.speedup:g}")
     except OSError as error:
         return fail(f"cannot write: {error}")
-    sys.stdout.write(summary(report, wall_s) + "\n")
+    verdict = f"  {report['oracle']['summary']}\n" if "oracle" in report else ""
+    sys.stdout.write(summary(report, wall_s) + "\n" + verdict)
     return 0
 
 

@@ -18,6 +18,13 @@ replica of the role behind the miss (prefill when TTFT alone misses it) and the 
 every window meets its goal or `rounds` replays have been made. `OracleSchedule.met` says which; the
 bound is the last replay's GPU-hours, so what the bound claims is what the simulator showed.
 
+Given a `run` (a `SimConfig`), the verifying replay is instead that run of `OraclePolicy`, what
+`xpyd sim --policy oracle` makes: the run's start-up, decisions every `interval_s`, each asking
+start-up + interval ahead, from the policy's `initial` sizes (the largest among the windows its first
+order cannot serve: the pool is there at t=0). The same repair rounds then fix whatever the start-up
+changes, so what was verified is what runs. `refusal` says why a schedule must not be run as meeting
+the target: infeasible windows, or windows still missing when the rounds ran out.
+
 A request an idle pool cannot serve within the TTFT target (`PerfModel.ttft_seconds(isl,
 disaggregated=True)`), or that fits no engine's KV cache, misses whatever the sizes: a window whose
 feasible share is below `attainment` has as goal `attainment` of its feasible share and is marked
@@ -29,6 +36,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
+from typing import Any
 
 from xpyd.autoscaler.observation import Desired, Observation, Slo
 from xpyd.autoscaler.sizing import PoolModel
@@ -42,6 +50,10 @@ WINDOW_S = 60.0
 ATTAINMENT = 0.95
 MAX_REPLICAS = 256
 ROUNDS = 8
+
+
+class OracleRefusal(ValueError):
+    """The oracle's schedule does not meet its target in its own replay (`refusal` says why)."""
 
 
 @dataclass(frozen=True)
@@ -61,11 +73,13 @@ class OracleWindow:
 
 @dataclass(frozen=True)
 class OracleSchedule:
-    """The oracle's windows and its verifying replay (`result`: start-up ignored)."""
+    """The oracle's windows and its verifying replay (`result`: start-up ignored, or the given run of
+    `OraclePolicy`, which asks `lead_s` ahead; None for the bound's replay)."""
 
     windows: tuple[OracleWindow, ...]
     result: SimResult
     rounds: int
+    lead_s: float | None = None
 
     @property
     def met(self) -> bool:
@@ -113,8 +127,10 @@ class SchedulePolicy:
 
 def oracle_schedule(trace: Sequence[TraceRequest], perf: PerfModel, slo: Slo, engine: EngineConfig | None = None,
                     window_s: float = WINDOW_S, attainment: float = ATTAINMENT, rounds: int = ROUNDS,
-                    seed: int = 0) -> OracleSchedule:
-    """Per-window fewest sizes by search, verified by replaying the schedule (the module docstring)."""
+                    seed: int = 0, run: SimConfig | None = None) -> OracleSchedule:
+    """Per-window fewest sizes by search, verified by replaying the schedule (the module docstring):
+    start-up ignored, or as `run` (its SLO, engines and seed those given) runs `OraclePolicy` from its
+    initial sizes."""
     if not trace:
         raise ValueError("the oracle needs the trace's requests")
     if trace[0].arrival_s < 0:
@@ -122,6 +138,8 @@ def oracle_schedule(trace: Sequence[TraceRequest], perf: PerfModel, slo: Slo, en
     if rounds < 1:
         raise ValueError(f"the oracle needs at least one verifying replay, not {rounds}")
     engine = engine or EngineConfig()
+    if run is not None and (run.slo, run.engine, run.seed) != (slo, engine, seed):
+        raise ValueError("the oracle's run must have the SLO, engines and seed it is searched with")
     model = PoolModel(perf, slo.ttft_s, slo.tpot_s, max_num_batched_tokens=engine.max_num_batched_tokens,
                       max_num_seqs=engine.max_num_seqs)
     capacity = EngineCore(perf, engine).capacity
@@ -148,15 +166,20 @@ def oracle_schedule(trace: Sequence[TraceRequest], perf: PerfModel, slo: Slo, en
         windows.append(OracleWindow(start_s, end_s, sizes.prefill, sizes.decode, count, goal, math.nan, feasible))
         previous = sizes
 
+    lead_s = None if run is None else run.startup_delay_s + run.interval_s
     for made in range(1, rounds + 1):
-        result = simulate(trace, perf, _replay_config(windows, slo, engine, window_s, seed),
-                          SchedulePolicy(tuple(windows)), name="oracle")
+        if run is None or lead_s is None:
+            result = simulate(trace, perf, _replay_config(windows, slo, engine, window_s, seed),
+                              SchedulePolicy(tuple(windows)), name="oracle")
+        else:
+            policy = OraclePolicy(tuple(windows), lead_s)
+            result = simulate(trace, perf, policy.run_config(run), policy, name="oracle")
         ttft_share, both_share = _window_shares(result, bounds, slo)
         windows = [w if w.requests == 0 else
                    replace(w, attained=both_share[i]) for i, w in enumerate(windows)]
         missed = [i for i, w in enumerate(windows) if w.requests and w.attained < w.goal]
         if not missed or made == rounds:
-            return OracleSchedule(tuple(windows), result, made)
+            return OracleSchedule(tuple(windows), result, made, lead_s)
         for i in missed:
             w = windows[i]
             if ttft_share[i] < w.goal and w.prefill < MAX_REPLICAS:
@@ -184,6 +207,58 @@ def _replay_config(windows: Sequence[OracleWindow], slo: Slo, engine: EngineConf
                    seed: int) -> SimConfig:
     return SimConfig(prefill=windows[0].prefill, decode=windows[0].decode, slo=slo, startup_delay_s=0.0,
                      interval_s=window_s, window_s=window_s, seed=seed, engine=engine)
+
+
+def refusal(schedule: OracleSchedule, slo: Slo, attainment: float = ATTAINMENT) -> str | None:
+    """Why the schedule does not meet `attainment` of every window's requests in its own replay (None
+    when it does): windows infeasible at the SLOs (with the share of their requests an idle pool could
+    serve in time), or windows still missing their goal when the rounds ran out."""
+    windows = schedule.windows
+    head = f"the oracle cannot meet {attainment * 100:g}%"
+    slos = f"TTFT {slo.ttft_s:g} s, TPOT {slo.tpot_s * 1000:g} ms"
+    infeasible = [w for w in windows if not w.feasible]
+    if infeasible:
+        requests = sum(w.requests for w in infeasible)
+        share = sum(w.goal / attainment * w.requests for w in infeasible) / requests
+        return (f"{head}: {len(infeasible)} of {len(windows)} windows are infeasible at {slos} (their feasible "
+                f"share {share:.1%}: the rest fit no engine's KV cache or take longer than the TTFT target on an "
+                f"idle pool)")
+    missed = [w for w in windows if w.requests and w.attained < w.goal]
+    if missed:
+        worst = min(missed, key=lambda w: w.attained)
+        return (f"{head}: after {schedule.rounds} verifying replays {len(missed)} of {len(windows)} windows still "
+                f"miss it at {slos} (worst: [{worst.start_s:g}, {worst.end_s:g}) s attained {worst.attained:.1%})")
+    return None
+
+
+def window_attainment(result: SimResult, window_s: float = WINDOW_S) -> list[tuple[int, float]]:
+    """Per `window_s` window of arrivals, its request count and the share meeting both SLOs."""
+    arrivals = result.arrival_s
+    if not arrivals:
+        return []
+    _, met = result.meets(result.config.slo)
+    count = int(max(arrivals) // window_s) + 1
+    totals, good = [0] * count, [0] * count
+    for arrival, ok in zip(arrivals, met, strict=True):
+        index = int(arrival // window_s)
+        totals[index] += 1
+        good[index] += ok
+    return [(n, g / n if n else 1.0) for n, g in zip(totals, good, strict=True)]
+
+
+def run_verdict(result: SimResult, attainment: float = ATTAINMENT, window_s: float = WINDOW_S) -> dict[str, Any]:
+    """What an oracle run was built for (`attainment` of each window's requests meeting both SLOs, verified
+    under the run's start-up) and whether this run met it: per-window counts, the worst window, a summary line."""
+    shares = [share for n, share in window_attainment(result, window_s) if n]
+    missed = sum(1 for share in shares if share < attainment)
+    worst = min(shares, default=1.0)
+    built = (f"oracle: built for {attainment * 100:g}% of each {window_s:g} s window's requests meeting both SLOs, "
+             f"its schedule verified as this run, under its {result.config.startup_delay_s:g} s start-up")
+    line = (f"{built}; this run MISSED it in {missed} of {len(shares)} windows (worst {worst:.1%})" if missed else
+            f"{built}; this run met it in all {len(shares)} windows (worst {worst:.1%})")
+    return {"target_attainment": attainment, "window_s": window_s, "startup_delay_s": result.config.startup_delay_s,
+            "windows": len(shares), "windows_missed": missed, "worst_window_attainment": worst, "met": not missed,
+            "summary": line}
 
 
 def _window_shares(result: SimResult, bounds: Sequence[tuple[int, int]], slo: Slo) -> tuple[list[float], list[float]]:
@@ -301,7 +376,8 @@ def _fewest(start: int, meets: Callable[[int], bool], limit: int) -> int | None:
 @dataclass(frozen=True)
 class OraclePolicy:
     """Follows the oracle's windows, asking `lead_s` (start-up + interval) ahead for every window
-    the next replicas will serve."""
+    the next replicas will serve. It starts at `initial`: the windows before its first order can
+    serve are served by the starting pool."""
 
     windows: tuple[OracleWindow, ...]
     lead_s: float
@@ -314,5 +390,10 @@ class OraclePolicy:
 
     @property
     def initial(self) -> Desired:
-        """The first window's sizes: what the pool should start with."""
-        return Desired(self.windows[0].prefill, self.windows[0].decode)
+        """What the pool starts with: the largest sizes among the windows overlapping [0, lead), the
+        ones no replica ordered at the first decision serves in time."""
+        return self.desired_sizes(Observation(time_s=self.windows[0].start_s, window_s=0.0))
+
+    def run_config(self, run: SimConfig) -> SimConfig:
+        """`run` starting at `initial`: the pool is there from t=0, as a fixed pool's is."""
+        return replace(run, prefill=self.initial.prefill, decode=self.initial.decode)

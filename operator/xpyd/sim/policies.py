@@ -7,7 +7,9 @@
   hindsight. `simulate_policy` starts the run at their sizes: a fixed pool is there from the start.
 - `queue-threshold`: what users configure with KEDA today (`QueueThresholdPolicy`).
 - `dynamo-sla`: NVIDIA Dynamo's throughput planner (`dynamo.DynamoSlaPolicy`).
-- `oracle`: the hindsight bound's windows (`oracle.OraclePolicy`), asked for start-up + interval ahead.
+- `oracle`: the hindsight bound's windows (`oracle.OraclePolicy`), asked for start-up + interval ahead,
+  from the sizes the first windows need; the schedule is verified as it runs, under the run's start-up
+  (`oracle_schedule`'s `run`), and a schedule that misses the target there raises `OracleRefusal`.
 - `NowcastPolicy` (the evaluation's reference, not a `--policy`): each oracle window's sizes plus a
   fixed headroom, asked for only once the window has begun: what knowing the present exactly, but
   not the future, buys under the start-up delay.
@@ -32,9 +34,17 @@ from xpyd.autoscaler.decide import (
 from xpyd.autoscaler.observation import Desired, Observation
 from xpyd.autoscaler.sizing import DEFAULT_MAX_NUM_BATCHED_TOKENS, DEFAULT_MAX_NUM_SEQS, PoolModel
 from xpyd.perf.model import PerfModel
-from xpyd.sim.core import EnginePerf
+from xpyd.sim.core import EngineConfig, EnginePerf
 from xpyd.sim.dynamo import DynamoSlaPolicy
-from xpyd.sim.oracle import OraclePolicy, OracleSchedule, OracleWindow, SchedulePolicy, oracle_schedule
+from xpyd.sim.oracle import (
+    OraclePolicy,
+    OracleRefusal,
+    OracleSchedule,
+    OracleWindow,
+    SchedulePolicy,
+    oracle_schedule,
+    refusal,
+)
 from xpyd.sim.policy import Policy, PolicyContext, PolicyFactory, StaticPolicy
 from xpyd.sim.simulator import ProgressCallback, SimConfig, SimResult, simulate
 from xpyd.traces import TraceRequest
@@ -190,8 +200,23 @@ def _dynamo(context: PolicyContext) -> Policy:
 
 
 def _oracle(context: PolicyContext) -> Policy:
-    schedule = _schedule(context, "the oracle")
-    return OraclePolicy(schedule.windows, context.startup_delay_s + context.interval_s)
+    run = SimConfig(slo=context.slo, startup_delay_s=context.startup_delay_s, interval_s=context.interval_s,
+                    engine=context.engine or EngineConfig())
+    return _verified_oracle(context, run)[0]
+
+
+def _verified_oracle(context: PolicyContext, run: SimConfig) -> tuple[OraclePolicy, OracleSchedule]:
+    """The oracle's policy and its schedule, verified as `run` runs it (start-up and interval included);
+    raises `OracleRefusal` when that replay does not meet the target attainment in every window."""
+    if not context.trace:
+        raise ValueError("the oracle needs the trace (PolicyContext.trace)")
+    schedule = oracle_schedule(context.trace, _perf(context, "the oracle"), run.slo, run.engine,
+                               attainment=context.attainment, seed=run.seed, run=run)
+    reason = refusal(schedule, run.slo, context.attainment)
+    if reason is not None:
+        raise OracleRefusal(reason)
+    assert schedule.lead_s is not None
+    return OraclePolicy(schedule.windows, schedule.lead_s), schedule
 
 
 POLICIES: Mapping[str, PolicyFactory] = MappingProxyType({
@@ -218,7 +243,9 @@ def simulate_policy(name: str, trace: Sequence[TraceRequest], perf: EnginePerf, 
                     attainment: float = PolicyContext.attainment) -> SimResult:
     """Replay `trace` under the registered policy `name`, built with the config's sizes, SLO and timing
     (the hindsight baselines also get the trace and the engines' arguments). A fixed policy
-    (`static-peak`, `static-mean`) starts at its own sizes: its pool is there from t=0. With `idle_s`
+    (`static-peak`, `static-mean`) starts at its own sizes: its pool is there from t=0; so does the
+    `oracle`, whose run is its verifying replay under this config (`OracleRefusal`, a ValueError, when
+    that replay misses the target attainment in any window). With `idle_s`
     the `xpyd` policy scales the pool to zero (the config's `min_replicas` must be 0); `attainment` is
     its target attainment."""
     if idle_s is not None and config.min_replicas != 0:
@@ -226,6 +253,8 @@ def simulate_policy(name: str, trace: Sequence[TraceRequest], perf: EnginePerf, 
     context = PolicyContext(initial=Desired(config.prefill, config.decode), slo=config.slo, perf=perf,
                             interval_s=config.interval_s, startup_delay_s=config.startup_delay_s, trace=trace,
                             engine=config.engine, idle_s=idle_s, attainment=attainment)
+    if name == "oracle":   # its run is the replay that verified it, from its own sizes (OracleRefusal if it missed)
+        return _verified_oracle(context, config)[1].result
     policy = build_policy(name, context)
     if isinstance(policy, FixedPolicy):
         config = replace(config, prefill=policy.desired.prefill, decode=policy.desired.decode)
