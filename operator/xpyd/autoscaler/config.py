@@ -71,6 +71,7 @@ class AutoscalerConfig:
     queue_time_floor_s: float = 0.3   # vllm:request_queue_time_seconds' first bucket: below it no wait is visible
     idle_s: float | None = None       # idle this long, both roles go to zero (None: never; minReplicas 0 on both)
     attainment: float | None = None   # the share of requests to meet both SLOs (None: no learnt headroom)
+    react_s: float | None = None      # between decisions, `react` scales up on the gauges this often (None: never)
 
     @property
     def grace_period_s(self) -> float:

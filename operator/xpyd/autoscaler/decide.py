@@ -160,6 +160,25 @@ class RoleState:
 
 
 @dataclass(frozen=True)
+class ScaleUpBasis:
+    """What the last sizing decision sized with, for `react.react` between decisions: the prompt and
+    output lengths, the load sized for, each prefill replica's saturated capacity on the prompt mix
+    (its correction and the prefix cache's computed share included) and decode's correction."""
+
+    time_s: float
+    isl: float
+    osl: float
+    rate: float                      # req/s sized for (forecast and headroom included)
+    rate_now: float                  # req/s over the window
+    prefill_tokens_per_s: float      # prompt tokens/s one saturated prefill replica serves
+    k_decode: float
+
+    @property
+    def offered_tokens_per_s(self) -> float:
+        return max(self.rate, self.rate_now) * self.isl
+
+
+@dataclass(frozen=True)
 class AutoscalerState:
     """What `decide` carries from one decision to the next (a value: `decide` returns a new one)."""
 
@@ -172,6 +191,7 @@ class AutoscalerState:
     idle_since_s: float = math.nan        # since when the decisions have seen the pool idle (scale to zero)
     woken_s: float = -math.inf            # when the pool last started from zero (its held requests' release)
     attainment: AttainmentState = field(default_factory=AttainmentState)   # the hour's attainment, the headroom
+    basis: ScaleUpBasis | None = None     # what the last sizing decision sized with (`react` reads it)
     prefill: RoleState = field(default_factory=RoleState)
     decode: RoleState = field(default_factory=RoleState)
 
@@ -648,8 +668,12 @@ def _pace(observation: Observation, config: AutoscalerConfig, state: AutoscalerS
 
     new_state = AutoscalerState(time_s=now, rate=load.rate_series, isl=load.isl_series, osl=load.osl_series,
                                 isl_quantiles=load.isl_quantiles, idle_since_s=state.idle_since_s,
-                                woken_s=state.woken_s, attainment=state.attainment, prefill=role_states[PREFILL],
-                                decode=role_states[DECODE])
+                                woken_s=state.woken_s, attainment=state.attainment,
+                                basis=ScaleUpBasis(now, observation.isl_mean, observation.osl_mean, plan.rate,
+                                                   plan.rate_now,
+                                                   config.model.mix_tokens_per_s(plan.mix, corrections.k_prefill),
+                                                   corrections.k_decode),
+                                prefill=role_states[PREFILL], decode=role_states[DECODE])
     prefill, decode = roles[PREFILL], roles[DECODE]
     candidates = [r for r in (prefill, decode) if r.replicas != r.current] or [prefill, decode]
     lead = min(candidates, key=lambda r: _PRIORITY.index(r.reason))
@@ -782,7 +806,7 @@ def drain_budget_s(config: AutoscalerConfig) -> float:
     return max(config.horizon_s, config.model.ttft_target_s)
 
 
-def _until_serving(role: RoleObservation, role_state: RoleState, now: float, config: AutoscalerConfig) -> float:
+def until_serving(role: RoleObservation, role_state: RoleState, now: float, config: AutoscalerConfig) -> float:
     """How long until replicas ordered now serve: the start-up delay, or what is left of it for the
     replicas already starting (they serve first)."""
     if role.starting and math.isfinite(role_state.starting_since_s):
@@ -797,7 +821,7 @@ def _backlog(observation: Observation, config: AutoscalerConfig, plan: _Plan, pr
 
     Prefill: the queued prompt tokens (requests waiting x ISL) and the excess of the offered prompt
     rate over the ready replicas' capacity (on the prompt mix) until replicas ordered now serve
-    (`_until_serving`), over the drain budget (`drain_budget_s`), on top of the offered rate, in
+    (`until_serving`), over the drain budget (`drain_budget_s`), on top of the offered rate, in
     saturated replicas; each decision sizes the whole backlog it foresees, so a queue that grows as
     foreseen while replicas start orders nothing more. Decode: the requests waiting for admission
     (less those whose KV is in flight), over the drain budget, as extra arrival rate of the decode
@@ -813,7 +837,7 @@ def _backlog(observation: Observation, config: AutoscalerConfig, plan: _Plan, pr
     per_replica = model.mix_tokens_per_s(plan.mix, k_prefill)
     offered = max(plan.rate, plan.rate_now) * isl
     queued = prefill.num_requests_waiting * isl
-    until_s = _until_serving(prefill, prefill_state, observation.time_s, config)
+    until_s = until_serving(prefill, prefill_state, observation.time_s, config)
     building = max(0.0, offered - prefill.ready * per_replica) * until_s
     if queued + building > 0:
         need = (offered + (queued + building) / drain_s) / per_replica

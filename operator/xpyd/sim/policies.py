@@ -32,6 +32,7 @@ from xpyd.autoscaler.decide import (
     decide,
 )
 from xpyd.autoscaler.observation import Desired, Observation
+from xpyd.autoscaler.react import react
 from xpyd.autoscaler.sizing import DEFAULT_MAX_NUM_BATCHED_TOKENS, DEFAULT_MAX_NUM_SEQS, PoolModel
 from xpyd.perf.model import PerfModel
 from xpyd.sim.core import EngineConfig, EnginePerf
@@ -82,7 +83,7 @@ def xpyd_config(context: PolicyContext, percentile: float = SIM_PERCENTILE) -> A
     model = replace(pool_model(context, percentile), quantile=max(percentile / 100.0, context.attainment))
     return AutoscalerConfig(model=model, prefill=bounds, decode=bounds,
                             interval_s=context.interval_s, startup_s=context.startup_delay_s, idle_s=context.idle_s,
-                            attainment=context.attainment)
+                            attainment=context.attainment, react_s=context.react_s)
 
 
 @dataclass
@@ -96,6 +97,19 @@ class XpydPolicy:
     def desired_sizes(self, observation: Observation) -> Desired:
         """Run `decide()`, keep its new state, return its sizes."""
         decision = decide(observation, self.config, self.state)
+        self.state = decision.state
+        self.decisions.append(decision)
+        return Desired(decision.prefill.replicas, decision.decode.replicas)
+
+    @property
+    def react_s(self) -> float | None:
+        return self.config.react_s
+
+    def react(self, observation: Observation) -> Desired | None:
+        """Run `react()` on the gauges: the sizes it grows to (its state kept, the decision too), or None."""
+        decision = react(observation, self.config, self.state)
+        if decision is None:
+            return None
         self.state = decision.state
         self.decisions.append(decision)
         return Desired(decision.prefill.replicas, decision.decode.replicas)

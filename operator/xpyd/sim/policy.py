@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Protocol, runtime_checkable
 
 from xpyd.autoscaler.observation import Desired, Observation, Slo
 from xpyd.sim.core import EngineConfig, EnginePerf
@@ -41,6 +41,8 @@ class PolicyContext:
     #: The share of requests the `xpyd` policy aims to have meet both SLOs (its target attainment,
     #: `autoscaling.slo.attainment`): strictly between 0 and 1.
     attainment: float = 0.95
+    #: The `xpyd` policy reacts to the gauges between its decisions this often (`autoscaler.react`). None: never.
+    react_s: float | None = None
 
     def __post_init__(self) -> None:
         if not 0.0 < self.attainment < 1.0:
@@ -52,6 +54,19 @@ class Policy(Protocol):
 
     def desired_sizes(self, observation: Observation) -> Desired:
         """The replica counts wanted now."""
+        ...
+
+
+@runtime_checkable
+class ReactingPolicy(Policy, Protocol):
+    """A policy that also reacts between its decisions: every `react_s` seconds (None: never) the
+    simulator shows it the gauges only (`Simulator.gauges`: replica counts, running and waiting
+    requests, KV usage; nothing of a window) and scales to what it returns, if anything."""
+
+    react_s: float | None
+
+    def react(self, observation: Observation) -> Desired | None:
+        """The replica counts wanted now, or None to change nothing."""
         ...
 
 

@@ -57,7 +57,7 @@ import math
 import random
 from collections import deque
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from xpyd.api.naming import DECODE, PREFILL, ROLES
 from xpyd.autoscaler.observation import Desired, Observation, Quantiles, RoleObservation, Slo, hit_rate
@@ -76,7 +76,7 @@ from xpyd.sim.core import (
     Event,
     EventKind,
 )
-from xpyd.sim.policy import Policy, StaticPolicy
+from xpyd.sim.policy import Policy, ReactingPolicy, StaticPolicy
 from xpyd.traces import TraceRequest
 
 # The proxy's routing policies (`spec.proxy.routingPolicy`; the API's names) and, for KVAware, where
@@ -211,7 +211,7 @@ class SimResult:
 
 ProgressCallback = Callable[[int, int, float], None]
 
-_STEP, _TIMER, _READY, _TICK, _EXPIRE, _SIGNAL = 0, 1, 2, 3, 4, 5
+_STEP, _TIMER, _READY, _TICK, _EXPIRE, _SIGNAL, _REACT = 0, 1, 2, 3, 4, 5, 6
 _FIRST_TOKEN, _FINISHED, _KV_LOADED = EventKind.FIRST_TOKEN, EventKind.FINISHED, EventKind.KV_LOADED
 
 # The vllm:* series `observe()` reads (the autoscaler's queries): only these are summed per tick.
@@ -261,6 +261,10 @@ class Simulator:
         self.trace = trace
         self.perf = perf
         self.policy = policy
+        self._reacting: ReactingPolicy | None = None
+        self._react_s = 0.0
+        if isinstance(policy, ReactingPolicy) and policy.react_s is not None:
+            self._reacting, self._react_s = policy, policy.react_s
         self.policy_name = policy_name
         self.config = config
         self.progress = progress
@@ -320,6 +324,8 @@ class Simulator:
         self._sample(0.0)
         self._snapshot(0.0)
         self._push(config.interval_s, _TICK, None, 0)
+        if self._reacting is not None:
+            self._push(self._react_s, _REACT, None, 0)
         trace = self.trace
         total = len(trace)
         heap = self._heap
@@ -350,6 +356,8 @@ class Simulator:
                     self._on_tick(now)
                 elif kind == _EXPIRE:
                     self._on_expire(token, now)
+                elif kind == _REACT:
+                    self._on_react(now)
                 else:
                     self._signal_pending = False
                     self._call_policy(now)
@@ -658,11 +666,23 @@ class Simulator:
         self._call_policy(now)
         self._push(now + self.config.interval_s, _TICK, None, 0)
 
+    def _on_react(self, now: float) -> None:
+        reacting = self._reacting
+        assert reacting is not None
+        self._push(now + self._react_s, _REACT, None, 0)
+        observation = self.gauges(now)
+        desired = reacting.react(observation)
+        if desired is not None:
+            self._apply(now, observation, desired)
+
     def _call_policy(self, now: float) -> None:
         """One policy call at `now` (a tick, or the demand signal's) and its scaling."""
         self._snapshot(now)
         observation = self.observe(now)
-        desired = self.policy.desired_sizes(observation)
+        self._apply(now, observation, self.policy.desired_sizes(observation))
+
+    def _apply(self, now: float, observation: Observation, desired: Desired) -> None:
+        """Scale each role to what a policy call asked for (at least `min_replicas`), recorded."""
         least = self.config.min_replicas
         wanted = {PREFILL: max(least, int(desired.prefill)), DECODE: max(least, int(desired.decode))}
         before = {PREFILL: observation.prefill.replicas, DECODE: observation.decode.replicas}
@@ -725,19 +745,9 @@ class Simulator:
             return hists, counts
 
         def role_observation(role: str) -> RoleObservation:
-            replicas = self._replicas[role]
-            scraped = [r for r in replicas if r.ready and math.isnan(r.stopped_s)]
             hists, counts = window(role)
-            usage = [r.core.kv_cache_usage_perc for r in scraped]
-            return RoleObservation(
-                replicas=sum(1 for r in replicas if not r.draining and math.isnan(r.stopped_s)),
-                ready=sum(1 for r in scraped if not r.draining),
-                starting=sum(1 for r in replicas if not r.ready and math.isnan(r.stopped_s)),
-                draining=sum(1 for r in scraped if r.draining),
-                num_requests_running=float(sum(r.core.num_requests_running for r in scraped)),
-                num_requests_waiting=float(sum(r.core.num_requests_waiting for r in scraped)),
-                kv_cache_usage_perc=sum(usage) / len(usage) if usage else 0.0,
-                kv_cache_usage_perc_max=max(usage, default=0.0),
+            return replace(
+                self._role_gauges(role),
                 time_to_first_token_seconds=quantiles(hists["time_to_first_token_seconds"]),
                 inter_token_latency_seconds=quantiles(hists["inter_token_latency_seconds"]),
                 request_queue_time_seconds=quantiles(hists["request_queue_time_seconds"]),
@@ -766,6 +776,28 @@ class Simulator:
             prefill=role_observation(PREFILL), decode=role_observation(DECODE),
             held_requests=float(len(self._waiting)), held_prompt_tokens=float(self._waiting_tokens),
             ttft_buckets=cumulative(client_ttft), tpot_buckets=cumulative(client_tpot))
+
+    def gauges(self, now: float) -> Observation:
+        """What the engines' gauges and the replica counts show at `now`, nothing of a window: what
+        a policy's `react` reads between its decisions."""
+        return Observation(time_s=now, window_s=0.0, prefill=self._role_gauges(PREFILL),
+                           decode=self._role_gauges(DECODE), held_requests=float(len(self._waiting)),
+                           held_prompt_tokens=float(self._waiting_tokens))
+
+    def _role_gauges(self, role: str) -> RoleObservation:
+        """A role's replica counts and its scraped engines' gauges (summed; KV usage mean and max)."""
+        replicas = self._replicas[role]
+        scraped = [r for r in replicas if r.ready and math.isnan(r.stopped_s)]
+        usage = [r.core.kv_cache_usage_perc for r in scraped]
+        return RoleObservation(
+            replicas=sum(1 for r in replicas if not r.draining and math.isnan(r.stopped_s)),
+            ready=sum(1 for r in scraped if not r.draining),
+            starting=sum(1 for r in replicas if not r.ready and math.isnan(r.stopped_s)),
+            draining=sum(1 for r in scraped if r.draining),
+            num_requests_running=float(sum(r.core.num_requests_running for r in scraped)),
+            num_requests_waiting=float(sum(r.core.num_requests_waiting for r in scraped)),
+            kv_cache_usage_perc=sum(usage) / len(usage) if usage else 0.0,
+            kv_cache_usage_perc_max=max(usage, default=0.0))
 
     def _sample(self, now: float) -> None:
         counts: dict[str, list[int]] = {}
