@@ -296,3 +296,36 @@ def test_engine_config_is_validated() -> None:
         EngineConfig(max_num_seqs=0)
     with pytest.raises(ValueError):
         SimConfig(interval_s=0)
+
+
+@dataclass
+class Reactor(Recorder):
+    """A recorder that also reacts between its decisions: it asks for `grow_to` prefill replicas once."""
+
+    react_s: float | None = 5.0
+    grow_to: int = 3
+    reacted: list[Observation] = field(default_factory=list)
+
+    def react(self, observation: Observation) -> Desired | None:
+        self.reacted.append(observation)
+        if len(self.reacted) == 2:
+            return Desired(self.grow_to, observation.decode.replicas)
+        return None
+
+
+def test_a_reacting_policy_sees_the_gauges_every_react_s_and_scales_between_decisions() -> None:
+    trace = azure()
+    policy = Reactor([(0.0, Desired(1, 1))])
+    result = simulate(trace, LinearPerf(), SimConfig(prefill=1, decode=1, startup_delay_s=20.0), policy)
+    times = [o.time_s for o in policy.reacted]
+    assert times[:4] == [5.0, 10.0, 15.0, 20.0]
+    assert all(o.window_s == 0.0 and o.request_rate == 0.0 for o in policy.reacted)   # gauges, no window
+    assert policy.reacted[2].prefill.replicas == 3 and policy.reacted[2].prefill.starting == 2
+    assert [(c.time_s, c.prefill_before, c.prefill) for c in result.decisions][:2] == [(10.0, 1, 3), (30.0, 3, 1)]
+    assert any(s.time_s == 10.0 and s.prefill_starting == 2 for s in result.replicas)
+
+
+def test_a_policy_without_react_s_is_called_at_its_interval_only() -> None:
+    policy = Reactor([(0.0, Desired(1, 1))], react_s=None)
+    simulate(azure(), LinearPerf(), SimConfig(prefill=1, decode=1), policy)
+    assert policy.reacted == [] and policy.seen

@@ -37,11 +37,10 @@ from __future__ import annotations
 import math
 from dataclasses import replace
 
+from xpyd.api.naming import DECODE, PREFILL
 from xpyd.autoscaler.config import AutoscalerConfig
 from xpyd.autoscaler.decide import (
-    DECODE,
     DECODE_ADMISSION,
-    PREFILL,
     PREFILL_QUEUEING,
     WITHIN_TARGETS,
     AutoscalerState,
@@ -145,6 +144,6 @@ def _decode_need(observation: Observation, config: AutoscalerConfig, basis: Scal
         return 0, ""
     drain_s = drain_budget_s(config)
     sizing = model.size_decode(basis.rate + waiting / drain_s, basis.isl, basis.osl, basis.k_decode)
+    state = f"KV max {decode.kv_cache_usage_perc_max:.2f}, running {decode.num_requests_running:.0f}"
     return sizing.replicas, (f"{waiting:.0f} requests waiting for decode admission beyond the KV hand-offs in flight "
-                             f"(KV max {decode.kv_cache_usage_perc_max:.2f}, running {decode.num_requests_running:.0f}), "
-                             f"admitted within {drain_s:.0f}s on top of the load: D {sizing.replicas}")
+                             f"({state}), admitted within {drain_s:.0f}s on top of the load: D {sizing.replicas}")
