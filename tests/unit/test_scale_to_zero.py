@@ -13,14 +13,13 @@ from typing import Any
 import pytest
 
 from tests.unit.test_autoscaler_decide import CONFIG, observation, role, settled
-from xpyd.api.conditions import REQUESTS_WAITING_POD_CONDITION
+from xpyd.api.conditions import IDLE_AT_ZERO, REQUESTS_WAITING_POD_CONDITION
 from xpyd.api.load import SpecError, load_servings
 from xpyd.api.models import AutoscalingSpec
 from xpyd.api.waiting import Held, held_by_pod, held_condition, held_of
 from xpyd.autoscaler.collect import held_requests
 from xpyd.autoscaler.decide import (
     DEFAULT_WAKE_OSL,
-    IDLE_AT_ZERO,
     METRICS_UNAVAILABLE,
     SCALE_FROM_ZERO,
     SCALE_TO_ZERO,

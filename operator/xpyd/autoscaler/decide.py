@@ -93,7 +93,7 @@ import math
 from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
 
-from xpyd.api.conditions import INSUFFICIENT_GPUS
+from xpyd.api.conditions import IDLE_AT_ZERO, INSUFFICIENT_GPUS
 from xpyd.api.naming import DECODE, PREFILL
 
 # The configuration lives in `config` (with the spec's translation); its names stay importable from here.
@@ -106,7 +106,7 @@ from xpyd.autoscaler.observation import Observation, Quantiles, RoleObservation
 from xpyd.autoscaler.sizing import Burst, DecodeSizing, PrefillSizing, PromptMix
 
 # Reasons (CamelCase, as in status conditions and Events; `InsufficientGPUs` is the Degraded
-# condition's, `xpyd.api.conditions.INSUFFICIENT_GPUS`).
+# condition's and `IdleAtZero` the Ready condition's, both from `xpyd.api.conditions`).
 METRICS_UNAVAILABLE = "MetricsUnavailable"
 PREFILL_QUEUEING = "PrefillQueueing"
 DECODE_ADMISSION = "DecodeAdmission"
@@ -124,7 +124,6 @@ NO_TRAFFIC = "NoTraffic"
 METRICS_SETTLING = "MetricsSettling"
 SCALE_FROM_ZERO = "ScaleFromZero"
 SCALE_TO_ZERO = "ScaleToZero"
-IDLE_AT_ZERO = "IdleAtZero"
 
 #: The least share of prompt tokens prefill is taken to compute, however high its hit rate: a window
 #: of repeated prompts (a benchmark, a health check) must not size prefill at next to nothing.
