@@ -41,7 +41,8 @@ MODEL = "llama-8b"
 
 def autoscaled(name: str, prometheus: str, mode: str = "Auto", tpot_ms: int = 15) -> str:
     """An autoscaled pool sized by the bundled H200 profile the emulated engines run, deciding every
-    5 s over 20 s windows (Prometheus scrapes every 5 s here), with a short start-up (engine-sim
+    5 s over 20 s windows (Prometheus scrapes every 5 s here) and looking at the gauges every 2 s
+    between decisions (reactSeconds must be under intervalSeconds), with a short start-up (engine-sim
     serves at once)."""
     return yaml.safe_dump({
         "apiVersion": "xpyd.io/v1alpha1", "kind": "DisaggregatedServing", "metadata": {"name": name},
@@ -53,7 +54,7 @@ def autoscaled(name: str, prometheus: str, mode: str = "Auto", tpot_ms: int = 15
                 "mode": mode, "prometheus": {"url": prometheus, "windowSeconds": 20},
                 "slo": {"ttftMs": 500, "tpotMs": tpot_ms, "percentile": 90},
                 "prefill": {"minReplicas": 1, "maxReplicas": 4}, "decode": {"minReplicas": 1, "maxReplicas": 4},
-                "intervalSeconds": 5, "startupSeconds": 10,
+                "intervalSeconds": 5, "reactSeconds": 2, "startupSeconds": 10,
                 "profile": {"name": "h200_llama31_8b_fp8_tp1"},
             },
         },

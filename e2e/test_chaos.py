@@ -78,7 +78,8 @@ def pool_manifest(prometheus_url: str) -> str:
     spec = obj["spec"]
     for role in ("prefill", "decode"):
         spec[role]["drainTimeoutSeconds"] = 20
-    spec["autoscaling"] = {"mode": "Recommend", "intervalSeconds": 5,
+    # reactSeconds must be under intervalSeconds; looks between 5 s decisions add nothing to chaos.
+    spec["autoscaling"] = {"mode": "Recommend", "intervalSeconds": 5, "reactSeconds": 0,
                            "prometheus": {"url": prometheus_url, "windowSeconds": 30}}
     return yaml.safe_dump(obj)
 
@@ -388,7 +389,8 @@ def cold_manifest(prometheus_url: str) -> str:
             "autoscaling": {
                 "mode": "Auto", "prometheus": {"url": prometheus_url, "windowSeconds": 15},
                 "prefill": {"minReplicas": 0, "maxReplicas": 2}, "decode": {"minReplicas": 0, "maxReplicas": 2},
-                "intervalSeconds": 5, "startupSeconds": 15, "profile": {"name": "h200_llama31_8b_fp8_tp1"},
+                "intervalSeconds": 5, "reactSeconds": 0, "startupSeconds": 15,
+                "profile": {"name": "h200_llama31_8b_fp8_tp1"},
                 "scaleToZero": {"idleSeconds": COLD_IDLE_SECONDS},
             },
         },

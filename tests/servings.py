@@ -38,6 +38,8 @@ VALID = {
     "prometheus token and ca secret": serving({"autoscaling": {"mode": "Auto", "prometheus": {
         "url": "https://thanos-querier.openshift-monitoring:9091", "bearerTokenSecretRef": {"name": "reader"},
         "tls": {"caSecretRef": {"name": "prom-ca", "key": "tls.ca"}}}}}),
+    "react off at the shortest interval": serving({"autoscaling": {"intervalSeconds": 5, "reactSeconds": 0}}),
+    "react just under the interval": serving({"autoscaling": {"intervalSeconds": 10, "reactSeconds": 9}}),
     "prometheus ca configmap": serving({"autoscaling": {"prometheus": {
         "url": "https://p:9090", "tls": {"caConfigMapRef": {"name": "kube-root-ca.crt"}}}}}),
     "prometheus insecure": serving({"autoscaling": {"prometheus": {"url": "https://p:9090",
@@ -118,6 +120,10 @@ INVALID = [
     ("idle window under an interval", serving({"autoscaling": {"intervalSeconds": 60,
                                                                "scaleToZero": {"idleSeconds": 30}}}),
      "autoscaling.scaleToZero.idleSeconds must be at least intervalSeconds"),
+    ("react at the interval by default", serving({"autoscaling": {"intervalSeconds": 5}}),
+     "autoscaling.reactSeconds must be less than intervalSeconds (or 0: off)"),
+    ("react above the interval", serving({"autoscaling": {"intervalSeconds": 30, "reactSeconds": 40}}),
+     "autoscaling.reactSeconds must be less than intervalSeconds (or 0: off)"),
     ("wait not above start-up", serving({"autoscaling": {"startupSeconds": 300, "scaleToZero": {"waitSeconds": 300}}}),
      "autoscaling.scaleToZero.waitSeconds must exceed startupSeconds"),
     ("lmcache without settings", serving({"kvTransfer": {"connector": "LMCacheConnectorV1"}}),
@@ -222,6 +228,7 @@ SCHEMA_INVALID = [
      "spec.engine.cpu.threadsBind"),
     ("topology key not a label", serving({"decode": {"nodesPerReplica": 2, "tensorParallelSize": 2,
                                                      "topologyKey": "rack key"}}), "spec.decode.topologyKey"),
+    ("react negative", serving({"autoscaling": {"reactSeconds": -1}}), "spec.autoscaling.reactSeconds"),
     ("nodes per replica zero", serving({"decode": {"nodesPerReplica": 0}}), "spec.decode.nodesPerReplica"),
     ("nixl backend upper-case", serving({"kvTransfer": {"nixl": {"backends": ["MOONCAKE"]}}}),
      "spec.kvTransfer.nixl.backends[0]"),

@@ -75,6 +75,7 @@ def test_defaults_are_explicit_and_round_trip() -> None:
     assert server == wire
     assert wire["kvTransfer"]["connector"] == "NixlConnector"
     assert wire["autoscaling"]["decode"] == {"minReplicas": 1, "maxReplicas": 16}
+    assert (wire["autoscaling"]["intervalSeconds"], wire["autoscaling"]["reactSeconds"]) == (30, 5)
     assert wire["model"]["source"] == {"hub": {}}
 
 

@@ -536,6 +536,15 @@ def test_from_spec_reads_the_crd() -> None:
     assert (config.interval_s, config.startup_s) == (15.0, 240.0)
     assert (config.scale_down.window_s, config.scale_down.max_step, config.scale_up.max_step) == (600.0, 2, 3)
     assert config.horizon_s == 240.0 + 15.0 + 30.0
+    assert config.react_s == 5.0     # reactSeconds' default: the gauges every 5 s between decisions
+
+
+@pytest.mark.parametrize(("react_seconds", "react_s"), [(0, None), (3, 3.0), (29, 29.0)])
+def test_from_spec_reads_react_seconds(react_seconds: int, react_s: float | None) -> None:
+    spec = AutoscalingSpec.model_validate({"mode": "Auto", "prometheus": {"url": "http://p:9090"},
+                                           "reactSeconds": react_seconds})
+    assert spec.react_seconds == react_seconds
+    assert AutoscalerConfig.from_spec(spec, PERF).react_s == react_s
 
 
 @pytest.mark.parametrize(("percentile", "expected"), [(50, 1.0), (90, 2.0), (95, 2.0 + 8.0 * 5 / 9), (99, 10.0)])

@@ -1017,6 +1017,11 @@ class ScaleToZeroSpec(APIModel):
     )
 
 
+#: `autoscaling.reactSeconds`' default: the gauges are read every 5 s between decisions, as Dynamo's
+#: load-based planner reads them (the simulator's `xpyd` policy reacts at the same cadence).
+DEFAULT_REACT_SECONDS: Final = 5
+
+
 class AutoscalingSpec(APIModel):
     """SLO-driven scaling of prefill and decode."""
 
@@ -1037,6 +1042,14 @@ class AutoscalingSpec(APIModel):
         default=None, ge=1, le=65536, description="Most GPUs prefill and decode may use together."
     )
     interval_seconds: int = Field(default=30, ge=5, le=3600, description="Seconds between decisions.")
+    react_seconds: int = Field(
+        default=DEFAULT_REACT_SECONDS,
+        ge=0,
+        le=3599,
+        description="Between decisions, how often the operator reads the engines' gauges (waiting and running "
+        "requests, KV usage) and scales a role up at once when a backlog builds; less than intervalSeconds. "
+        "0: only at decisions. Scale-down stays with the decisions.",
+    )
     startup_seconds: int = Field(
         default=120,
         ge=0,
@@ -1071,6 +1084,13 @@ class AutoscalingSpec(APIModel):
             "per decision",
             check=lambda a: a.scale_to_zero.idle_seconds >= a.interval_seconds,
             field_path=".scaleToZero.idleSeconds",
+        ),
+        Rule(
+            cel="self.reactSeconds == 0 || self.reactSeconds < self.intervalSeconds",
+            message="autoscaling.reactSeconds must be less than intervalSeconds (or 0: off): it is how often the "
+            "gauges are read between two decisions",
+            check=lambda a: a.react_seconds == 0 or a.react_seconds < a.interval_seconds,
+            field_path=".reactSeconds",
         ),
         Rule(
             cel="!has(self.scaleToZero.waitSeconds) || self.scaleToZero.waitSeconds > self.startupSeconds",

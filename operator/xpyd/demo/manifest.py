@@ -13,7 +13,8 @@ class DemoPool:
     """What the demo deploys and the targets it is held to.
 
     The autoscaler decides every `interval_s` over `window_s` windows (Prometheus scrapes every 5 s
-    on the local cluster) and expects new replicas to serve after `startup_s`: the emulated engines
+    on the local cluster), looks at the engines' gauges every `react_s` between decisions (less than
+    `interval_s`, as the API requires) and expects new replicas to serve after `startup_s`: the emulated engines
     start at once, so the short values let the scaling show within a minute of load. The local
     cluster has 16 H200 GPUs: room for the largest pool (8 prefill, 4 decode, one GPU each).
     """
@@ -27,6 +28,7 @@ class DemoPool:
     prefill_max_replicas: int = 8
     decode_max_replicas: int = 4
     interval_s: int = 5
+    react_s: int = 2
     startup_s: int = 10
     window_s: int = 20
 
@@ -45,7 +47,7 @@ def serving_manifest(pool: DemoPool, prometheus_url: str) -> dict[str, Any]:
                 "slo": {"ttftMs": pool.ttft_ms, "tpotMs": pool.tpot_ms, "percentile": 90},
                 "prefill": {"minReplicas": 1, "maxReplicas": pool.prefill_max_replicas},
                 "decode": {"minReplicas": 1, "maxReplicas": pool.decode_max_replicas},
-                "intervalSeconds": pool.interval_s, "startupSeconds": pool.startup_s,
+                "intervalSeconds": pool.interval_s, "reactSeconds": pool.react_s, "startupSeconds": pool.startup_s,
                 "profile": {"name": pool.profile},
             },
         },
