@@ -58,58 +58,18 @@ def kv_condition(failing: Sequence[JSON], engines: Sequence[JSON] = ()) -> JSON:
             "message": "; ".join(parts)}
 
 
-class PodConditionReporter:
-    """Keeps the condition on the proxy's Pod current (see the module docstring)."""
+class _PodConditionWriter:
+    """Writes one condition on the proxy's own Pod, only when its status or message changed: stamped
+    with `lastProbeTime`, and `lastTransitionTime` when the status moves (as metav1.Condition does)."""
 
-    def __init__(self, kube: Kube, namespace: str, pod_name: str, report: Callable[[], JSON],
-                 interval: float = REPORT_INTERVAL_SECONDS) -> None:
+    def __init__(self, kube: Kube, namespace: str, pod_name: str, interval: float) -> None:
         self.kube, self.namespace, self.pod_name = kube, namespace, pod_name
-        self.report = report
-        self.interval = interval
-        self.written: tuple[str, str] | None = None  # (status, message) last written
-
-    def write(self, condition: JSON) -> bool:
-        """Write `condition` (a `kv_condition`) if it changed; True when written. Blocking."""
-        key = (condition["status"], condition["message"])
-        if key == self.written:
-            return False
-        stamped = {**condition, "lastTransitionTime": rfc3339()}
-        try:
-            self.kube.patch("v1", "Pod", self.namespace, self.pod_name, {"status": {"conditions": [stamped]}},
-                            subresource="status", strategic=True)
-        except KubeError as error:  # the next round tries again
-            log.warning("could not write %s on pod %s: %s", KV_TRANSFER_POD_CONDITION, self.pod_name, error)
-            return False
-        if condition["status"] == "False" or self.written is not None:
-            log.info("pod condition %s=%s: %s", KV_TRANSFER_POD_CONDITION, *key)
-        self.written = key
-        return True
-
-    async def run(self) -> None:
-        """Forever: read the report (on the event loop, which owns it), write off it."""
-        while True:
-            try:
-                report = self.report()
-                await asyncio.to_thread(self.write, kv_condition(report["failingPairs"], report["failingEngines"]))
-            except Exception:  # the API server unreachable, say: serving goes on, the next round retries
-                log.exception("could not report %s", KV_TRANSFER_POD_CONDITION)
-            await asyncio.sleep(self.interval)
-
-
-class WaitingReporter:
-    """Keeps `xpyd.io/RequestsWaiting` on the proxy's Pod in step with its waiting room (see the module
-    docstring): written at start, then whenever what is held changes, at most every `interval`."""
-
-    def __init__(self, kube: Kube, namespace: str, pod_name: str, room: WaitingRoom,
-                 interval: float = WAITING_INTERVAL_SECONDS) -> None:
-        self.kube, self.namespace, self.pod_name = kube, namespace, pod_name
-        self.room = room
         self.interval = interval
         self.written: tuple[str, str] | None = None  # (status, message) last written
         self.writes = 0
 
     def write(self, condition: JSON) -> bool:
-        """Write `condition` (a `held_condition`) if it changed; True when written. Blocking."""
+        """Write `condition` if it changed; True when written. Blocking."""
         key = (condition["status"], condition["message"])
         if key == self.written:
             return False
@@ -119,12 +79,45 @@ class WaitingReporter:
         try:
             self.kube.patch("v1", "Pod", self.namespace, self.pod_name, {"status": {"conditions": [stamped]}},
                             subresource="status", strategic=True)
-        except KubeError as error:  # the next change, or the retry below, writes it
+        except KubeError as error:  # the next round tries again
             log.warning("could not write %s on pod %s: %s", condition["type"], self.pod_name, error)
             return False
         self.written = key
         self.writes += 1
         return True
+
+
+class PodConditionReporter(_PodConditionWriter):
+    """Keeps the condition on the proxy's Pod current (see the module docstring)."""
+
+    def __init__(self, kube: Kube, namespace: str, pod_name: str, report: Callable[[], JSON],
+                 interval: float = REPORT_INTERVAL_SECONDS) -> None:
+        super().__init__(kube, namespace, pod_name, interval)
+        self.report = report
+
+    async def run(self) -> None:
+        """Forever: read the report (on the event loop, which owns it), write off it."""
+        while True:
+            try:
+                report = self.report()
+                condition = kv_condition(report["failingPairs"], report["failingEngines"])
+                if await asyncio.to_thread(self.write, condition) and (
+                        condition["status"] == "False" or self.writes > 1):  # not the healthy start
+                    log.info("pod condition %s=%s: %s", KV_TRANSFER_POD_CONDITION, condition["status"],
+                             condition["message"])
+            except Exception:  # the API server unreachable, say: serving goes on, the next round retries
+                log.exception("could not report %s", KV_TRANSFER_POD_CONDITION)
+            await asyncio.sleep(self.interval)
+
+
+class WaitingReporter(_PodConditionWriter):
+    """Keeps `xpyd.io/RequestsWaiting` on the proxy's Pod in step with its waiting room (see the module
+    docstring): written at start, then whenever what is held changes, at most every `interval`."""
+
+    def __init__(self, kube: Kube, namespace: str, pod_name: str, room: WaitingRoom,
+                 interval: float = WAITING_INTERVAL_SECONDS) -> None:
+        super().__init__(kube, namespace, pod_name, interval)
+        self.room = room
 
     async def run(self) -> None:
         """Forever: wait for a change of the room, write it (off the event loop), pause `interval`."""
