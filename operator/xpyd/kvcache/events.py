@@ -306,11 +306,18 @@ def publish_frames(topic: str, seq: int, payload: bytes) -> tuple[bytes, bytes, 
     return topic.encode("utf-8"), sequence_bytes(seq), payload
 
 
-def parse_published(frames: Sequence[bytes]) -> tuple[str, int, EventBatch]:
-    """A PUB message (topic, sequence, payload) as (topic, sequence number, batch)."""
+def published_frames(frames: Sequence[bytes]) -> tuple[bytes, int, bytes]:
+    """A PUB message's frames as (topic, sequence number, payload), neither decoded; DecodeError when
+    they are not three with an 8-byte sequence number."""
     if len(frames) != 3 or len(frames[1]) != 8:
         raise DecodeError("a KV event message is three frames: topic, an 8-byte sequence number, the payload")
-    return frames[0].decode("utf-8"), int.from_bytes(frames[1], "big"), decode_batch(frames[2])
+    return frames[0], int.from_bytes(frames[1], "big"), frames[2]
+
+
+def parse_published(frames: Sequence[bytes]) -> tuple[str, int, EventBatch]:
+    """A PUB message (topic, sequence, payload) as (topic, sequence number, batch)."""
+    topic, seq, payload = published_frames(frames)
+    return topic.decode("utf-8"), seq, decode_batch(payload)
 
 
 def replay_request(start_seq: int) -> bytes:

@@ -321,10 +321,8 @@ class Subscriber:
             while True:
                 frames = await sub.recv_multipart()
                 try:
-                    if len(frames) != 3 or len(frames[1]) != 8:
-                        raise events.DecodeError("a KV event message is three frames: topic, an 8-byte sequence "
-                                                 "number, the payload")
-                    seq, batch = int.from_bytes(frames[1], "big"), index_update(frames[2])
+                    _, seq, payload = events.published_frames(frames)
+                    batch = index_update(payload)
                 except (events.DecodeError, UnicodeDecodeError, ValueError) as error:
                     self.metrics.malformed.inc(self.role)
                     log.warning("KV events of %s rank %d: a malformed message skipped: %s", self.url, self.rank, error)
