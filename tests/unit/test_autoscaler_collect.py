@@ -4,6 +4,7 @@ Prometheus client's error handling."""
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import http.server
 import json
 import math
@@ -26,10 +27,13 @@ from xpyd.autoscaler.collect import (
     Prometheus,
     Scope,
     count_pods,
+    gauge_queries,
+    gauges,
     observation,
     parse_result,
     parse_vector,
 )
+from xpyd.autoscaler.observation import Quantiles
 from xpyd.cluster import pki
 from xpyd.cluster.controlplane import free_port
 from xpyd.common.netguard import LOOPBACK_ONLY_ENV
@@ -237,6 +241,39 @@ def test_a_pool_without_ready_pods_needs_no_series() -> None:
     assert (obs.prefill.starting, obs.decode.pending, obs.request_rate) == (1, 1, 0.0)
 
 
+def test_the_gauge_queries_are_the_decisions_own() -> None:
+    """The gauges (what a look between decisions reads) are a part of a decision's queries, the same
+    PromQL: per role, the scrape and its age, running and waiting requests, KV usage mean and max."""
+    gauge = gauge_queries(SCOPE)
+    assert set(gauge) == {"up", "age", "running", "waiting", "kv_mean", "kv_max"}
+    assert gauge.items() <= collect.queries(SCOPE).items()
+    engines = f'{{{SELECT},xpyd_io_role=~"prefill|decode"}}'
+    assert gauge["waiting"] == f"sum by (xpyd_io_role) (vllm:num_requests_waiting{engines})"
+    assert gauge["kv_max"] == f"max by (xpyd_io_role) (vllm:kv_cache_usage_perc{engines})"
+    assert not any("rate(" in promql or "[" in promql for promql in gauge.values())  # instant: no window
+
+
+def test_the_gauges_observation_has_the_pods_and_the_gauges_only() -> None:
+    answers = {name: value for name, value in healthy_results().items() if name in gauge_queries(SCOPE)}
+    obs = gauges(answers, PODS, 1000.0, SCOPE)
+    window = observation(healthy_results(), PODS, 1000.0, SCOPE)
+    assert (obs.time_s, obs.window_s, obs.request_rate) == (1000.0, 0.0, 0.0)
+    assert math.isnan(obs.isl_mean) and math.isnan(obs.ttft_seconds.p90) and obs.ttft_buckets == ()
+    for role in ("prefill", "decode"):   # the counts and gauges a decision reads, nothing of its window
+        assert getattr(obs, role) == dataclasses.replace(
+            getattr(window, role), time_to_first_token_seconds=Quantiles(), inter_token_latency_seconds=Quantiles(),
+            request_queue_time_seconds=Quantiles(), prompt_tokens_per_s=0.0, generation_tokens_per_s=0.0,
+            requests_per_s=0.0, prefix_cache_hit_rate=0.0)
+    assert (obs.prefill.replicas, obs.prefill.ready, obs.decode.pending, obs.decode.draining) == (3, 2, 1, 1)
+    assert (obs.prefill.num_requests_waiting, obs.decode.num_requests_running) == (5, 40)
+    assert (obs.decode.kv_cache_usage_perc, obs.prefill.kv_cache_usage_perc_max) == (0.5, 0.2)
+
+
+def test_stale_gauges_are_an_error_as_for_a_decision() -> None:
+    with pytest.raises(MetricsError, match="the prefill engines' metrics are stale"):
+        gauges(healthy_results(age={"prefill": 400, "decode": 3}), PODS, 1796083200.0 + 1000, SCOPE)
+
+
 # --- the HTTP client ------------------------------------------------------------------------------------
 
 
@@ -324,6 +361,13 @@ def test_client_sends_the_query_at_the_decision_time(fake_prometheus: tuple[str,
                for name, samples in results.items())
     assert {form["query"][0] for form in seen.queries[1:]} == set(collect.queries(SCOPE).values())
     assert 1 < IN_FLIGHT["max"] <= collect.PARALLEL_QUERIES     # queries run side by side, bounded
+
+
+def test_only_the_gauges_are_read_between_decisions(fake_prometheus: tuple[str, Seen]) -> None:
+    url, seen = fake_prometheus
+    results = Prometheus(url).collect(SCOPE, 10.0, only_gauges=True)
+    assert set(results) == set(gauge_queries(SCOPE))
+    assert sorted(form["query"][0] for form in seen.queries) == sorted(gauge_queries(SCOPE).values())
 
 
 def test_one_failed_query_fails_the_collection(fake_prometheus: tuple[str, Seen],

@@ -9,22 +9,23 @@ import copy
 import json
 import math
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import pytest
 import yaml
 from prometheus_client.parser import text_string_to_metric_families
 
 from xpyd.api.load import parse_serving
-from xpyd.autoscaler.collect import Access, MetricsError, Samples, Scope
+from xpyd.autoscaler.collect import Access, MetricsError, Samples, Scope, gauge_queries
 from xpyd.autoscaler.decide import AutoscalerState
 from xpyd.autoscaler.profile import ProfileError, perf_model
 from xpyd.common import exposition
 from xpyd.common.jsontypes import JSON
 from xpyd.controller.autoscale import Autoscaler, config_for
 from xpyd.controller.reconcile import desired_replicas
+from xpyd.controller.runtime import OperatorRuntime
 from xpyd.controller.status import Observed, compute_status
-from xpyd.kube import KubeError
+from xpyd.kube import Kube, KubeError
 
 pytestmark = pytest.mark.unit
 
@@ -67,17 +68,24 @@ class FakePrometheus:
     def __init__(self, results: dict[str, Samples] | None) -> None:
         self.results = results
         self.scopes: list[Scope] = []
+        self.gauge_reads = 0
         self.connections: list[tuple[str, Access]] = []
 
     def connect(self, url: str, access: Access) -> FakePrometheus:
         self.connections.append((url, access))
         return self
 
-    def collect(self, scope: Scope, at: float) -> dict[str, Samples]:
+    def collect(self, scope: Scope, at: float, only_gauges: bool = False) -> dict[str, Samples]:
         self.scopes.append(scope)
+        self.gauge_reads += only_gauges
         if self.results is None:
             raise MetricsError("Prometheus at http://prom:9090 cannot be read: connection refused")
-        return self.results
+        return {name: value for name, value in self.results.items() if name in GAUGES} if only_gauges \
+            else self.results
+
+
+#: The names of the gauges' queries (what a look between decisions reads).
+GAUGES = frozenset(gauge_queries(Scope("team-a", "llama")))
 
 
 def pod(role: str, n: int) -> JSON:
@@ -470,3 +478,149 @@ def test_the_state_alone_is_no_reason_to_write_the_status() -> None:
     changed = {"autoscaler": {**patch["autoscaler"], "recommendedRatio": "1:2"}}
     scaler._write(obj, changed, AutoscalerState(time_s=1060.0))
     assert kube.status_patches[-1]["autoscaler"]["state"]["time_s"] == 1060.0
+
+
+# --- looks at the gauges between decisions (autoscaling.reactSeconds) ---------------------------------
+
+
+def calm_results() -> dict[str, Samples]:
+    """busy_results' pool, served: 2 req/s of 2,000-token prompts, nothing waiting."""
+    results = busy_results()
+    results.update({
+        "running": {"prefill": 1, "decode": 20}, "waiting": {"prefill": 0, "decode": 0},
+        "prompt_tps": {"prefill": 4000.0}, "generation_tps": {"decode": 200.0},
+        "success_rps": {"prefill": 2.0, "decode": 2.0}, "proxy_rps": {"": 2.0},
+        "ttft.p50": {"": 0.1}, "ttft.p90": {"": 0.2}, "ttft.p99": {"": 0.3}, "ttft.mean": {"": 0.12},
+        "request_queue_time_seconds.p90": {"prefill": 0.01, "decode": 0.001},
+        "request_queue_time_seconds.p99": {"prefill": 0.02, "decode": 0.001},
+        "request_queue_time_seconds.mean": {"prefill": 0.005, "decode": 0.001},
+    })
+    return results
+
+
+def backlog(results: dict[str, Samples]) -> dict[str, Samples]:
+    """The same pool 12 s later: 600 requests queued at prefill (1.2M prompt tokens, 100k tok/s of
+    growth: a burst far past what its one replica serves)."""
+    return {**results, "waiting": {"prefill": 600, "decode": 0}, "running": {"prefill": 8, "decode": 20}}
+
+
+def applied(obj: JSON, patch: JSON) -> JSON:
+    """`obj` with a status patch of the autoscaler applied as the API server merges it."""
+    obj = copy.deepcopy(obj)
+    status = obj.setdefault("status", {})
+    for name, value in patch.items():
+        status[name] = {**(status.get(name) or {}), **value} if name in ("prefill", "decode") else value
+    return obj
+
+
+def decided(mode: str, **autoscaling: Any) -> tuple[FakeKube, FakePrometheus, Autoscaler, list[float], JSON]:
+    """A pool decided once on calm metrics (the decision's status applied), 12 s before a backlog."""
+    kube, prom, now = FakeKube(PODS), FakePrometheus(calm_results()), [1000.0]
+    scaler = autoscaler(kube, prom, now)
+    obj = body(mode, profile={"name": "h200_llama31_8b_fp8_tp1"}, **autoscaling)
+    scaler.step(obj)
+    (patch,) = kube.status_patches
+    assert patch["autoscaler"]["lastDecision"]["prefill"] == 1      # calm: nothing to add
+    kube.status_patches.clear()
+    kube.events.clear()
+    prom.results = backlog(calm_results())
+    now[0] += 12.0
+    return kube, prom, scaler, now, applied(obj, patch)
+
+
+def test_a_backlog_between_decisions_grows_the_role_at_once_in_auto_mode() -> None:
+    kube, prom, scaler, now, obj = decided("Auto")
+    assert scaler.look_due(obj, now[0]) and not scaler.due(obj, now[0])
+    assert scaler.look(obj) is True                                   # the reconcile must act
+    assert prom.gauge_reads == 1                                      # one batch of gauge queries
+    (patch,) = kube.status_patches
+    decision = patch["autoscaler"]["lastDecision"]
+    assert decision["reason"] == "PrefillQueueing" and "between decisions" in decision["message"]
+    assert patch["prefill"]["desiredReplicas"] == decision["prefill"] > 1
+    assert patch["decode"]["desiredReplicas"] == decision["decode"] == 2  # never down, decode untouched
+    # The window's figures stay the decision's; the gauges' are the look's.
+    assert patch["autoscaler"]["observed"]["requestRate"] == 2.0
+    assert patch["autoscaler"]["observed"]["prefillQueue"] == 600.0
+    assert patch["autoscaler"]["state"]                               # kept for a hand-over
+    ((kind, reason, message),) = kube.events
+    assert (kind, reason) == ("Normal", "PrefillQueueing") and message.startswith(f"prefill 1->{decision['prefill']}")
+    llama = {"namespace": "team-a", "name": "llama"}
+    series = scrape(scaler)
+    assert series[key("xpyd_autoscaler_decisions_total", **llama, reason="PrefillQueueing")] == 1
+    assert series[key("xpyd_autoscaler_desired_replicas", **llama, role="prefill")] == decision["prefill"]
+    # Looks every reactSeconds, not before; the replicas ordered (their pods not in the cache yet)
+    # are not ordered again.
+    assert not scaler.look_due(obj, now[0] + 4.0)
+    now[0] += 5.0
+    assert scaler.look(applied(obj, patch)) is False and len(kube.status_patches) == 1 and len(kube.events) == 1
+
+
+def test_recommend_mode_looks_and_recommends_only() -> None:
+    kube, _, scaler, now, obj = decided("Recommend")
+    assert scaler.look(obj) is False                                  # nothing to reconcile
+    (patch,) = kube.status_patches
+    decision = patch["autoscaler"]["lastDecision"]
+    assert decision["reason"] == "PrefillQueueing" and decision["prefill"] > 1
+    assert "prefill" not in patch and "decode" not in patch           # no desiredReplicas
+    assert condition(patch)["reason"] == "RecommendOnly"
+    ((_, reason, message),) = kube.events
+    assert reason == "PrefillQueueing" and message.startswith(f"recommends prefill {decision['prefill']}")
+    now[0] += 5.0                                                     # the backlog lasts: said once
+    assert scaler.look(applied(obj, patch)) is False and len(kube.status_patches) == 1
+
+
+def test_off_mode_never_looks() -> None:
+    kube, prom, scaler, now, obj = decided("Auto")
+    obj["spec"]["autoscaling"]["mode"] = "Off"
+    obj["metadata"]["generation"] = 4
+    assert not scaler.look_due(obj, now[0]) and scaler.look(obj) is False
+    assert scaler.step(obj) is False                                  # forgets the object
+    assert scaler.look(obj) is False
+    assert (prom.gauge_reads, kube.status_patches, kube.events) == (0, [], [])
+
+
+def test_react_seconds_zero_never_looks() -> None:
+    kube, prom, scaler, now, obj = decided("Auto", reactSeconds=0)
+    assert not scaler.look_due(obj, now[0] + 20) and scaler.look(obj) is False
+    assert (prom.gauge_reads, kube.status_patches) == (0, [])
+
+
+def test_no_look_before_a_decision_of_this_process_or_after_a_spec_change() -> None:
+    kube, prom, now = FakeKube(PODS), FakePrometheus(backlog(calm_results())), [1000.0]
+    scaler = autoscaler(kube, prom, now)
+    obj = body(profile={"name": "h200_llama31_8b_fp8_tp1"})
+    assert not scaler.look_due(obj, now[0]) and scaler.look(obj) is False   # nothing to react from yet
+    kube, prom, scaler, now, obj = decided("Auto")
+    obj["metadata"]["generation"] = 4                                 # a decision is due instead
+    assert scaler.due(obj, now[0]) and not scaler.look_due(obj, now[0]) and scaler.look(obj) is False
+    assert prom.gauge_reads == 0
+
+
+def test_without_prometheus_a_look_does_nothing() -> None:
+    kube, prom, scaler, now, obj = decided("Auto")
+    prom.results = None
+    assert scaler.look(obj) is False
+    assert (prom.gauge_reads, kube.status_patches, kube.events) == (1, [], [])
+    assert scaler.look_due(obj, now[0] + 5.0)                         # tried again at the next look
+
+
+def test_calm_gauges_change_nothing() -> None:
+    kube, prom, scaler, _, obj = decided("Auto")
+    prom.results = calm_results()
+    assert scaler.look(obj) is False
+    assert (prom.gauge_reads, kube.status_patches, kube.events) == (1, [], [])
+
+
+def test_the_operator_loop_starts_a_look_between_decisions_and_queues_the_reconcile() -> None:
+    kube, prom, scaler, _, obj = decided("Auto")
+    kube.objects["DisaggregatedServing"] = {"llama": obj}
+    kube.list_servings = lambda scope: [obj]  # type: ignore[attr-defined]
+    runtime = OperatorRuntime(kube=cast(Kube, kube), operator_image="x", resync_seconds=60, namespaces=["team-a"],
+                              autoscaler=scaler, use_cache=False)
+    runtime.autoscale_due()
+    assert runtime._decisions is not None
+    runtime._decisions.shutdown(wait=True)
+    assert prom.gauge_reads == 1 and len(prom.scopes) == 2           # the first decision, then one look
+    assert kube.status_patches[0]["autoscaler"]["lastDecision"]["reason"] == "PrefillQueueing"
+    assert runtime.queue.get(timeout=0) == ("team-a", "llama")       # the reconcile applies it
+    assert not runtime._deciding

@@ -2,9 +2,11 @@
 Kubernetes API (its pods).
 
 Pure core, thin I/O:
-- `queries(scope)` is every PromQL query one decision needs (table-tested);
+- `queries(scope)` is every PromQL query one decision needs (table-tested), `gauge_queries(scope)`
+  the engines' gauges alone, which `react()` reads between decisions;
 - `observation(results, pods, now, scope)` turns their answers and the pool's pods into the
   `Observation` that `decide()` reads, or says why the metrics cannot be trusted (`MetricsError`);
+  `gauges(results, pods, now, scope)` the gauges-only one `react()` reads;
 - `Prometheus` runs the queries through prometheus-api-client's `PrometheusConnect` (instant
   queries, `/api/v1/query`), with the pool's bearer token and CA bundle (`Access`), synchronously:
   the operator calls it in a worker thread, off the event loop.
@@ -115,18 +117,29 @@ def _histogram_queries(key: str, series: str, selector: str, window: str, by: st
 SUCCESS_REASONS = "stop|length|repetition"
 
 
-def queries(scope: Scope) -> dict[str, str]:
-    """Every query of one observation, by name. Names with a role dimension answer one sample per
-    role (`by (xpyd_io_role)`); the others answer a single sample (or none)."""
-    engines, proxy, window = scope.selector(), scope.selector("proxy"), scope.range
-    by = "xpyd_io_role"
-    result = {
+def gauge_queries(scope: Scope) -> dict[str, str]:
+    """The queries of the engines' gauges alone, per role (`by (xpyd_io_role)`): which engines are
+    scraped and how fresh their samples are, running and waiting requests, KV usage. What `react()`
+    reads between decisions (`gauges`); a part of `queries`, which reads the same names."""
+    engines, by = scope.selector(), "xpyd_io_role"
+    return {
         "up": f"count by ({by}) (up{{{engines}}} == 1)",
         "age": f"max by ({by}) (time() - timestamp(vllm:num_requests_running{{{engines}}}))",
         "running": f"sum by ({by}) (vllm:num_requests_running{{{engines}}})",
         "waiting": f"sum by ({by}) (vllm:num_requests_waiting{{{engines}}})",
         "kv_mean": f"avg by ({by}) (vllm:kv_cache_usage_perc{{{engines}}})",
         "kv_max": f"max by ({by}) (vllm:kv_cache_usage_perc{{{engines}}})",
+    }
+
+
+def queries(scope: Scope) -> dict[str, str]:
+    """Every query of one observation, by name: the gauges (`gauge_queries`) and the window's rates
+    and histograms. Names with a role dimension answer one sample per role (`by (xpyd_io_role)`);
+    the others answer a single sample (or none)."""
+    engines, proxy, window = scope.selector(), scope.selector("proxy"), scope.range
+    by = "xpyd_io_role"
+    result = {
+        **gauge_queries(scope),
         "prompt_tps": f"sum by ({by}) (rate(vllm:prompt_tokens_total{{{engines}}}{window}))",
         "generation_tps": f"sum by ({by}) (rate(vllm:generation_tokens_total{{{engines}}}{window}))",
         # vLLM's own prefix caches (the same families from 0.13 to 0.33): prompt tokens looked up, found.
@@ -298,32 +311,11 @@ def observation(results: Mapping[str, Samples], pods: Sequence[JSON], now: float
     (Pods that just became ready are not in Prometheus yet: discovery and the first scrape take a
     scrape interval or two.)
     """
-    counts: dict[str, PodCounts] = {role: count_pods(pods, role, now) for role in ROLES}
-    for role in ROLES:
-        if counts[role].ready == 0:
-            continue
-        scraped = _value(results, "up", role, 0.0)
-        if scraped <= 0 and counts[role].ready_for_s <= STALE_AFTER_S:
-            continue  # not discovered yet: the role's series read as zero for now
-        if scraped <= 0:
-            raise MetricsError(f"{counts[role].ready} {role} pod(s) ready but Prometheus scrapes none of them "
-                               f"(no up == 1 series with namespace={scope.namespace}, "
-                               f"xpyd_io_serving={scope.serving}, xpyd_io_role={role})")
-        age = _value(results, "age", role)
-        if not math.isfinite(age):
-            raise MetricsError(f"no vllm:num_requests_running series from the {role} engines")
-        if age > STALE_AFTER_S:
-            raise MetricsError(f"the {role} engines' metrics are stale (last sample {age:.0f}s old)")
+    counts = _scraped_counts(results, pods, now, scope)
 
     def role_observation(role: str) -> RoleObservation:
-        pods_of = counts[role]
-        return RoleObservation(
-            replicas=pods_of.replicas, ready=pods_of.ready, starting=pods_of.starting, pending=pods_of.pending,
-            draining=pods_of.draining,
-            num_requests_running=_value(results, "running", role, 0.0),
-            num_requests_waiting=_value(results, "waiting", role, 0.0),
-            kv_cache_usage_perc=_value(results, "kv_mean", role, 0.0),
-            kv_cache_usage_perc_max=_value(results, "kv_max", role, 0.0),
+        return replace(
+            _role_gauges(counts[role], results, role),
             time_to_first_token_seconds=_quantiles(results, "time_to_first_token_seconds", role),
             inter_token_latency_seconds=_quantiles(results, "inter_token_latency_seconds", role),
             request_queue_time_seconds=_quantiles(results, "request_queue_time_seconds", role),
@@ -346,6 +338,51 @@ def observation(results: Mapping[str, Samples], pods: Sequence[JSON], now: float
         ttft_buckets=buckets(results, "ttft") if proxied else (), tpot_buckets=buckets(results, "tpot"))
 
 
+def gauges(results: Mapping[str, Samples], pods: Sequence[JSON], now: float, scope: Scope) -> Observation:
+    """The gauges-only Observation `react()` reads between decisions, from the answers of
+    `gauge_queries` and the pool's pods: each role's replica counts (as `observation` counts them),
+    running and waiting requests and KV usage, nothing of a window (`window_s` 0: no rate, quantile
+    or histogram). Raises MetricsError as `observation` does."""
+    counts = _scraped_counts(results, pods, now, scope)
+    return Observation(time_s=now, window_s=0.0, prefill=_role_gauges(counts["prefill"], results, "prefill"),
+                       decode=_role_gauges(counts["decode"], results, "decode"))
+
+
+def _scraped_counts(results: Mapping[str, Samples], pods: Sequence[JSON], now: float,
+                    scope: Scope) -> dict[str, PodCounts]:
+    """Each role's pods by state; MetricsError when the answers of a role's ready engines are missing
+    or stale (`observation`)."""
+    counts: dict[str, PodCounts] = {role: count_pods(pods, role, now) for role in ROLES}
+    for role in ROLES:
+        if counts[role].ready == 0:
+            continue
+        scraped = _value(results, "up", role, 0.0)
+        if scraped <= 0 and counts[role].ready_for_s <= STALE_AFTER_S:
+            continue  # not discovered yet: the role's series read as zero for now
+        if scraped <= 0:
+            raise MetricsError(f"{counts[role].ready} {role} pod(s) ready but Prometheus scrapes none of them "
+                               f"(no up == 1 series with namespace={scope.namespace}, "
+                               f"xpyd_io_serving={scope.serving}, xpyd_io_role={role})")
+        age = _value(results, "age", role)
+        if not math.isfinite(age):
+            raise MetricsError(f"no vllm:num_requests_running series from the {role} engines")
+        if age > STALE_AFTER_S:
+            raise MetricsError(f"the {role} engines' metrics are stale (last sample {age:.0f}s old)")
+    return counts
+
+
+def _role_gauges(counts: PodCounts, results: Mapping[str, Samples] | None = None, role: str = "") -> RoleObservation:
+    """A role's replica counts and (with `results`, the answers of `gauge_queries`) its engines' gauges."""
+    answers = results or {}
+    return RoleObservation(
+        replicas=counts.replicas, ready=counts.ready, starting=counts.starting, pending=counts.pending,
+        draining=counts.draining,
+        num_requests_running=_value(answers, "running", role, 0.0),
+        num_requests_waiting=_value(answers, "waiting", role, 0.0),
+        kv_cache_usage_perc=_value(answers, "kv_mean", role, 0.0),
+        kv_cache_usage_perc_max=_value(answers, "kv_max", role, 0.0))
+
+
 def held_requests(pods: Sequence[JSON]) -> Held:
     """What the pool's proxies hold for a ready prefill and decode pair, summed over their pods'
     `xpyd.io/RequestsWaiting` conditions (`api.waiting`): a pool at zero's demand, read from the
@@ -361,12 +398,8 @@ def with_held(observation: Observation, held: Held) -> Observation:
 
 def pods_only(pods: Sequence[JSON], now: float, window_s: float) -> Observation:
     """An Observation with the pool's pod counts and no metrics (for holding replicas)."""
-    def role_observation(role: str) -> RoleObservation:
-        c = count_pods(pods, role, now)
-        return RoleObservation(replicas=c.replicas, ready=c.ready, starting=c.starting, pending=c.pending,
-                               draining=c.draining)
-    return Observation(time_s=now, window_s=window_s, prefill=role_observation("prefill"),
-                       decode=role_observation("decode"))
+    return Observation(time_s=now, window_s=window_s, prefill=_role_gauges(count_pods(pods, "prefill", now)),
+                       decode=_role_gauges(count_pods(pods, "decode", now)))
 
 
 # --- I/O -------------------------------------------------------------------------------------------
@@ -457,10 +490,11 @@ class Prometheus:
         with self._connect() as client:
             return self._query(client, promql, at)
 
-    def collect(self, scope: Scope, at: float) -> dict[str, Samples]:
-        """Every query of `scope` evaluated at `at` (Unix seconds), up to `PARALLEL_QUERIES` at a
-        time; the first failure is raised and the queries not yet sent are dropped."""
-        named = queries(scope)
+    def collect(self, scope: Scope, at: float, only_gauges: bool = False) -> dict[str, Samples]:
+        """Every query of `scope` (`only_gauges`: those of `gauge_queries`) evaluated at `at` (Unix
+        seconds), up to `PARALLEL_QUERIES` at a time; the first failure is raised and the queries not
+        yet sent are dropped."""
+        named = gauge_queries(scope) if only_gauges else queries(scope)
         with self._connect() as client:
             pool = ThreadPoolExecutor(max_workers=min(PARALLEL_QUERIES, len(named)), thread_name_prefix="promql")
             try:

@@ -17,6 +17,14 @@ DisaggregatedServing whose mode is not Off, under the object's reconcile lock:
 5. Auto mode only: `status.{prefill,decode}.desiredReplicas`, which the reconcile (run right after,
    the single writer of the Deployments) applies to the children's replicas.
 
+Between two decisions, every `autoscaling.reactSeconds` (default 5; 0: never), for every object this
+process has decided (mode Recommend or Auto), under the same lock (`look`): read the pool's pods and
+only the engines' gauges (one batch of instant queries: `collect.gauge_queries`), and run `react()`
+with the decision state in memory. When it grows a role (a prefill backlog building, decode
+admission blocked) the decision is recorded and, in Auto mode, actuated exactly as step 4 and 5
+record and actuate a decision. It never scales down, and when Prometheus cannot be read it does
+nothing: the next decision holds and says why.
+
 The decision state (forecasts, capacity corrections, stabilisation windows, bursts) is kept in
 memory and, with every status write of a decision, in `status.autoscaler.state`
 (`autoscaler.state`). After an operator restart or a hand-over to another replica the new process
@@ -44,7 +52,14 @@ from prometheus_client.registry import Collector
 
 from xpyd.api.conditions import METRICS_AVAILABLE, PROFILE_UNAVAILABLE, RECOMMEND_ONLY, VALID_METRICS, ConditionType
 from xpyd.api.load import SpecError, parse_serving
-from xpyd.api.models import AutoscalingMode, CABundleRef, DisaggregatedServing, PrometheusSpec, SecretKeyRef
+from xpyd.api.models import (
+    DEFAULT_REACT_SECONDS,
+    AutoscalingMode,
+    CABundleRef,
+    DisaggregatedServing,
+    PrometheusSpec,
+    SecretKeyRef,
+)
 from xpyd.api.waiting import Held
 from xpyd.autoscaler import collect
 from xpyd.autoscaler.config import config_for as config_for
@@ -60,6 +75,7 @@ from xpyd.autoscaler.decide import (
 )
 from xpyd.autoscaler.observation import Observation
 from xpyd.autoscaler.profile import ProfileError, perf_model
+from xpyd.autoscaler.react import react
 from xpyd.autoscaler.state import decode as decode_state
 from xpyd.autoscaler.state import encode as encode_state
 from xpyd.common import exposition
@@ -206,8 +222,14 @@ def decision_status(body: JSON, mode: AutoscalingMode, decided: _Decided, now: f
     stamp = rfc3339(now)
     recorded = {"time": stamp, "prefill": decision.prefill.replicas, "decode": decision.decode.replicas,
                 "reason": decision.reason, "message": decision.message[:4096]}
-    observed = (observed_load(observation, decided.config.percentile) if not waking(observation)
-                else dict((old_status.get("autoscaler") or {}).get("observed") or {}))  # no metrics read
+    observed_before = dict((old_status.get("autoscaler") or {}).get("observed") or {})
+    if waking(observation):
+        observed = observed_before  # no metrics read
+    elif observation.window_s == 0:  # the gauges alone (`look`): the window's figures stay the decision's
+        gauges = observed_load(observation, decided.config.percentile)
+        observed = {**observed_before, **{k: gauges[k] for k in ("prefillQueue", "decodeQueue", "kvCacheUsage")}}
+    else:
+        observed = observed_load(observation, decided.config.percentile)
     observed["heldRequests"] = decided.held.requests
     autoscaler_status = {"lastDecision": recorded, "observed": observed,
                          "recommendedRatio": decision.recommended_ratio, "profile": decided.profile,
@@ -230,6 +252,7 @@ class _Memory:
     uid: str
     state: AutoscalerState = field(default_factory=AutoscalerState)
     last_run_s: float = -math.inf
+    last_look_s: float = -math.inf    # the last look at the gauges between decisions (`Autoscaler.look`)
     generation: int | None = None
     profile_key: tuple[Any, ...] = ()
     perf: PerfModel | None = None
@@ -326,6 +349,22 @@ class Autoscaler:
             return True
         return now - memory.last_run_s >= interval
 
+    def look_due(self, body: JSON, now: float) -> bool:
+        """Whether `body` needs a look at its gauges now (`look`): mode Recommend or Auto with
+        `reactSeconds` > 0, decided by this process at its present spec (there is a state to react
+        from; a spec change makes a decision due instead), and `reactSeconds` passed since its last
+        decision or look."""
+        spec = body.get("spec", {}).get("autoscaling", {})
+        react_s = float(spec.get("reactSeconds", DEFAULT_REACT_SECONDS))
+        if spec.get("mode", "Off") == "Off" or react_s <= 0:
+            return False
+        meta = body["metadata"]
+        with self._guard:
+            memory = self._memory.get((meta["namespace"], meta["name"]))
+        if memory is None or memory.uid != meta.get("uid") or memory.generation != meta.get("generation"):
+            return False
+        return now - max(memory.last_run_s, memory.last_look_s) >= react_s - 0.5
+
     def forget(self, namespace: str, name: str) -> None:
         with self._guard:
             self._memory.pop((namespace, name), None)
@@ -378,6 +417,45 @@ class Autoscaler:
                      _Decided(perf.description, config, observation, pool.held, decision, previous), now)  # 4.
         return self._actuates(body, serving, memory)  # 5.
 
+    def look(self, body: JSON) -> bool:
+        """Between decisions: the pool's pods and gauges, and `react()` on them with the decision state
+        in memory (module docstring). A decision it returns is recorded and actuated as `step`'s are
+        (steps 4 and 5); None, or gauges that cannot be read, change nothing. Returns whether the
+        children's replicas must be reconciled."""
+        meta = body["metadata"]
+        try:
+            serving = parse_serving(body)
+        except SpecError:
+            return False
+        mode = serving.spec.autoscaling.mode
+        with self._guard:
+            memory = self._memory.get((meta["namespace"], meta["name"]))
+        if (mode == AutoscalingMode.OFF or memory is None or memory.uid != meta.get("uid")
+                or memory.generation != meta.get("generation") or memory.perf is None):
+            return False  # not decided by this process at this spec: the next decision comes first
+        now = self.clock()
+        memory.last_look_s = now
+        config = config_for(serving, memory.perf)
+        if config.react_s is None:
+            return False
+        pool = self._read_pods(body, serving, now)
+        if pool.cold:
+            return False  # a pool at zero, or starting from it: the wake-ups decide it
+        try:
+            scope, results = self._query(body, serving, now, only_gauges=True)
+            observation = collect.with_held(collect.gauges(results, pool.pods, now, scope), pool.held)
+        except collect.MetricsError as error:
+            log.debug("autoscaler %s/%s: no look at the gauges: %s", meta["namespace"], meta["name"], error)
+            return False  # the next decision holds and says why
+        decision = react(observation, config, memory.state)
+        if decision is None or _ordered(body, mode, decision):
+            return False
+        memory.state = decision.state
+        previous = ((body.get("status") or {}).get("autoscaler") or {}).get("lastDecision") or {}
+        self._record(body, mode, memory,
+                     _Decided(memory.perf.description, config, observation, pool.held, decision, previous), now)
+        return self._actuates(body, serving, memory)
+
     def _recall(self, body: JSON, serving: DisaggregatedServing, now: float) -> _Memory:
         """What this process keeps of the object, restored from its status on the first decision
         (of a restart, or a hand-over)."""
@@ -425,15 +503,21 @@ class Autoscaler:
         observation is the pods' alone, as it is for a cold pool, decided without Prometheus)."""
         if pool.cold:
             return pool.bare, None
-        prometheus = serving.spec.autoscaling.prometheus
-        namespace, name = body["metadata"]["namespace"], body["metadata"]["name"]
-        scope = collect.Scope(namespace, name, prometheus.window_seconds)
         try:
-            access = prometheus_access(prometheus, lambda kind, ref: self._read(kind, namespace, ref))
-            results = self.prometheus(prometheus.url, access).collect(scope, now)
+            scope, results = self._query(body, serving, now)
             return collect.with_held(collect.observation(results, pool.pods, now, scope), pool.held), None
         except collect.MetricsError as error:
             return pool.bare, str(error)
+
+    def _query(self, body: JSON, serving: DisaggregatedServing, now: float,
+               only_gauges: bool = False) -> tuple[collect.Scope, dict[str, collect.Samples]]:
+        """The pool's series at `now` (`only_gauges`: the gauges alone), read with the bearer token
+        and CA bundle the spec names; MetricsError when they cannot be read."""
+        prometheus = serving.spec.autoscaling.prometheus
+        namespace, name = body["metadata"]["namespace"], body["metadata"]["name"]
+        scope = collect.Scope(namespace, name, prometheus.window_seconds)
+        access = prometheus_access(prometheus, lambda kind, ref: self._read(kind, namespace, ref))
+        return scope, self.prometheus(prometheus.url, access).collect(scope, now, only_gauges=only_gauges)
 
     def _record(self, body: JSON, mode: AutoscalingMode, memory: _Memory, decided: _Decided, now: float) -> None:
         """Step 4: the metrics, the status (with the desired replicas in Auto mode: step 5's
@@ -514,6 +598,20 @@ class Autoscaler:
                             f"recommends prefill {sizes[0]}, decode {sizes[1]}: {decision.message}")
         elif held_before:
             self.kube.event(body, "Normal", METRICS_AVAILABLE, f"metrics are back: {decision.message}")
+
+
+def _ordered(body: JSON, mode: AutoscalingMode, decision: Decision) -> bool:
+    """Whether an earlier decision already asks for at least `decision`'s sizes: the desired replicas
+    in Auto mode (their pods may not show yet), the last recommendation in Recommend mode (no write
+    every look while a backlog lasts)."""
+    status: JSON = body.get("status") or {}
+    last: JSON = (status.get("autoscaler") or {}).get("lastDecision") or {}
+
+    def asked(role: str) -> int:
+        value = (status.get(role) or {}).get("desiredReplicas") if mode == AutoscalingMode.AUTO else last.get(role)
+        return value if isinstance(value, int) else -1
+
+    return asked("prefill") >= decision.prefill.replicas and asked("decode") >= decision.decode.replicas
 
 
 def restored(namespace: str, name: str, status: JSON, not_before: float) -> AutoscalerState:

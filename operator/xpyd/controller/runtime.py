@@ -17,7 +17,10 @@ set of workers.
 - The autoscaler loop (not a kopf timer: kopf guards timers with a finalizer, and a finalizer makes
   deleting a DisaggregatedServing hang whenever the operator is not running) starts a decision for
   every object whose decision is due, each in its own worker, so one slow Prometheus delays no
-  other pool; a decision that changes replicas in Auto mode queues the pool's reconcile.
+  other pool; a decision that changes replicas in Auto mode queues the pool's reconcile. Between an
+  object's decisions it starts a look at the engines' gauges every `reactSeconds`
+  (`Autoscaler.look`, which scales up at once on a backlog), never while a decision of the object
+  is due or running.
 - The demand signal of a pool at zero: when the pod watch sees a proxy's `xpyd.io/RequestsWaiting`
   condition report held requests (`api.waiting`), a decision starts at once (`wake`), outside the
   loop's schedule, and decides from the pool's pods alone (`Autoscaler.step(wake=True)`): the
@@ -75,8 +78,9 @@ class OperatorRuntime:
     retry_seconds: float = 1.0
     #: The autoscaler (None: no autoscaling in this operator, e.g. in tests of the reconcile alone).
     autoscaler: Autoscaler | None = None
-    #: How often the autoscaler loop looks for objects whose decision is due.
-    autoscale_tick_seconds: float = 5.0
+    #: How often the autoscaler loop looks for objects whose decision (or look at the gauges) is due:
+    #: from the cache, so a short tick costs the API server nothing.
+    autoscale_tick_seconds: float = 1.0
     #: Reconciles (and, apart, autoscaler decisions) that run at once.
     workers: int = 8
     #: A pool's status that only follows its children's progress is written at most this often.
@@ -159,6 +163,18 @@ class OperatorRuntime:
                     self.autoscaler.forget(namespace, name)
                 return
             actuate = self.autoscaler.step(body, wake=wake)
+        if actuate:
+            self.queue.add((namespace, name), urgent=True)
+
+    def look_pool(self, namespace: str, name: str) -> None:
+        """A look at the object's gauges between its decisions (`Autoscaler.look`), under its lock; in
+        Auto mode, a role it grows queues the pool's reconcile."""
+        assert self.autoscaler is not None
+        with self.lock(namespace, name):
+            body = self.kube.get(models.API_VERSION, models.KIND, namespace, name)
+            if body is None or body["metadata"].get("deletionTimestamp"):
+                return
+            actuate = self.autoscaler.look(body)
         if actuate:
             self.queue.add((namespace, name), urgent=True)
 
@@ -260,7 +276,8 @@ class OperatorRuntime:
         self.forget_locks({_key(body) for body in bodies}, listed)
 
     def autoscale_due(self) -> None:
-        """Start a decision for every autoscaled object whose decision is due and not running."""
+        """Start a decision for every autoscaled object whose decision is due, else a look at its
+        gauges when that is due, unless one of the two is running."""
         assert self.autoscaler is not None
         if not self.acting():
             return
@@ -273,10 +290,13 @@ class OperatorRuntime:
             if not self.acting():
                 break  # the Lease was lost meanwhile
             with self._locks_guard:
-                if key in self._deciding or not self.autoscaler.due(body, now):
+                if key in self._deciding:
+                    continue
+                decide = self.autoscaler.due(body, now)
+                if not decide and not self.autoscaler.look_due(body, now):
                     continue
                 self._deciding.add(key)
-            self._decisions.submit(self._decide, key)
+            self._decisions.submit(self._decide, key, False, not decide)
         self.autoscaler.forget_absent({_key(body) for body in bodies}, listed)
 
     def wake(self, key: Key) -> None:
@@ -299,13 +319,18 @@ class OperatorRuntime:
             with self._locks_guard:
                 self._deciding.discard(key)
 
-    def _decide(self, key: Key, wake: bool = False) -> None:
+    def _decide(self, key: Key, wake: bool = False, look: bool = False) -> None:
+        """A decision (`look`: a look at the gauges between decisions) in an autoscaler worker."""
+        what = "look at the gauges" if look else "decision"
         try:
-            self.autoscale_pool(*key, wake=wake)
+            if look:
+                self.look_pool(*key)
+            else:
+                self.autoscale_pool(*key, wake=wake)
         except (KubeError, InvalidSpec) as error:
-            log.warning("autoscaler decision for %s/%s failed, will retry: %s", *key, error)
+            log.warning("autoscaler %s for %s/%s failed, will retry: %s", what, *key, error)
         except Exception:  # a bug in one object's decision must not stop the others' (or the loop)
-            log.exception("autoscaler decision for %s/%s failed", *key)
+            log.exception("autoscaler %s for %s/%s failed", what, *key)
         finally:
             with self._locks_guard:
                 self._deciding.discard(key)

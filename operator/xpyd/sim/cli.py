@@ -9,6 +9,7 @@ import time as wallclock
 from pathlib import Path
 from typing import Any, TextIO
 
+from xpyd.api.models import DEFAULT_REACT_SECONDS
 from xpyd.autoscaler.observation import Slo
 from xpyd.sim.core import EngineConfig, EnginePerf
 from xpyd.sim.oracle import OracleRefusal, run_verdict
@@ -74,6 +75,9 @@ def add_parser(subparsers: Any) -> None:
     sim.add_argument("--attainment", type=float, default=0.95, metavar="A",
                      help="policy xpyd: the target attainment, the share of requests to meet both SLOs (0 < A < 1; "
                      "default 0.95); its model sizes each SLO at a percentile of at least 100 A")
+    sim.add_argument("--react-seconds", type=float, default=float(DEFAULT_REACT_SECONDS), metavar="S",
+                     help="policy xpyd: between decisions, read the gauges every S seconds and scale up at once on a "
+                     f"backlog, as the operator's autoscaling.reactSeconds (default {DEFAULT_REACT_SECONDS}; 0: off)")
     sim.add_argument("--max-num-batched-tokens", type=int, default=8192, help="engine token budget per step")
     sim.add_argument("--max-num-seqs", type=int, default=256, help="engine running-request limit")
     sim.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True,
@@ -103,6 +107,8 @@ def run(args: argparse.Namespace) -> int:
                 raise ValueError(f"--{name.replace('_', '-')} must be positive")
         if not 0.0 < args.attainment < 1.0:
             raise ValueError(f"--attainment must be between 0 and 1 (exclusive), not {args.attainment:g}")
+        if not args.react_seconds >= 0:
+            raise ValueError(f"--react-seconds must be 0 (off) or positive, not {args.react_seconds:g}")
         if args.policy not in POLICIES:
             raise ValueError(f"unknown policy {args.policy!r} (known: {', '.join(sorted(POLICIES))})")
         config = SimConfig(
@@ -123,7 +129,7 @@ def run(args: argparse.Namespace) -> int:
     started = wallclock.perf_counter()
     try:
         result = simulate_policy(args.policy, trace, perf, config, progress, idle_s=args.scale_to_zero,
-                                 attainment=args.attainment)
+                                 attainment=args.attainment, react_s=args.react_seconds or None)
     except OracleRefusal as error:   # no oracle result that silently misses what it was built for
         return fail(str(error))
     wall_s = wallclock.perf_counter() - started

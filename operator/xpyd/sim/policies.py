@@ -254,19 +254,20 @@ def build_policy(name: str, context: PolicyContext) -> Policy:
 
 def simulate_policy(name: str, trace: Sequence[TraceRequest], perf: EnginePerf, config: SimConfig,
                     progress: ProgressCallback | None = None, idle_s: float | None = None,
-                    attainment: float = PolicyContext.attainment) -> SimResult:
+                    attainment: float = PolicyContext.attainment,
+                    react_s: float | None = PolicyContext.react_s) -> SimResult:
     """Replay `trace` under the registered policy `name`, built with the config's sizes, SLO and timing
     (the hindsight baselines also get the trace and the engines' arguments). A fixed policy
     (`static-peak`, `static-mean`) starts at its own sizes: its pool is there from t=0; so does the
     `oracle`, whose run is its verifying replay under this config (`OracleRefusal`, a ValueError, when
     that replay misses the target attainment in any window). With `idle_s`
     the `xpyd` policy scales the pool to zero (the config's `min_replicas` must be 0); `attainment` is
-    its target attainment."""
+    its target attainment, `react_s` how often it reacts to the gauges between decisions (None: never)."""
     if idle_s is not None and config.min_replicas != 0:
         raise ValueError("scaling to zero (idle_s) needs SimConfig.min_replicas 0")
     context = PolicyContext(initial=Desired(config.prefill, config.decode), slo=config.slo, perf=perf,
                             interval_s=config.interval_s, startup_delay_s=config.startup_delay_s, trace=trace,
-                            engine=config.engine, idle_s=idle_s, attainment=attainment)
+                            engine=config.engine, idle_s=idle_s, attainment=attainment, react_s=react_s)
     if name == "oracle":   # its run is the replay that verified it, from its own sizes (OracleRefusal if it missed)
         return _verified_oracle(context, config)[1].result
     policy = build_policy(name, context)

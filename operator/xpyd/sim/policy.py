@@ -14,6 +14,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Protocol, runtime_checkable
 
+from xpyd.api.models import DEFAULT_REACT_SECONDS
 from xpyd.autoscaler.observation import Desired, Observation, Slo
 from xpyd.sim.core import EngineConfig, EnginePerf
 from xpyd.traces import TraceRequest
@@ -41,8 +42,9 @@ class PolicyContext:
     #: The share of requests the `xpyd` policy aims to have meet both SLOs (its target attainment,
     #: `autoscaling.slo.attainment`): strictly between 0 and 1.
     attainment: float = 0.95
-    #: The `xpyd` policy reacts to the gauges between its decisions this often (`autoscaler.react`). None: never.
-    react_s: float | None = None
+    #: The `xpyd` policy reacts to the gauges between its decisions this often (`autoscaler.react`), by
+    #: default as the operator does (`autoscaling.reactSeconds`' default). None: never.
+    react_s: float | None = float(DEFAULT_REACT_SECONDS)
 
     def __post_init__(self) -> None:
         if not 0.0 < self.attainment < 1.0:
