@@ -69,6 +69,7 @@ NIXL_CPU_KV_CORE_RESERVED: Final[VersionTuple] = (0, 18)
 # vllm/distributed/kv_events.py, vllm/v1/core/block_pool.py and kv_cache_utils.py of each wheel checked) ---
 
 #: `--prefix-caching-hash-algo` values, the default first: the same in every release checked (0.13-0.33).
+#: The one list of them; `xpyd.kvcache.hashing.hash_function` computes each.
 PREFIX_CACHING_HASH_ALGOS: Final = ("sha256", "sha256_cbor", "xxhash", "xxhash_cbor")
 #: `--enable-prefix-caching` is on by default for models that support it (every decoder-only LLM) in
 #: every release checked; `--no-enable-prefix-caching` turns it off.

@@ -4,10 +4,12 @@ As vLLM 0.32 and 0.33 compute them (`vllm/v1/core/kv_cache_utils.py`, `vllm/util
 
 - A block's hash is `hash_fn((parent_hash, tuple(block_token_ids), extra_keys))`; the first block's
   parent is `NONE_HASH`. Only full blocks are hashed.
-- `--prefix-caching-hash-algo` picks `hash_fn` (`HASH_ALGOS`, the values every release from 0.13 to
-  0.33 accepts): `sha256` (the default) is SHA-256 of the tuple pickled with the highest protocol;
-  `sha256_cbor` is SHA-256 of its canonical CBOR; `xxhash` and `xxhash_cbor` are xxHash's 128-bit
-  XXH3 of the same bytes (they need the `xxhash` package, as vLLM does).
+- `--prefix-caching-hash-algo` picks `hash_fn` (`hash_function`): `sha256` (the default) is SHA-256
+  of the tuple pickled with the highest protocol; `sha256_cbor` is SHA-256 of its canonical CBOR;
+  `xxhash` and `xxhash_cbor` are xxHash's 128-bit XXH3 of the same bytes (they need the `xxhash`
+  package, as vLLM does). The values every release from 0.13 to 0.33 accepts are listed once, with
+  the other facts checked against vLLM's source: `xpyd.vllm.PREFIX_CACHING_HASH_ALGOS` (a leaf beside
+  this one; the packages above use it).
 - `NONE_HASH` is `hash_fn(seed)` (`none_hash_seed`): the seed is `PYTHONHASHSEED` when it is set;
   otherwise "vllm-none-hash" for the cryptographic algorithms, so independent engines with the same
   settings hash alike, and random bytes (as hex) per process for the xxhash ones, so their hashes are
@@ -29,8 +31,6 @@ import pickle
 import struct
 from collections.abc import Callable, Sequence
 
-HASH_ALGOS = ("sha256", "sha256_cbor", "xxhash", "xxhash_cbor")
-"""The `--prefix-caching-hash-algo` values vLLM accepts; its default first."""
 CRYPTOGRAPHIC_HASH_ALGOS = ("sha256", "sha256_cbor")
 """The algorithms whose `NONE_HASH` is the same in every process without `PYTHONHASHSEED`."""
 DEFAULT_NONE_HASH_SEED = "vllm-none-hash"
@@ -78,7 +78,7 @@ def hash_function(algo: str) -> Callable[[object], bytes]:
     try:
         return functions[algo]
     except KeyError:
-        raise ValueError(f"Unsupported hash function: {algo} (vLLM's are {', '.join(HASH_ALGOS)})") from None
+        raise ValueError(f"Unsupported hash function: {algo} (vLLM's are {', '.join(functions)})") from None
 
 
 def none_hash_seed(algo: str, pythonhashseed: str | None = None) -> str:

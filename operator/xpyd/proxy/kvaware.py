@@ -54,7 +54,7 @@ from xpyd.common.args import non_negative_float, port, positive_float, positive_
 from xpyd.common.jsontypes import JSON
 from xpyd.kvcache import scoring
 from xpyd.kvcache.events import block_hash_key
-from xpyd.kvcache.hashing import CRYPTOGRAPHIC_HASH_ALGOS, DEFAULT_NONE_HASH_SEED, HASH_ALGOS, BlockHasher
+from xpyd.kvcache.hashing import CRYPTOGRAPHIC_HASH_ALGOS, DEFAULT_NONE_HASH_SEED, BlockHasher
 from xpyd.kvcache.index import PrefixIndex
 from xpyd.kvcache.pool import BlockKeys
 from xpyd.proxy.metrics import Counter, Gauge, GaugeSample, Histogram
@@ -104,7 +104,7 @@ class KVAwareSettings:
     index_blocks: int = _API.index_blocks
     block_size: int = vllm.DEFAULT_BLOCK_SIZE_GPU
     #: Events: the engines' `--prefix-caching-hash-algo` (Routed hashes with sha256 whatever it says).
-    hash_algo: str = HASH_ALGOS[0]
+    hash_algo: str = vllm.PREFIX_CACHING_HASH_ALGOS[0]
     #: Events: the engines' PYTHONHASHSEED (None: vLLM's fixed seed of sha256 and sha256_cbor).
     hash_seed: str | None = None
     events_port: int = KV_EVENTS_PORT
@@ -522,7 +522,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--kv-block-size", type=positive_int, default=defaults.block_size,
                        help="the engines' --block-size (tokens per KV block); with Events each role then takes "
                        "the size its engines' events carry")
-    group.add_argument("--kv-hash-algo", default=defaults.hash_algo, choices=HASH_ALGOS,
+    group.add_argument("--kv-hash-algo", default=defaults.hash_algo, choices=vllm.PREFIX_CACHING_HASH_ALGOS,
                        help="Events: the engines' --prefix-caching-hash-algo (Routed hashes with sha256)")
     group.add_argument("--kv-hash-seed", default=None,
                        help="Events: the engines' PYTHONHASHSEED, which seeds vLLM's first block hash (unset: "

@@ -9,7 +9,6 @@ from typing import Any
 
 from xpyd import vllm
 from xpyd.common.netguard import require_loopback
-from xpyd.kvcache.hashing import HASH_ALGOS
 from xpyd.sim.core import EnginePerf
 
 EMULATED_VLLM_VERSION = "0.33.0"
@@ -119,7 +118,7 @@ class EmulatorConfig:
     seed: int | None = None
     enable_prefix_caching: bool = vllm.PREFIX_CACHING_DEFAULT
     block_size: int = BLOCK_SIZE
-    prefix_caching_hash_algo: str = HASH_ALGOS[0]
+    prefix_caching_hash_algo: str = vllm.PREFIX_CACHING_HASH_ALGOS[0]
     none_hash_seed: str | None = None          # None: vLLM's rule (PYTHONHASHSEED, else per algorithm)
     enable_prompt_tokens_details: bool = False
     kv_events: KVEventsConfig = field(default_factory=KVEventsConfig)
@@ -142,8 +141,9 @@ class EmulatorConfig:
                              "--tensor-parallel-size must be at least 1")
         if self.block_size < 1:
             raise ValueError(f"--block-size must be a positive integer, not {self.block_size}")
-        if self.prefix_caching_hash_algo not in HASH_ALGOS:
-            raise ValueError(f"--prefix-caching-hash-algo must be one of {', '.join(HASH_ALGOS)}, "
+        if self.prefix_caching_hash_algo not in vllm.PREFIX_CACHING_HASH_ALGOS:
+            raise ValueError("--prefix-caching-hash-algo must be one of "
+                             f"{', '.join(vllm.PREFIX_CACHING_HASH_ALGOS)}, "
                              f"not {self.prefix_caching_hash_algo!r}")
         if self.data_parallel_rank < 0:
             raise ValueError("--data-parallel-rank must not be negative")

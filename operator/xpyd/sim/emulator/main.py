@@ -15,7 +15,7 @@ from typing import Any
 
 from xpyd import vllm
 from xpyd.common.netguard import NonLoopbackAddress
-from xpyd.kvcache.hashing import HASH_ALGOS, hash_function
+from xpyd.kvcache.hashing import hash_function
 from xpyd.perf.model import DEFAULT_PROFILE
 from xpyd.sim.core import EnginePerf
 from xpyd.sim.emulator.config import (
@@ -80,7 +80,8 @@ def build_parser() -> argparse.ArgumentParser:
                        "default: on)")
     cache.add_argument("--block-size", type=int, default=BLOCK_SIZE, help=f"tokens per KV block (default "
                        f"{BLOCK_SIZE}, vLLM's on GPUs)")
-    cache.add_argument("--prefix-caching-hash-algo", choices=HASH_ALGOS, default=HASH_ALGOS[0],
+    cache.add_argument("--prefix-caching-hash-algo", choices=vllm.PREFIX_CACHING_HASH_ALGOS,
+                       default=vllm.PREFIX_CACHING_HASH_ALGOS[0],
                        help="block hash (default sha256; the xxhash ones need the xxhash package)")
     cache.add_argument("--num-gpu-blocks-override", type=int, default=None, help="KV blocks of the engine, "
                        "vLLM's null block among them: the KV capacity is (N - 1) x --block-size tokens "
