@@ -18,7 +18,8 @@ t=0), `queue-threshold` over its thresholds (queue per prefill pod and decode KV
 together: `QUEUE_SCALES`), `dynamo-sla` over a margin on its predicted load (`DYNAMO_MARGINS`), and
 the `nowcast` reference (`xpyd.sim.policies.NowcastPolicy`: each oracle window's sizes asked for the
 moment the window begins, plus a fixed headroom, `NOWCAST_EXTRAS`). The causal families start warm
-(the oracle's first-window sizes) at every start-up delay and cold (1 prefill, 1 decode) at the
+(`warm_sizes`: the largest of the oracle's sizes until replicas ordered at the first decision serve)
+at every start-up delay and cold (1 prefill, 1 decode) at the
 first (every one with `--cold-all`). The `oracle` itself (`xpyd.sim.oracle`: per 60 s window the
 fewest replicas the simulator shows meeting 95% of the window's requests, carried queues included,
 start-up ignored, verified by replaying the whole schedule) is the point every "x oracle" divides by.
@@ -49,7 +50,7 @@ from xpyd.perf.model import PerfModel
 from xpyd.perf.shapes import lookup_model
 from xpyd.sim.core import EngineConfig
 from xpyd.sim.dynamo import DynamoSlaPolicy
-from xpyd.sim.oracle import OracleSchedule, OracleWindow, oracle_schedule
+from xpyd.sim.oracle import OraclePolicy, OracleSchedule, OracleWindow, oracle_schedule
 from xpyd.sim.policies import POLICIES, NowcastPolicy, QueueThresholdPolicy, XpydPolicy
 from xpyd.sim.policy import Policy, PolicyContext, StaticPolicy
 from xpyd.sim.report import build_report
@@ -243,11 +244,12 @@ def run_one(workload: Workload, run: Run, initial: Desired, windows: tuple[Oracl
                              "start": run.start, "startup_s": run.startup_s,
                              "prefix_caching": workload.prefix_caching,
                              "initial": {"prefill": initial.prefill, "decode": initial.decode}}
-    if isinstance(policy, XpydPolicy):
+    if isinstance(policy, XpydPolicy) and knob == FOCUS_TARGET:   # the others' logs would only add megabytes
         extra["autoscaler_decisions"] = [
-            {"t_s": d.state.time_s, "prefill": d.prefill.replicas, "decode": d.decode.replicas, "reason": d.reason,
-             "recommended_ratio": d.recommended_ratio, "prefill_reason": d.prefill.reason,
-             "decode_reason": d.decode.reason, "message": d.message} for d in policy.decisions]
+            {"t_s": t, "prefill": d.prefill.replicas, "decode": d.decode.replicas, "reason": d.reason,
+             "between_decisions": t != d.state.time_s, "recommended_ratio": d.recommended_ratio,
+             "prefill_reason": d.prefill.reason, "decode_reason": d.decode.reason, "message": d.message}
+            for t, d in policy.decisions]
     report = report_for(result, workload, run.startup_s, extra)
     report["task_s"] = round(time.perf_counter() - task_started, 2)
     return report
@@ -321,6 +323,14 @@ def windows_of(oracle: dict[str, Any]) -> tuple[OracleWindow, ...]:
 
 def sizes(oracle: dict[str, Any], key: str) -> Desired:
     return Desired(oracle[key]["prefill"], oracle[key]["decode"])
+
+
+def warm_sizes(windows: Sequence[OracleWindow], startup_s: float) -> Desired:
+    """A warm start: the pool the oracle needs until replicas ordered at the first decision serve
+    (the largest sizes among its windows overlapping [0, start-up + interval)), as the `oracle`
+    policy starts. A pool of only the first window's sizes would miss, whatever the policy, every
+    window before then that needs more: that is the start, not the policy."""
+    return OraclePolicy(tuple(windows), startup_s + SimConfig().interval_s).initial
 
 
 def static_sizes(mean: Desired, peak: Desired) -> list[Desired]:
@@ -807,7 +817,8 @@ share prefix blocks (its `hash_ids`), so only the Mooncake workloads differ by i
   oracle window's sizes asked for the moment the window begins (knowing the present exactly, nothing
   of the future), plus a fixed headroom of 0-3 prefill and 0-2 decode replicas (12 points).
 - `xpyd`, `queue-threshold` and `dynamo-sla` are causal (they see only the past). They start warm
-  (the oracle's first-window sizes) at every start-up delay and cold (1 prefill, 1 decode) at
+  (the largest of the oracle's sizes until replicas ordered at the first decision serve) at every
+  start-up delay and cold (1 prefill, 1 decode) at
   {cold_at}. The nowcast starts at its first window's sizes plus its headroom.
 - `oracle`: per 60 s window the fewest replicas with which the simulator shows 95% of the window's
   requests meeting both SLOs, the queue carried over from the previous window, start-up ignored;
@@ -865,10 +876,9 @@ def main() -> int:
         tasks: list[Task] = []
         for workload in workloads:
             oracle = oracles[workload.name]
-            warm = Desired(oracle["oracle_windows"][0]["prefill"], oracle["oracle_windows"][0]["decode"])
             windows = windows_of(oracle)
-            tasks += [(workload, run, COLD_SIZES if run.start == COLD else warm, windows if run.family == NOWCAST
-                       else ()) for run in plan(oracle, args.startups, args.cold_all)]
+            tasks += [(workload, run, COLD_SIZES if run.start == COLD else warm_sizes(windows, run.startup_s),
+                       windows if run.family == NOWCAST else ()) for run in plan(oracle, args.startups, args.cold_all)]
         counts = {w.name: sum(task[0].name == w.name for task in tasks) for w in workloads}
         cpu_s, unknown = estimate_s(tasks, out)
         if unknown < len(tasks):   # the runs of workloads without saved times at the others' mean

@@ -184,7 +184,10 @@ def test_autoscaler_eval_sweeps_each_family_into_frontiers_tables_and_verdicts(t
             assert all(r["family"] == family and r["start"] == start and r["workload"] == workload
                        and r["prefix_caching"] is (workload == "conv") for r in swept), (family, start)
         xpyd = {r["knob"]: r for r in reports["xpyd", "warm"]}
-        assert sorted(xpyd) == list(evaluation.XPYD_TARGETS) and all(r["autoscaler_decisions"] for r in xpyd.values())
+        assert sorted(xpyd) == list(evaluation.XPYD_TARGETS)
+        # the decision log is kept for the focus target only (the others' would add megabytes)
+        assert [k for k, r in xpyd.items() if r.get("autoscaler_decisions")] == [evaluation.FOCUS_TARGET]
+        assert all(d["t_s"] > 0 for d in xpyd[evaluation.FOCUS_TARGET]["autoscaler_decisions"])
         cold = reports["xpyd", "cold"][0]
         assert cold["initial"] == {"prefill": 1, "decode": 1} and cold["settled_after_s"] == 150.0
         # the table is each family's cheapest swept point reaching the level, else its best attainment

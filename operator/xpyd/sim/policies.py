@@ -88,17 +88,19 @@ def xpyd_config(context: PolicyContext, percentile: float = SIM_PERCENTILE) -> A
 
 @dataclass
 class XpydPolicy:
-    """`decide()` in the simulator: keeps the state between calls and every decision made."""
+    """`decide()` in the simulator, and `react()` between its calls: keeps the state from one call to
+    the next and every decision made, with the time it was made (a `react()` decision's state keeps
+    the time of the `decide()` before it)."""
 
     config: AutoscalerConfig
     state: AutoscalerState = field(default_factory=AutoscalerState)
-    decisions: list[Decision] = field(default_factory=list)
+    decisions: list[tuple[float, Decision]] = field(default_factory=list)
 
     def desired_sizes(self, observation: Observation) -> Desired:
         """Run `decide()`, keep its new state, return its sizes."""
         decision = decide(observation, self.config, self.state)
         self.state = decision.state
-        self.decisions.append(decision)
+        self.decisions.append((observation.time_s, decision))
         return Desired(decision.prefill.replicas, decision.decode.replicas)
 
     @property
@@ -111,7 +113,7 @@ class XpydPolicy:
         if decision is None:
             return None
         self.state = decision.state
-        self.decisions.append(decision)
+        self.decisions.append((observation.time_s, decision))
         return Desired(decision.prefill.replicas, decision.decode.replicas)
 
 
