@@ -394,24 +394,33 @@ class KVAwareRouter:
     def hit_tokens(self, instance: Instance, request: KVAwareRequest, now: float) -> int:
         """The prompt tokens `instance` holds from the first, as its index says (at most the blocks
         before the prompt's last token), at its role's block size."""
-        indexes = self.indexes.get(instance.url)
-        if not indexes:
-            return 0
         size = self.block_size(instance.role)
-        keys = request.keys_at(size)
+        return self._hits([instance], size, request.keys_at(size), request.prompt_tokens, now)[0]
+
+    def _hits(self, candidates: Sequence[Instance], size: int, keys: BlockKeys | None, prompt_tokens: int,
+              now: float) -> list[int]:
+        """`hit_tokens` of each of `candidates`, instances of one role: `size` its block size, `keys`
+        the prompt's keys at it (the block size, keys and limit depend on the role, not the instance)."""
         if keys is None:
-            return 0
-        limit = scoring.hit_limit(request.prompt_tokens, size)
-        return max(index.match(keys, now, limit) for index in indexes) * size
+            return [0] * len(candidates)
+        limit = scoring.hit_limit(prompt_tokens, size)
+        hits = []
+        for candidate in candidates:
+            indexes = self.indexes.get(candidate.url)
+            hits.append(max(index.match(keys, now, limit) for index in indexes) * size if indexes else 0)
+        return hits
 
     def choose(self, role: Role, candidates: Sequence[Instance], request: KVAwareRequest, now: float) -> Instance:
-        """The candidate KVAware routing picks for `request` (see the module docstring); `candidates`
-        must not be empty. Records the hits it scored, and, with the Routed index, what it sent."""
+        """The candidate KVAware routing picks for `request` among `candidates`, instances of `role`
+        (see the module docstring); `candidates` must not be empty. Records the hits it scored, and,
+        with the Routed index, what it sent."""
         if not candidates:
             raise ValueError("no candidates to pick from")
         settings = self.settings
         prompt = request.prompt_tokens
-        hits = [self.hit_tokens(c, request, now) for c in candidates]
+        size = self.block_size(role)
+        keys = request.keys_at(size)
+        hits = self._hits(candidates, size, keys, prompt, now)
         if role == "prefill":
             costs = [scoring.prefill_cost(c.outstanding_computed, prompt, hit, settings.kv_weight)
                      for c, hit in zip(candidates, hits, strict=True)]
@@ -424,10 +433,8 @@ class KVAwareRouter:
         self.prompt_tokens.inc(role, amount=prompt)
         if hit:
             self.predicted_hits.inc(role, amount=hit)
-        if settings.index == KVIndex.ROUTED:
-            keys = request.keys_at(self.block_size(role))
-            if keys is not None:
-                self.index(chosen.url, role).record(keys, now)
+        if settings.index == KVIndex.ROUTED and keys is not None:
+            self.index(chosen.url, role).record(keys, now)
         return chosen
 
     def chooser(self, role: Role, request: KVAwareRequest | None) -> Callable[[Sequence[Instance]], Instance] | None:
