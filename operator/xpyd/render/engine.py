@@ -160,7 +160,7 @@ def args(spec: DisaggregatedServingSpec, role: Role, proxy_host: str, node: Node
         result.append("--no-enable-prefix-caching")
     if node is not None:
         result += multi_node_args(role_spec, node)
-    result += kvaware.engine_args(spec, role)
+    result += kvaware.engine_args(spec)
     result.append(f"--kv-transfer-config={kv_transfer_config(spec, role, proxy_host).to_json()}")
     return result + list(spec.engine.extra_args) + list(role_spec.extra_args)
 

@@ -55,10 +55,10 @@ from xpyd.common.jsontypes import JSON
 DEFAULT_HASH_ALGO: Final = vllm.PREFIX_CACHING_HASH_ALGOS[0]
 
 
-def block_size(spec: DisaggregatedServingSpec, role: Role = "prefill") -> int:
-    """The engines' tokens per KV block: their `--block-size`, else vLLM's default for the device. A
-    value that is not an integer is vLLM's to refuse at start-up; the default stands in for it here."""
-    value = last_flag_value(engine_extra_args(spec, role), "--block-size")
+def block_size(spec: DisaggregatedServingSpec) -> int:
+    """The prefill engines' tokens per KV block: their `--block-size`, else vLLM's default for the device.
+    A value that is not an integer is vLLM's to refuse at start-up; the default stands in for it here."""
+    value = last_flag_value(engine_extra_args(spec, "prefill"), "--block-size")
     try:
         size = int(value) if value is not None else 0
     except ValueError:
@@ -68,9 +68,9 @@ def block_size(spec: DisaggregatedServingSpec, role: Role = "prefill") -> int:
     return vllm.DEFAULT_BLOCK_SIZE_CPU if spec.on_cpu else vllm.DEFAULT_BLOCK_SIZE_GPU
 
 
-def hash_algo(spec: DisaggregatedServingSpec, role: Role = "prefill") -> str:
-    """The engines' `--prefix-caching-hash-algo` (vLLM's default when unset)."""
-    return last_flag_value(engine_extra_args(spec, role), "--prefix-caching-hash-algo") or DEFAULT_HASH_ALGO
+def hash_algo(spec: DisaggregatedServingSpec) -> str:
+    """The prefill engines' `--prefix-caching-hash-algo` (vLLM's default when unset)."""
+    return last_flag_value(engine_extra_args(spec, "prefill"), "--prefix-caching-hash-algo") or DEFAULT_HASH_ALGO
 
 
 def hash_seed(spec: DisaggregatedServingSpec) -> str | None:
@@ -92,7 +92,7 @@ def events_config(spec: DisaggregatedServingSpec) -> str:
     return json.dumps(config, separators=(",", ":"))
 
 
-def engine_args(spec: DisaggregatedServingSpec, role: Role) -> list[str]:
+def engine_args(spec: DisaggregatedServingSpec) -> list[str]:
     """The engines' flags for KVAware routing: the KV events, with the Events index."""
     return [f"--kv-events-config={events_config(spec)}"] if kv_events_published(spec) else []
 
