@@ -624,3 +624,16 @@ def test_the_operator_loop_starts_a_look_between_decisions_and_queues_the_reconc
     assert kube.status_patches[0]["autoscaler"]["lastDecision"]["reason"] == "PrefillQueueing"
     assert runtime.queue.get(timeout=0) == ("team-a", "llama")       # the reconcile applies it
     assert not runtime._deciding
+
+
+def test_a_look_keeps_what_the_last_decision_asks_of_the_roles_it_does_not_grow() -> None:
+    kube, _, scaler, _, obj = decided("Auto")
+    obj["status"]["decode"]["desiredReplicas"] = 1     # a scale-down ordered; the cache still has 2 decode pods
+    obj["status"]["prefill"]["desiredReplicas"] = 2    # and a scale-up whose pod is not there yet
+    assert scaler.look(obj) is True
+    (patch,) = kube.status_patches
+    assert patch["decode"]["desiredReplicas"] == 1                    # not undone
+    assert patch["prefill"]["desiredReplicas"] == patch["autoscaler"]["lastDecision"]["prefill"] > 2
+    assert patch["autoscaler"]["lastDecision"]["decode"] == 1
+    ((_, _, message),) = kube.events
+    assert message.startswith("prefill 1->") and "decode" not in message.split(":")[0]

@@ -43,7 +43,7 @@ import math
 import threading
 import time
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import prometheus_client
@@ -60,17 +60,22 @@ from xpyd.api.models import (
     PrometheusSpec,
     SecretKeyRef,
 )
+from xpyd.api.naming import DECODE, PREFILL
 from xpyd.api.waiting import Held
 from xpyd.autoscaler import collect
 from xpyd.autoscaler.config import config_for as config_for
 from xpyd.autoscaler.decide import (
     METRICS_UNAVAILABLE,
+    WITHIN_TARGETS,
     AutoscalerConfig,
     AutoscalerState,
     Decision,
+    RoleDecision,
+    RoleState,
     decide,
     headroom,
     hold,
+    pd_ratio,
     waking,
 )
 from xpyd.autoscaler.observation import Observation
@@ -447,8 +452,9 @@ class Autoscaler:
         except collect.MetricsError as error:
             log.debug("autoscaler %s/%s: no look at the gauges: %s", meta["namespace"], meta["name"], error)
             return False  # the next decision holds and says why
-        decision = react(observation, config, memory.state)
-        if decision is None or _ordered(body, mode, decision):
+        reacted = react(observation, config, memory.state)
+        decision = None if reacted is None else _beyond_asked(body, mode, reacted, memory.state)
+        if decision is None:
             return False
         memory.state = decision.state
         previous = ((body.get("status") or {}).get("autoscaler") or {}).get("lastDecision") or {}
@@ -600,18 +606,37 @@ class Autoscaler:
             self.kube.event(body, "Normal", METRICS_AVAILABLE, f"metrics are back: {decision.message}")
 
 
-def _ordered(body: JSON, mode: AutoscalingMode, decision: Decision) -> bool:
-    """Whether an earlier decision already asks for at least `decision`'s sizes: the desired replicas
-    in Auto mode (their pods may not show yet), the last recommendation in Recommend mode (no write
-    every look while a backlog lasts)."""
+def _beyond_asked(body: JSON, mode: AutoscalingMode, decision: Decision, state: AutoscalerState) -> Decision | None:
+    """A look's `decision` on top of what the last decision asks for (the desired replicas in Auto
+    mode, the recommendation in Recommend mode): a role it grows past that gets its size; any other
+    role keeps the size asked, so a look never undoes a scale-up or scale-down whose pods the cache
+    does not show yet, and keeps its state from before the look. None when it asks for nothing more
+    (then a backlog that lasts writes nothing at every look)."""
     status: JSON = body.get("status") or {}
     last: JSON = (status.get("autoscaler") or {}).get("lastDecision") or {}
 
-    def asked(role: str) -> int:
+    def asked(role: str) -> int | None:
         value = (status.get(role) or {}).get("desiredReplicas") if mode == AutoscalingMode.AUTO else last.get(role)
-        return value if isinstance(value, int) else -1
+        return value if isinstance(value, int) else None
 
-    return asked("prefill") >= decision.prefill.replicas and asked("decode") >= decision.decode.replicas
+    roles: dict[str, RoleDecision] = {}
+    states: dict[str, RoleState] = {}
+    grown: list[RoleDecision] = []
+    for name, role in ((PREFILL, decision.prefill), (DECODE, decision.decode)):
+        before = asked(name)
+        if role.replicas > role.current and (before is None or role.replicas > before):
+            roles[name], states[name] = role, decision.state.role(name)
+            grown.append(role)
+        else:
+            size = role.current if before is None else before
+            roles[name] = RoleDecision(size, size, size, WITHIN_TARGETS, f"{name[0].upper()} stays {size}")
+            states[name] = state.role(name)
+    if not grown:
+        return None
+    return replace(decision, prefill=roles[PREFILL], decode=roles[DECODE], reason=grown[0].reason,
+                   message="; ".join(role.message for role in grown),
+                   recommended_ratio=pd_ratio(roles[PREFILL].replicas, roles[DECODE].replicas),
+                   state=replace(decision.state, prefill=states[PREFILL], decode=states[DECODE]))
 
 
 def restored(namespace: str, name: str, status: JSON, not_before: float) -> AutoscalerState:
