@@ -187,13 +187,20 @@ class BlockPool:
     @property
     def num_segments(self) -> int:
         """Segments cached under keys (what lookups walk)."""
-        count = 0
-        for first in self._runs.values():
+        return sum(count for _, count in self.runs())
+
+    def runs(self) -> list[tuple[Hashable, int]]:
+        """Each run cached under keys with its segments, in the order the runs were first cached (a key
+        hashed from token ids is a run of one block: its segments are the block's copies)."""
+        out: list[tuple[Hashable, int]] = []
+        for run, first in self._runs.items():
+            count = 0
             segment: Segment | None = first
             while segment is not None:
                 count += 1
                 segment = segment.later
-        return count
+            out.append((run, count))
+        return out
 
     def cached_free_keys(self) -> list[tuple[Hashable, int] | None]:
         """The keys of the cached free blocks in eviction order (None for a block of generated tokens)."""

@@ -21,7 +21,7 @@ import aiohttp
 from xpyd.common.netguard import NonLoopbackAddress, require_loopback
 from xpyd.kvcache.events import external_block_hash
 from xpyd.kvcache.hashing import BlockHasher, none_hash_seed
-from xpyd.kvcache.pool import BlockKeys, Segment
+from xpyd.kvcache.pool import BlockKeys
 from xpyd.sim.core import EngineConfig, EngineCore, EnginePerf, EngineRequest, EngineStep, Event, EventKind, Phase
 from xpyd.sim.emulator.config import (
     KEEPALIVE_TIMEOUT_S,
@@ -377,14 +377,7 @@ class Engine:
             return []
         as_int = self.config.kv_events_int_hashes
         out: list[tuple[int | bytes, int]] = []
-        # The pool keeps no public listing of its runs; a key hashed from token ids is a run of one
-        # block, cached once per segment.
-        for run, first in pool._runs.items():
-            copies = 0
-            segment: Segment | None = first
-            while segment is not None:
-                copies += 1
-                segment = segment.later
+        for run, copies in pool.runs():   # a key hashed from token ids: a run of one block
             assert isinstance(run, bytes)
             out.append((external_block_hash(run, as_int), copies))
         return out
