@@ -57,9 +57,14 @@ GENERATED: Final = chunk_id(GENERATED_TEXT)
 NEWLINES: Final = chunk_id("\n\n")
 
 
+def text_strs(text: str) -> list[str]:
+    """A text's tokens as texts: its chunks of four characters (none for an empty text)."""
+    return [text[start:start + CHARS_PER_TOKEN] for start in range(0, len(text), CHARS_PER_TOKEN)]
+
+
 def text_ids(text: str) -> list[int]:
-    """A text's token ids: one per four characters (none for an empty text)."""
-    return [chunk_id(text[start:start + CHARS_PER_TOKEN]) for start in range(0, len(text), CHARS_PER_TOKEN)]
+    """A text's token ids: one per chunk (`text_strs`)."""
+    return [chunk_id(chunk) for chunk in text_strs(text)]
 
 
 def prompt_ids(text: str) -> list[int]:
@@ -102,11 +107,6 @@ SPECIAL_TEXT: Final = {BOS: "<|begin_of_text|>", START_HEADER: "<|start_header_i
                        END_HEADER: "<|end_header_id|>", EOT: "<|eot_id|>"}
 """The special tokens' texts (Llama 3's)."""
 _SPECIAL_IDS: Final = {text: token for token, text in SPECIAL_TEXT.items()}
-
-
-def text_strs(text: str) -> list[str]:
-    """A text's tokens as texts: its chunks of four characters."""
-    return [text[start:start + CHARS_PER_TOKEN] for start in range(0, len(text), CHARS_PER_TOKEN)]
 
 
 def prompt_strs(text: str) -> list[str]:
