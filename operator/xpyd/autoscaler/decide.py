@@ -1086,6 +1086,10 @@ def _wake(observation: Observation, config: AutoscalerConfig, state: AutoscalerS
         bounds = config.bounds(name)
         wanted = max(current, min(max(needs[name], 1), current + config.scale_up.max_step))
         sizes[name] = min(max(wanted, bounds.min_replicas, 1), bounds.max_replicas)
+    # Not `_apply_budget`: that one gives each GPU to the role whose predicted SLO violation it cuts
+    # most, which needs a plan (arrival rate, prompt mix, decode sizing) that a pool without a ready
+    # replica has not got. Here the larger role (in GPUs) gives one back until the pool fits, neither
+    # role below one replica: both must be up to serve the held requests at all.
     gpus = {PREFILL: config.prefill_gpus, DECODE: config.decode_gpus}
     while config.gpu_budget is not None and sum(sizes[n] * gpus[n] for n in sizes) > config.gpu_budget:
         larger = max((n for n in sizes if sizes[n] > 1), key=lambda n: sizes[n] * gpus[n], default=None)
