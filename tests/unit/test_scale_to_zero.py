@@ -559,3 +559,14 @@ def test_the_room_s_flags_are_bounded(argv: tuple[str, ...], problem: str | None
         config = config_from_args(args)
         assert (config.wait_timeout, config.wait_max_requests, config.wait_max_bytes) == \
             ((260.0, 32, 1024) if argv else (0.0, 256, 64 << 20))
+
+
+def test_waking_under_a_binding_gpu_budget_makes_room_for_the_role_without_replicas() -> None:
+    """Prefill holds the whole budget while decode has nothing: held requests need both, so prefill
+    gives one back for decode's first replica (the one way rule 0 scales a role down)."""
+    config = dataclasses.replace(CONFIG, gpu_budget=3)
+    observed = dataclasses.replace(observation(prefill=3, decode=0), held_requests=40.0,
+                                   held_prompt_tokens=40_000.0, decode=RoleObservation(replicas=0, ready=0))
+    decision = decide(observed, config, AutoscalerState())
+    assert decision.reason == SCALE_FROM_ZERO
+    assert (decision.prefill.replicas, decision.decode.replicas) == (2, 1)

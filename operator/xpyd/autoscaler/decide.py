@@ -17,7 +17,8 @@ them as named steps: `_wake`, `_check`, `_forecast`, `_corrections`, `_plan`, `_
    once, not from Prometheus) while a role has no ready replica bring both roles up together,
    sized for what is held (`ScaleFromZero`), as a backlog (rule 6): prefill drains the held prompt
    tokens within the sizing horizon, decode admits the held requests within it. No metrics
-   are needed (a pool at zero has none), nothing ever shrinks here, and `scale_up.max_step` and the
+   are needed (a pool at zero has none), nothing shrinks here (but for a binding GPU budget: the
+   larger role gives replicas back until both roles fit), and `scale_up.max_step` and the
    bounds apply. The release of the held requests, all at once when the pair serves, is a backlog:
    no burst (rule 4) is learnt from the windows that hold it.
 1. Metrics check: missing, stale or contradictory metrics hold every role at its current size
@@ -1065,7 +1066,8 @@ def _idle(observation: Observation) -> bool:
 
 def _wake(observation: Observation, config: AutoscalerConfig, state: AutoscalerState) -> Decision:
     """Requests held at a pool that cannot serve: both roles up together, each to at least one and to
-    what the held requests need (rule 0 of the module docstring); never down."""
+    what the held requests need (rule 0 of the module docstring); never down, but for a binding GPU
+    budget, where the larger role gives replicas back until both fit."""
     now = observation.time_s
     held, tokens = observation.held_requests, observation.held_prompt_tokens
     known_isl = state.isl.level if state.isl.level > 0 else 1.0
