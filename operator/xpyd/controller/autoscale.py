@@ -424,8 +424,9 @@ class Autoscaler:
 
     def look(self, body: JSON) -> bool:
         """Between decisions: the pool's pods and gauges, and `react()` on them with the decision state
-        in memory (module docstring). A decision it returns is recorded and actuated as `step`'s are
-        (steps 4 and 5); None, or gauges that cannot be read, change nothing. Returns whether the
+        in memory (module docstring). A role it grows past what the last decision asks for
+        (`_beyond_asked`) is recorded and actuated as `step`'s decisions are (steps 4 and 5); nothing
+        more to ask, or gauges that cannot be read, change nothing. Returns whether the
         children's replicas must be reconciled."""
         meta = body["metadata"]
         try:
