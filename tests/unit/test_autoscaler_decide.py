@@ -539,10 +539,11 @@ def test_from_spec_reads_the_crd() -> None:
     assert config.react_s == 5.0     # reactSeconds' default: the gauges every 5 s between decisions
 
 
-@pytest.mark.parametrize(("react_seconds", "react_s"), [(0, None), (3, 3.0), (29, 29.0)])
+@pytest.mark.parametrize(("react_seconds", "react_s"), [(0, None), (3, 3.0), (29, 29.0), (30, None), (45, None)])
 def test_from_spec_reads_react_seconds(react_seconds: int, react_s: float | None) -> None:
+    """0, or the interval and more (the next decision comes first), turn the looks off."""
     spec = AutoscalingSpec.model_validate({"mode": "Auto", "prometheus": {"url": "http://p:9090"},
-                                           "reactSeconds": react_seconds})
+                                           "reactSeconds": react_seconds, "intervalSeconds": 30})
     assert spec.react_seconds == react_seconds
     assert AutoscalerConfig.from_spec(spec, PERF).react_s == react_s
 

@@ -579,9 +579,12 @@ def test_off_mode_never_looks() -> None:
     assert (prom.gauge_reads, kube.status_patches, kube.events) == (0, [], [])
 
 
-def test_react_seconds_zero_never_looks() -> None:
-    kube, prom, scaler, now, obj = decided("Auto", reactSeconds=0)
-    assert not scaler.look_due(obj, now[0] + 20) and scaler.look(obj) is False
+@pytest.mark.parametrize("react_seconds", [0, 30, 45])
+def test_react_seconds_zero_or_at_least_the_interval_never_looks(react_seconds: int) -> None:
+    """0 turns the looks off; at or above intervalSeconds (30 here) the next decision comes first."""
+    kube, prom, scaler, now, obj = decided("Auto", reactSeconds=react_seconds)
+    assert obj["spec"]["autoscaling"].get("intervalSeconds", 30) == 30
+    assert not scaler.look_due(obj, now[0] + 29) and scaler.look(obj) is False
     assert (prom.gauge_reads, kube.status_patches) == (0, [])
 
 

@@ -1047,8 +1047,8 @@ class AutoscalingSpec(APIModel):
         ge=0,
         le=3599,
         description="Between decisions, how often the operator reads the engines' gauges (waiting and running "
-        "requests, KV usage) and scales a role up at once when a backlog builds; less than intervalSeconds. "
-        "0: only at decisions. Scale-down stays with the decisions.",
+        "requests, KV usage) and scales a role up at once when a backlog builds. 0, or intervalSeconds and "
+        "more (the next decision comes first): only at decisions. Scale-down stays with the decisions.",
     )
     startup_seconds: int = Field(
         default=120,
@@ -1084,13 +1084,6 @@ class AutoscalingSpec(APIModel):
             "per decision",
             check=lambda a: a.scale_to_zero.idle_seconds >= a.interval_seconds,
             field_path=".scaleToZero.idleSeconds",
-        ),
-        Rule(
-            cel="self.reactSeconds == 0 || self.reactSeconds < self.intervalSeconds",
-            message="autoscaling.reactSeconds must be less than intervalSeconds (or 0: off): it is how often the "
-            "gauges are read between two decisions",
-            check=lambda a: a.react_seconds == 0 or a.react_seconds < a.interval_seconds,
-            field_path=".reactSeconds",
         ),
         Rule(
             cel="!has(self.scaleToZero.waitSeconds) || self.scaleToZero.waitSeconds > self.startupSeconds",

@@ -111,7 +111,8 @@ class AutoscalerConfig:
             scale_down=Pace(float(behavior.scale_down.stabilization_window_seconds), behavior.scale_down.max_step),
             idle_s=float(spec.scale_to_zero.idle_seconds)
             if spec.prefill.min_replicas == 0 and spec.decode.min_replicas == 0 else None,
-            attainment=attainment, react_s=float(spec.react_seconds) if spec.react_seconds > 0 else None)
+            attainment=attainment,
+            react_s=float(spec.react_seconds) if 0 < spec.react_seconds < spec.interval_seconds else None)
 
 
 def engine_arg(args: list[str], flag: str, default: int) -> int:

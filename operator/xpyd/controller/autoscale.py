@@ -356,12 +356,13 @@ class Autoscaler:
 
     def look_due(self, body: JSON, now: float) -> bool:
         """Whether `body` needs a look at its gauges now (`look`): mode Recommend or Auto with
-        `reactSeconds` > 0, decided by this process at its present spec (there is a state to react
-        from; a spec change makes a decision due instead), and `reactSeconds` passed since its last
-        decision or look."""
+        `reactSeconds` > 0 and under `intervalSeconds` (at or above it the next decision comes first),
+        decided by this process at its present spec (there is a state to react from; a spec change
+        makes a decision due instead), and `reactSeconds` passed since its last decision or look."""
         spec = body.get("spec", {}).get("autoscaling", {})
         react_s = float(spec.get("reactSeconds", DEFAULT_REACT_SECONDS))
-        if spec.get("mode", "Off") == "Off" or react_s <= 0:
+        interval_s = float(spec.get("intervalSeconds", 30))
+        if spec.get("mode", "Off") == "Off" or not 0 < react_s < interval_s:
             return False
         meta = body["metadata"]
         with self._guard:
