@@ -38,7 +38,7 @@ from typing import Any
 from xpyd.autoscaler.observation import Slo
 from xpyd.perf.model import PerfModel
 from xpyd.perf.shapes import lookup_model
-from xpyd.sim.cli import scale_to_zero
+from xpyd.sim.main import scale_to_zero
 from xpyd.sim.policies import simulate_policy
 from xpyd.sim.report import build_report
 from xpyd.sim.simulator import SimConfig, SimResult

@@ -19,8 +19,8 @@ def build_parser() -> argparse.ArgumentParser:
     from xpyd.plan import add_parser as add_plan_parser
     from xpyd.proxy.main import add_parser as add_proxy_parser
     from xpyd.render.main import add_parser as add_render_parser
-    from xpyd.sim.cli import add_parser as add_sim_parser
     from xpyd.sim.emulator.main import add_parser as add_engine_sim_parser
+    from xpyd.sim.main import add_parser as add_sim_parser
 
     parser = argparse.ArgumentParser(prog="xpyd", description="vLLM prefill/decode-disaggregated serving on "
                                      "Kubernetes.")

@@ -12,7 +12,7 @@ import pytest
 from tests.paths import H200_PROFILE
 from xpyd.autoscaler.observation import Desired, Observation, Slo
 from xpyd.perf.model import PerfModel
-from xpyd.sim.cli import add_parser
+from xpyd.sim.main import add_parser
 from xpyd.sim.oracle import (
     OraclePolicy,
     OracleRefusal,

@@ -12,8 +12,8 @@ from tests.paths import FIXTURE_TRACES, H200_PROFILE
 from xpyd.autoscaler.observation import Desired, Slo
 from xpyd.perf.model import PerfModel
 from xpyd.sim import policies
-from xpyd.sim.cli import add_parser
 from xpyd.sim.dynamo import DynamoSlaPolicy
+from xpyd.sim.main import add_parser
 from xpyd.sim.policies import SIM_PERCENTILE, XpydPolicy, xpyd_config
 from xpyd.sim.policy import Policy, PolicyContext
 from xpyd.sim.simulator import SimConfig, simulate

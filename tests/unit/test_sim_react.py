@@ -12,7 +12,7 @@ from xpyd.api.models import DEFAULT_REACT_SECONDS, AutoscalingSpec
 from xpyd.autoscaler.observation import Desired, Slo
 from xpyd.perf.model import PerfModel
 from xpyd.sim import policies
-from xpyd.sim.cli import add_parser
+from xpyd.sim.main import add_parser
 from xpyd.sim.policies import XpydPolicy, xpyd_config
 from xpyd.sim.policy import Policy, PolicyContext
 

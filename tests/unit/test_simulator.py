@@ -14,8 +14,8 @@ from tests.paths import FIXTURE_TRACES, H200_PROFILE
 from xpyd.api.naming import DECODE, PREFILL
 from xpyd.autoscaler.observation import Desired, Observation, Slo
 from xpyd.perf.model import PerfModel
-from xpyd.sim.cli import ProgressBar, add_parser
 from xpyd.sim.core import EngineConfig
+from xpyd.sim.main import ProgressBar, add_parser
 from xpyd.sim.policies import POLICIES, build_policy
 from xpyd.sim.policy import PolicyContext, StaticPolicy
 from xpyd.sim.report import build_report, percentile, summary, timeline_bin_s
