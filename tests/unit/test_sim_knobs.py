@@ -1,5 +1,7 @@
-"""The simulated `xpyd` policy's target attainment (`PolicyContext.attainment`, `xpyd sim --attainment`)
-and the `dynamo-sla` margin: the knobs the evaluation sweeps (issue 30)."""
+"""The simulated policies' knobs (issue 30): the `xpyd` policy's target attainment
+(`PolicyContext.attainment`, `xpyd sim --attainment`) and its react cadence, the operator's default
+(`autoscaling.reactSeconds`; `xpyd sim --react-seconds`), and the `dynamo-sla` margin: what the
+evaluation sweeps and how the command line passes them on."""
 
 from __future__ import annotations
 
@@ -9,6 +11,7 @@ from typing import Any
 import pytest
 
 from tests.paths import FIXTURE_TRACES, H200_PROFILE
+from xpyd.api.models import DEFAULT_REACT_SECONDS, AutoscalingSpec
 from xpyd.autoscaler.observation import Desired, Slo
 from xpyd.perf.model import PerfModel
 from xpyd.sim import policies
@@ -64,8 +67,8 @@ def test_cli_refuses_an_attainment_outside_zero_to_one(value: str, capsys: pytes
     assert "--attainment must be between 0 and 1 (exclusive)" in capsys.readouterr().err
 
 
-def test_cli_passes_the_attainment_to_the_xpyd_policy(monkeypatch: pytest.MonkeyPatch,
-                                                      capsys: pytest.CaptureFixture[str]) -> None:
+def policies_built(monkeypatch: pytest.MonkeyPatch) -> list[Policy]:
+    """The policies `xpyd sim` builds from now on, as it builds them."""
     built: list[Policy] = []
     build = policies.build_policy
 
@@ -74,6 +77,12 @@ def test_cli_passes_the_attainment_to_the_xpyd_policy(monkeypatch: pytest.Monkey
         return built[-1]
 
     monkeypatch.setattr(policies, "build_policy", spy)
+    return built
+
+
+def test_cli_passes_the_attainment_to_the_xpyd_policy(monkeypatch: pytest.MonkeyPatch,
+                                                      capsys: pytest.CaptureFixture[str]) -> None:
+    built = policies_built(monkeypatch)
     args = parse("--policy", "xpyd", "--attainment", "0.9", "--speedup", "20")
     assert args.func(args) == 0
     assert isinstance(built[0], XpydPolicy) and built[0].config.attainment == 0.9
@@ -95,3 +104,26 @@ def test_dynamo_sizes_for_its_margin_more_load() -> None:
     assert desired[2.0].prefill > desired[0.0].prefill and desired[2.0].decode >= desired[0.0].decode
     with pytest.raises(ValueError, match="margin must be above -1"):
         DynamoSlaPolicy(perf(), 1.0, 0.05, Desired(1, 1), margin=-1.0)
+
+
+def test_the_simulated_policy_reacts_at_the_operators_default() -> None:
+    assert AutoscalingSpec().react_seconds == DEFAULT_REACT_SECONDS == 5
+    context = PolicyContext(initial=Desired(1, 1), slo=Slo(), perf=PerfModel.from_profile(H200_PROFILE),
+                            interval_s=30.0, startup_delay_s=120.0)
+    assert context.react_s == 5.0 and xpyd_config(context).react_s == 5.0
+
+
+@pytest.mark.parametrize(("argv", "react_s"), [((), 5.0), (("--react-seconds", "2"), 2.0),
+                                               (("--react-seconds", "0"), None)])
+def test_cli_passes_the_react_cadence_to_the_xpyd_policy(monkeypatch: pytest.MonkeyPatch, argv: tuple[str, ...],
+                                                         react_s: float | None) -> None:
+    built = policies_built(monkeypatch)
+    args = parse("--policy", "xpyd", "--speedup", "20", *argv)
+    assert args.func(args) == 0
+    assert isinstance(built[0], XpydPolicy) and built[0].react_s == react_s
+
+
+def test_cli_refuses_a_negative_react_cadence(capsys: pytest.CaptureFixture[str]) -> None:
+    args = parse("--policy", "xpyd", "--react-seconds", "-1")
+    assert args.func(args) == 2
+    assert "--react-seconds must be 0 (off) or positive" in capsys.readouterr().err
