@@ -55,7 +55,7 @@ SLICE = ("--start", "881.977", "--max-requests", "200", "--speedup", "4")
 #: have a prompt of 191,371 tokens, over the engines' 131,072).
 NEXT_SLICE = ("--start", "975.398", "--max-requests", "150", "--speedup", "4")
 TIME_SCALE = 4
-PREFILL = 6
+PREFILL_ENGINES = 6
 LEASE_SECONDS = 10
 
 
@@ -67,7 +67,7 @@ def manifest(policy: str) -> str:
             "engine": {"extraArgs": [f"--time-scale={TIME_SCALE}"]},
             # A prefill pod's drain holds the engine for the KV lease after its last answer: 10 s, not 30.
             "kvTransfer": {"connector": "NixlConnector", "extraConfig": {"kv_lease_duration": LEASE_SECONDS}},
-            "prefill": {"replicas": PREFILL, "gpu": {"product": "NVIDIA-H200"}, "drainTimeoutSeconds": 20},
+            "prefill": {"replicas": PREFILL_ENGINES, "gpu": {"product": "NVIDIA-H200"}, "drainTimeoutSeconds": 20},
             "decode": {"replicas": 1, "gpu": {"product": "NVIDIA-H200"}},
             "proxy": {"replicas": 1, "routingPolicy": policy, "kvAware": {"index": "Events"}},
         },
@@ -179,7 +179,7 @@ def test_kv_aware_routing_hits_twice_least_loaded_and_survives_a_deleted_prefill
             eventually(lambda: victim_url not in index_blocks(operator, namespace), timeout=30, interval=0.2,
                        what="the deleted engine's index gone from the proxy's metrics")
             index_gone = time.monotonic() - deleted
-            eventually(lambda: settled(operator, namespace, PREFILL), timeout=90, interval=0.5,
+            eventually(lambda: settled(operator, namespace, PREFILL_ENGINES), timeout=90, interval=0.5,
                        what="the prefill pods back to full strength, every one ready")
             output, _ = load.communicate(timeout=240)
         finally:
@@ -204,7 +204,7 @@ def test_kv_aware_routing_hits_twice_least_loaded_and_survives_a_deleted_prefill
         proxy_args = [a for p in pods if p["metadata"]["labels"]["xpyd.io/role"] == "proxy"
                       for a in p["spec"]["containers"][0].get("args", [])]
         serving = all(pod_ready(p) and not p["metadata"].get("deletionTimestamp") for p in pods)
-        return len(pods) == PREFILL + 2 and serving and "--routing-policy=LeastLoaded" in proxy_args \
+        return len(pods) == PREFILL_ENGINES + 2 and serving and "--routing-policy=LeastLoaded" in proxy_args \
             and not any(a.startswith("--kv-events-config") for a in args)
 
     eventually(rolled, timeout=150, interval=1.0, what="the engines and the proxy rolled to LeastLoaded")

@@ -51,6 +51,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from tests.conformance.vllm_release import release_root
 from tests.integration.enginesim import HOST, PERF, PREFILL_KV, client_session, post, token_prompt
+from xpyd.api.naming import ROLES
 from xpyd.autoscaler.collect import Scope, queries
 from xpyd.proxy.kvhealth import FAILED_TRANSFERS_SAMPLE, failed_transfers
 from xpyd.sim.emulator.config import EMULATED_VLLM_VERSION, EmulatorConfig
@@ -62,7 +63,7 @@ ROOT = Path(__file__).resolve().parents[2]
 RECORDINGS = ROOT / "tests" / "fixtures" / "vllm-0.32-cpu"
 MODEL = "tiny"
 MAX_MODEL_LEN = 4096   # the recorded engines': the token histograms' buckets and the error messages follow it
-ROLES = ("prefill", "decode")
+
 
 #: Families of real vLLM 0.32 the emulator does not expose (their `_created` gauges go with them), and why.
 NOT_MODELLED: dict[str, str] = {

@@ -25,7 +25,7 @@ pytestmark = pytest.mark.integration
 MODEL = "llama-8b"
 BLOCK = 16
 PREFILLS = ("127.0.0.5", "127.0.0.6", "127.0.0.7")
-DECODE = "127.0.0.8"
+DECODE_HOST = "127.0.0.8"
 
 
 @dataclass
@@ -47,15 +47,15 @@ def engine(role: str, host: str, port: int, side_port: int, events_port: int) ->
 
 @pytest.fixture
 async def pool() -> AsyncIterator[Pool]:
-    events_port = _free_port_on([*PREFILLS, DECODE])
+    events_port = _free_port_on([*PREFILLS, DECODE_HOST])
     http, side, proxy_port = free_ports(3)
     processes: dict[str, subprocess.Popen[bytes]] = {}
     try:
-        for host in (*PREFILLS, DECODE):
-            processes[f"http://{host}:{http}"] = engine("decode" if host == DECODE else "prefill", host, http, side,
-                                                        events_port)
+        for host in (*PREFILLS, DECODE_HOST):
+            role = "decode" if host == DECODE_HOST else "prefill"
+            processes[f"http://{host}:{http}"] = engine(role, host, http, side, events_port)
         prefills = [f"http://{host}:{http}" for host in PREFILLS]
-        decode = f"http://{DECODE}:{http}"
+        decode = f"http://{DECODE_HOST}:{http}"
         proxy = f"http://127.0.0.1:{proxy_port}"
         processes[proxy] = start_proxy(proxy_port, prefills, [decode], "--routing-policy", "KVAware",
                                        "--kv-index", "Events", "--kv-block-size", str(BLOCK),
