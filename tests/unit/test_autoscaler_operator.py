@@ -16,12 +16,13 @@ import yaml
 from prometheus_client.parser import text_string_to_metric_families
 
 from xpyd.api.load import parse_serving
+from xpyd.api.models import AutoscalingMode
 from xpyd.autoscaler.collect import Access, MetricsError, Samples, Scope, gauge_queries
 from xpyd.autoscaler.decide import AutoscalerState
 from xpyd.autoscaler.profile import ProfileError, perf_model
 from xpyd.common import exposition
 from xpyd.common.jsontypes import JSON
-from xpyd.controller.autoscale import Autoscaler, config_for
+from xpyd.controller.autoscale import ASKED_POD_LAG_S, Autoscaler, _asked, config_for
 from xpyd.controller.reconcile import desired_replicas
 from xpyd.controller.runtime import OperatorRuntime
 from xpyd.controller.status import Observed, compute_status
@@ -555,18 +556,12 @@ def test_a_backlog_between_decisions_grows_the_role_at_once_in_auto_mode() -> No
     assert scaler.look(applied(obj, patch)) is False and len(kube.status_patches) == 1 and len(kube.events) == 1
 
 
-def test_recommend_mode_looks_and_recommends_only() -> None:
-    kube, _, scaler, now, obj = decided("Recommend")
-    assert scaler.look(obj) is False                                  # nothing to reconcile
-    (patch,) = kube.status_patches
-    decision = patch["autoscaler"]["lastDecision"]
-    assert decision["reason"] == "PrefillQueueing" and decision["prefill"] > 1
-    assert "prefill" not in patch and "decode" not in patch           # no desiredReplicas
-    assert condition(patch)["reason"] == "RecommendOnly"
-    ((_, reason, message),) = kube.events
-    assert reason == "PrefillQueueing" and message.startswith(f"recommends prefill {decision['prefill']}")
-    now[0] += 5.0                                                     # the backlog lasts: said once
-    assert scaler.look(applied(obj, patch)) is False and len(kube.status_patches) == 1
+def test_recommend_mode_never_looks() -> None:
+    """A recommendation comes at decisions only: a look sized from pods that never follow it would
+    raise what the next decision lowers again, an Event each way, for as long as a backlog lasts."""
+    kube, prom, scaler, now, obj = decided("Recommend")
+    assert not scaler.look_due(obj, now[0]) and scaler.look(obj) is False
+    assert (prom.gauge_reads, kube.status_patches, kube.events) == (0, [], [])
 
 
 def test_off_mode_never_looks() -> None:
@@ -639,4 +634,23 @@ def test_a_look_keeps_what_the_last_decision_asks_of_the_roles_it_does_not_grow(
     assert patch["prefill"]["desiredReplicas"] == patch["autoscaler"]["lastDecision"]["prefill"] > 2
     assert patch["autoscaler"]["lastDecision"]["decode"] == 1
     ((_, _, message),) = kube.events
-    assert message.startswith("prefill 1->") and "decode" not in message.split(":")[0]
+    # The prefill pod asked for but not in the cache yet counts as starting (collect.with_asked).
+    assert message.startswith("prefill 2->") and "decode" not in message.split(":")[0]
+
+
+def test_a_decision_right_after_a_look_keeps_the_replicas_the_look_asked_for() -> None:
+    """The look's new pods are not in the cache yet when the decision comes: they count as starting,
+    so the decision neither orders them back nor sizes from the one pod it sees."""
+    kube, _, scaler, now, obj = decided("Auto")
+    assert scaler.look(obj) is True
+    (patch,) = kube.status_patches
+    grown = patch["prefill"]["desiredReplicas"]
+    assert grown > 1
+    obj = applied(obj, patch)
+    now[0] += 18.0                                                    # the interval is up; still 1 prefill pod
+    assert scaler.due(obj, now[0])
+    scaler.step(obj)
+    decision = kube.status_patches[-1]
+    assert decision["prefill"]["desiredReplicas"] >= grown
+    now[0] += ASKED_POD_LAG_S + 1.0                                  # long after: the pods seen are the pool
+    assert _asked(applied(obj, decision), AutoscalingMode.AUTO, now[0]) == {}

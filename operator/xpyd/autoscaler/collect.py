@@ -35,9 +35,11 @@ from prometheus_api_client.prometheus_connect import PrometheusConnect
 from urllib3.util.retry import Retry
 
 from xpyd.api.naming import (
+    DECODE,
     LWS_GROUP_KEY_LABEL,
     LWS_SIZE_ANNOTATION,
     LWS_WORKER_INDEX_LABEL,
+    PREFILL,
     ROLE_LABEL,
     ROLES,
     SERVING_LABEL,
@@ -394,6 +396,19 @@ def held_requests(pods: Sequence[JSON]) -> Held:
 def with_held(observation: Observation, held: Held) -> Observation:
     """`observation` with what the proxies hold."""
     return replace(observation, held_requests=float(held.requests), held_prompt_tokens=float(held.prompt_tokens))
+
+
+def with_asked(observation: Observation, asked: Mapping[str, int]) -> Observation:
+    """`observation` with the replicas each role was just asked for (its desired replicas) but has no
+    pod for yet counted as starting. A decision or a look right after a scale-up, before the watch
+    cache shows the new pods, must not take the pods it sees for the pool in force: it would order
+    the scale-up back, or size (and count GPUs) from too few."""
+    roles: dict[str, RoleObservation] = {}
+    for name, role in ((PREFILL, observation.prefill), (DECODE, observation.decode)):
+        missing = asked.get(name, 0) - (role.replicas + role.pending)
+        roles[name] = replace(role, replicas=role.replicas + missing, starting=role.starting + missing) \
+            if missing > 0 else role
+    return replace(observation, prefill=roles[PREFILL], decode=roles[DECODE])
 
 
 def pods_only(pods: Sequence[JSON], now: float, window_s: float) -> Observation:

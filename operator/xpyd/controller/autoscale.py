@@ -18,12 +18,16 @@ DisaggregatedServing whose mode is not Off, under the object's reconcile lock:
    the single writer of the Deployments) applies to the children's replicas.
 
 Between two decisions, every `autoscaling.reactSeconds` (default 5; 0: never), for every object this
-process has decided (mode Recommend or Auto), under the same lock (`look`): read the pool's pods and
+process has decided in Auto mode, under the same lock (`look`): read the pool's pods and
 only the engines' gauges (one batch of instant queries: `collect.gauge_queries`), and run `react()`
 with the decision state in memory. When it grows a role (a prefill backlog building, decode
-admission blocked) the decision is recorded and, in Auto mode, actuated exactly as step 4 and 5
-record and actuate a decision. It never scales down, and when Prometheus cannot be read it does
-nothing: the next decision holds and says why.
+admission blocked) the decision is recorded and actuated exactly as step 4 and 5 record and actuate
+a decision. It never scales down, and when Prometheus cannot be read it does nothing: the next
+decision holds and says why. Replicas the autoscaler asked for in the last `ASKED_POD_LAG_S` whose
+pods the watch cache does not show yet count as starting, for a look and a decision alike
+(`collect.with_asked`), so neither orders a scale-up back nor sizes from too few. In Recommend mode
+there are no looks: the user's pods never follow a recommendation, and a look sized from them would
+raise what the next decision lowers again, an Event each way.
 
 The decision state (forecasts, capacity corrections, stabilisation windows, bursts) is kept in
 memory and, with every status write of a decision, in `status.autoscaler.state`
@@ -355,14 +359,14 @@ class Autoscaler:
         return now - memory.last_run_s >= interval
 
     def look_due(self, body: JSON, now: float) -> bool:
-        """Whether `body` needs a look at its gauges now (`look`): mode Recommend or Auto with
+        """Whether `body` needs a look at its gauges now (`look`): mode Auto with
         `reactSeconds` > 0 and under `intervalSeconds` (at or above it the next decision comes first),
         decided by this process at its present spec (there is a state to react from; a spec change
         makes a decision due instead), and `reactSeconds` passed since its last decision or look."""
         spec = body.get("spec", {}).get("autoscaling", {})
         react_s = float(spec.get("reactSeconds", DEFAULT_REACT_SECONDS))
         interval_s = float(spec.get("intervalSeconds", 30))
-        if spec.get("mode", "Off") == "Off" or not 0 < react_s < interval_s:
+        if spec.get("mode", "Off") != "Auto" or not 0 < react_s < interval_s:
             return False
         meta = body["metadata"]
         with self._guard:
@@ -437,7 +441,7 @@ class Autoscaler:
         mode = serving.spec.autoscaling.mode
         with self._guard:
             memory = self._memory.get((meta["namespace"], meta["name"]))
-        if (mode == AutoscalingMode.OFF or memory is None or memory.uid != meta.get("uid")
+        if (mode != AutoscalingMode.AUTO or memory is None or memory.uid != meta.get("uid")
                 or memory.generation != meta.get("generation") or memory.perf is None):
             return False  # not decided by this process at this spec: the next decision comes first
         now = self.clock()
@@ -450,12 +454,13 @@ class Autoscaler:
             return False  # a pool at zero, or starting from it: the wake-ups decide it
         try:
             scope, results = self._query(body, serving, now, only_gauges=True)
-            observation = collect.with_held(collect.gauges(results, pool.pods, now, scope), pool.held)
+            observation = collect.with_asked(collect.with_held(collect.gauges(results, pool.pods, now, scope),
+                                                               pool.held), _asked(body, mode, now))
         except collect.MetricsError as error:
             log.debug("autoscaler %s/%s: no look at the gauges: %s", meta["namespace"], meta["name"], error)
             return False  # the next decision holds and says why
         reacted = react(observation, config, memory.state)
-        decision = None if reacted is None else _beyond_asked(body, mode, reacted, memory.state)
+        decision = None if reacted is None else _beyond_asked(body, reacted, memory.state)
         if decision is None:
             return False
         memory.state = decision.state
@@ -509,13 +514,15 @@ class Autoscaler:
                  now: float) -> tuple[Observation, str | None]:
         """Step 2: the observation to decide on, and why the metrics cannot be used (then the
         observation is the pods' alone, as it is for a cold pool, decided without Prometheus)."""
+        asked = _asked(body, serving.spec.autoscaling.mode, now)
         if pool.cold:
-            return pool.bare, None
+            return collect.with_asked(pool.bare, asked), None
         try:
             scope, results = self._query(body, serving, now)
-            return collect.with_held(collect.observation(results, pool.pods, now, scope), pool.held), None
+            observation = collect.with_held(collect.observation(results, pool.pods, now, scope), pool.held)
+            return collect.with_asked(observation, asked), None
         except collect.MetricsError as error:
-            return pool.bare, str(error)
+            return collect.with_asked(pool.bare, asked), str(error)
 
     def _query(self, body: JSON, serving: DisaggregatedServing, now: float,
                only_gauges: bool = False) -> tuple[collect.Scope, dict[str, collect.Samples]]:
@@ -608,17 +615,33 @@ class Autoscaler:
             self.kube.event(body, "Normal", METRICS_AVAILABLE, f"metrics are back: {decision.message}")
 
 
-def _beyond_asked(body: JSON, mode: AutoscalingMode, decision: Decision, state: AutoscalerState) -> Decision | None:
-    """A look's `decision` on top of what the last decision asks for (the desired replicas in Auto
-    mode, the recommendation in Recommend mode): a role it grows past that gets its size; any other
+#: How long after the autoscaler last changed the desired replicas the pods it asked for, not yet in
+#: the watch cache, count as starting (`collect.with_asked`): the Deployment controller creates them
+#: within seconds; a pod that cannot be placed shows as Pending, not as missing.
+ASKED_POD_LAG_S = 30.0
+
+
+def _asked(body: JSON, mode: AutoscalingMode, now: float) -> dict[str, int]:
+    """In Auto mode, the desired replicas per role the autoscaler wrote within `ASKED_POD_LAG_S`
+    (its last decision's time), else nothing."""
+    status: JSON = body.get("status") or {}
+    written = parse_rfc3339(((status.get("autoscaler") or {}).get("lastDecision") or {}).get("time"))
+    if mode != AutoscalingMode.AUTO or written is None or now - written > ASKED_POD_LAG_S:
+        return {}
+    desired = {role: (status.get(role) or {}).get("desiredReplicas") for role in (PREFILL, DECODE)}
+    return {role: value for role, value in desired.items() if isinstance(value, int)}
+
+
+def _beyond_asked(body: JSON, decision: Decision, state: AutoscalerState) -> Decision | None:
+    """A look's `decision` on top of what the last decision asks for (the desired replicas): a role
+    it grows past that gets its size; any other
     role keeps the size asked, so a look never undoes a scale-up or scale-down whose pods the cache
     does not show yet, and keeps its state from before the look. None when it asks for nothing more
     (then a backlog that lasts writes nothing at every look)."""
     status: JSON = body.get("status") or {}
-    last: JSON = (status.get("autoscaler") or {}).get("lastDecision") or {}
 
     def asked(role: str) -> int | None:
-        value = (status.get(role) or {}).get("desiredReplicas") if mode == AutoscalingMode.AUTO else last.get(role)
+        value = (status.get(role) or {}).get("desiredReplicas")
         return value if isinstance(value, int) else None
 
     roles: dict[str, RoleDecision] = {}
