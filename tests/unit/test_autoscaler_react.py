@@ -11,13 +11,14 @@ import pytest
 from tests.unit.test_autoscaler_decide import CONFIG, MODEL, observation, role, settled
 from xpyd.autoscaler.decide import (
     DECODE_ADMISSION,
+    METRICS_UNAVAILABLE,
     PREFILL_QUEUEING,
     AutoscalerState,
     ScaleUpBasis,
     decide,
     drain_budget_s,
 )
-from xpyd.autoscaler.observation import Observation, RoleObservation
+from xpyd.autoscaler.observation import Observation, Quantiles, RoleObservation
 from xpyd.autoscaler.react import MIN_GROWTH_SPAN_S, react
 from xpyd.autoscaler.sizing import PromptMix
 
@@ -120,6 +121,13 @@ def test_blocked_decode_admission_grows_decode(blocked: dict[str, Any]) -> None:
     assert decision.decode.reason == decision.reason == DECODE_ADMISSION
     assert decision.decode.replicas > 3 and decision.prefill.replicas == 2
     assert "waiting for decode admission" in decision.message
+
+
+def test_a_hold_leaves_no_basis() -> None:
+    """Held on missing metrics, decide() sized nothing: react has nothing to judge with until it does."""
+    held = decide(observation(ttft_seconds=Quantiles()), CONFIG, state(20_000.0))
+    assert held.reason == METRICS_UNAVAILABLE and held.state.basis is None
+    assert react(gauges(role(2, num_requests_waiting=20_000.0)), CONFIG, held.state) is None
 
 
 def test_a_sizing_decision_leaves_the_basis_react_reads() -> None:

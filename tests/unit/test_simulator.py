@@ -319,6 +319,7 @@ def test_a_reacting_policy_sees_the_gauges_every_react_s_and_scales_between_deci
     result = simulate(trace, LinearPerf(), SimConfig(prefill=1, decode=1, startup_delay_s=20.0), policy)
     times = [o.time_s for o in policy.reacted]
     assert times[:4] == [5.0, 10.0, 15.0, 20.0]
+    assert 30.0 not in times and 35.0 in times        # as the operator: no look at a decision's instant
     assert all(o.window_s == 0.0 and o.request_rate == 0.0 for o in policy.reacted)   # gauges, no window
     assert policy.reacted[2].prefill.replicas == 3 and policy.reacted[2].prefill.starting == 2
     assert [(c.time_s, c.prefill_before, c.prefill) for c in result.decisions][:2] == [(10.0, 1, 3), (30.0, 3, 1)]

@@ -415,8 +415,9 @@ def hold(observation: Observation, config: AutoscalerConfig, state: AutoscalerSt
             message = f"{name[0].upper()} {current}->{wanted} (min {bounds.min_replicas}, max {bounds.max_replicas})"
         roles.append(RoleDecision(current, wanted, current, role_reason, message))
     prefill, decode = roles
+    # A hold sizes nothing: `react` has no basis to judge with until the next sizing decision.
     return Decision(prefill, decode, reason, f"holding replicas: {problem}",
-                    pd_ratio(max(prefill.replicas, 1), max(decode.replicas, 1)), state,
+                    pd_ratio(max(prefill.replicas, 1), max(decode.replicas, 1)), replace(state, basis=None),
                     scaling_active=reason != METRICS_UNAVAILABLE)
 
 

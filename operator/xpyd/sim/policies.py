@@ -94,13 +94,13 @@ class XpydPolicy:
 
     config: AutoscalerConfig
     state: AutoscalerState = field(default_factory=AutoscalerState)
-    decisions: list[tuple[float, Decision]] = field(default_factory=list)
+    decisions: list[tuple[float, Decision, bool]] = field(default_factory=list)   # (time, decision, by react)
 
     def desired_sizes(self, observation: Observation) -> Desired:
         """Run `decide()`, keep its new state, return its sizes."""
         decision = decide(observation, self.config, self.state)
         self.state = decision.state
-        self.decisions.append((observation.time_s, decision))
+        self.decisions.append((observation.time_s, decision, False))
         return Desired(decision.prefill.replicas, decision.decode.replicas)
 
     @property
@@ -113,7 +113,7 @@ class XpydPolicy:
         if decision is None:
             return None
         self.state = decision.state
-        self.decisions.append((observation.time_s, decision))
+        self.decisions.append((observation.time_s, decision, True))
         return Desired(decision.prefill.replicas, decision.decode.replicas)
 
 

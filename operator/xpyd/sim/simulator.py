@@ -263,6 +263,7 @@ class Simulator:
         self.policy = policy
         self._reacting: ReactingPolicy | None = None
         self._react_s = 0.0
+        self._called_s = -math.inf     # the last policy call: a look comes react_s after it, as the operator's
         if isinstance(policy, ReactingPolicy) and policy.react_s is not None:
             self._reacting, self._react_s = policy, policy.react_s
         self.policy_name = policy_name
@@ -670,6 +671,8 @@ class Simulator:
         reacting = self._reacting
         assert reacting is not None
         self._push(now + self._react_s, _REACT, None, 0)
+        if now - self._called_s < self._react_s - 1e-9:
+            return     # as the operator: no look within react_s of a decision (it just saw the pool)
         observation = self.gauges(now)
         desired = reacting.react(observation)
         if desired is not None:
@@ -678,6 +681,7 @@ class Simulator:
     def _call_policy(self, now: float) -> None:
         """One policy call at `now` (a tick, or the demand signal's) and its scaling."""
         self._snapshot(now)
+        self._called_s = now
         observation = self.observe(now)
         self._apply(now, observation, self.policy.desired_sizes(observation))
 
