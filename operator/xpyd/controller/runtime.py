@@ -78,9 +78,6 @@ class OperatorRuntime:
     retry_seconds: float = 1.0
     #: The autoscaler (None: no autoscaling in this operator, e.g. in tests of the reconcile alone).
     autoscaler: Autoscaler | None = None
-    #: How often the autoscaler loop looks for objects whose decision (or look at the gauges) is due:
-    #: from the cache, so a short tick costs the API server nothing.
-    autoscale_tick_seconds: float = 1.0
     #: Reconciles (and, apart, autoscaler decisions) that run at once.
     workers: int = 8
     #: A pool's status that only follows its children's progress is written at most this often.
@@ -274,6 +271,13 @@ class OperatorRuntime:
         for body in bodies:
             self.queue.add(_key(body))
         self.forget_locks({_key(body) for body in bodies}, listed)
+
+    @property
+    def autoscale_tick_seconds(self) -> float:
+        """How often the autoscaler loop looks for objects whose decision (or look at the gauges) is
+        due: every second while the objects come from the watch cache (it costs the API server
+        nothing), every 5 s when each tick lists them from the API server."""
+        return 1.0 if self.use_cache else 5.0
 
     def autoscale_due(self) -> None:
         """Start a decision for every autoscaled object whose decision is due, else a look at its
