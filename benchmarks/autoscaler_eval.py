@@ -703,6 +703,16 @@ def plot_frontiers(workload: Workload, startups: Sequence[float], runs: Runs, or
     pyplot.close(figure)
 
 
+#: What a run's saved report keeps unless the timeline plots it: its time series (replicas, the
+#: binned timeline, every policy call) would make the results some twenty megabytes.
+SERIES_KEYS = ("replicas", "timeline", "decisions")
+
+
+def summary_of(report: dict[str, Any]) -> dict[str, Any]:
+    """A run's report without its time series (`SERIES_KEYS`): the figures every table reads."""
+    return {key: value for key, value in report.items() if key not in SERIES_KEYS}
+
+
 def timeline_rows(runs: Runs, oracle: dict[str, Any], startup: float) -> list[tuple[str, str, dict[str, Any]]]:
     """The runs the timeline shows: each family at its default knob (xpyd at 95%, warm and cold; the
     static pools at the oracle's mean and peak; the nowcast's cheapest headroom reaching 95%, else its
@@ -778,8 +788,9 @@ each gives a frontier of attainment against GPU-hours rather than one point. Mad
 ({runs} runs, about {minutes:.0f} minutes on {jobs} jobs{reuse_note}). Files, per workload:
 `<workload>/<family>_<knob>[_<start>_startup<S>].json` (the `xpyd sim --report` keys, plus the knob,
 `attainment_settled`: the share of requests arriving after the start-up delay and two 60 s windows,
-`wall_s`/`task_s`: the replay's and the whole run's seconds, and for `xpyd` every decision's reason
-and message; the knob is in the name: `xpyd_att0.95`, `static_p5d3`, `queue-threshold_x0.5`,
+`wall_s`/`task_s`: the replay's and the whole run's seconds, and for `xpyd` at 95% every decision's
+reason and message; only the runs the timeline plots keep their time series: replicas, timeline and policy calls; the
+knob is in the name: `xpyd_att0.95`, `static_p5d3`, `queue-threshold_x0.5`,
 `dynamo-sla_margin1`, `nowcast_p1d2`), `<workload>/oracle.json` (its windows, what its replay
 attained per window, its search time; a later run reuses it while the workload, profile and
 simulator code are unchanged: `oracle_key`), `<workload>/frontiers.json` (per start-up delay and
@@ -909,8 +920,10 @@ def main() -> int:
         (out / f"{workload.name}.png").unlink(missing_ok=True)   # the plot before the frontiers
         oracle = oracles[workload.name]
         (directory / "oracle.json").write_text(json.dumps(oracle, indent=1) + "\n")
+        plotted = {id(report) for _, _, report in timeline_rows(runs[workload.name], oracle, focus)}
         for run, report in runs[workload.name].items():
-            (directory / f"{run.stem}.json").write_text(json.dumps(report, indent=1) + "\n")
+            kept = report if id(report) in plotted else summary_of(report)
+            (directory / f"{run.stem}.json").write_text(json.dumps(kept, indent=1) + "\n")
         (directory / "frontiers.json").write_text(json.dumps(frontiers_json(args.startups, runs[workload.name]),
                                                              indent=1) + "\n")
         busy = [w for w in windows_of(oracle) if w.requests]

@@ -185,6 +185,9 @@ def test_autoscaler_eval_sweeps_each_family_into_frontiers_tables_and_verdicts(t
                        and r["prefix_caching"] is (workload == "conv") for r in swept), (family, start)
         xpyd = {r["knob"]: r for r in reports["xpyd", "warm"]}
         assert sorted(xpyd) == list(evaluation.XPYD_TARGETS)
+        # only the runs the timeline plots keep their time series
+        assert all(key in xpyd[evaluation.FOCUS_TARGET] for key in evaluation.SERIES_KEYS)
+        assert not any(key in xpyd[0.8] for key in evaluation.SERIES_KEYS)
         # the decision log is kept for the focus target only (the others' would add megabytes)
         assert [k for k, r in xpyd.items() if r.get("autoscaler_decisions")] == [evaluation.FOCUS_TARGET]
         assert all(d["t_s"] > 0 for d in xpyd[evaluation.FOCUS_TARGET]["autoscaler_decisions"])
