@@ -127,3 +127,22 @@ def test_cli_refuses_a_negative_react_cadence(capsys: pytest.CaptureFixture[str]
     args = parse("--policy", "xpyd", "--react-seconds", "-1")
     assert args.func(args) == 2
     assert "--react-seconds must be 0 (off) or positive" in capsys.readouterr().err
+
+
+
+@pytest.mark.parametrize("name", ["static-peak", "static-mean", "oracle"])
+def test_the_hindsight_policies_search_the_oracle_for_the_target_asked(name: str,
+                                                                      monkeypatch: pytest.MonkeyPatch) -> None:
+    """static-peak, static-mean and the oracle come from an oracle search for the context's target, not
+    a fixed 95%."""
+    asked: list[float] = []
+    search = policies.oracle_schedule
+
+    def spy(*args: Any, **kwargs: Any) -> Any:
+        asked.append(kwargs["attainment"])
+        return search(*args, **kwargs)
+
+    monkeypatch.setattr(policies, "oracle_schedule", spy)
+    trace = [TraceRequest(float(i) / 20.0, 2_000, 64) for i in range(200)]
+    policies.build_policy(name, context(attainment=0.9, trace=trace))
+    assert asked and set(asked) == {0.9}

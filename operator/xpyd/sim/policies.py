@@ -201,7 +201,8 @@ def _xpyd(context: PolicyContext) -> Policy:
 def _schedule(context: PolicyContext, policy: str) -> OracleSchedule:
     if not context.trace:
         raise ValueError(f"{policy} needs the trace (PolicyContext.trace)")
-    return oracle_schedule(context.trace, _perf(context, policy), context.slo, context.engine)
+    return oracle_schedule(context.trace, _perf(context, policy), context.slo, context.engine,
+                           attainment=context.attainment)
 
 
 def _static(peak: bool) -> PolicyFactory:
