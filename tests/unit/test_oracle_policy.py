@@ -18,10 +18,10 @@ from xpyd.sim.oracle import (
     OracleRefusal,
     OracleSchedule,
     OracleWindow,
+    attainment_by_window,
     oracle_schedule,
     refusal,
     run_verdict,
-    window_attainment,
 )
 from xpyd.sim.policies import build_policy, simulate_policy
 from xpyd.sim.policy import PolicyContext
@@ -53,7 +53,7 @@ def test_the_bound_ignores_start_up_and_an_oracle_started_at_its_first_window_mi
     first = bound.windows[0]
     result = simulate(ramp(), PERF, SimConfig(prefill=first.prefill, decode=first.decode, slo=SLO),
                       OraclePolicy(bound.windows, 150.0))
-    assert window_attainment(result)[1][1] < 0.5
+    assert attainment_by_window(result)[1][1] < 0.5
 
 
 def test_the_oracle_policy_starts_with_what_its_first_order_cannot_serve() -> None:
@@ -66,7 +66,7 @@ def test_the_oracle_policy_starts_with_what_its_first_order_cannot_serve() -> No
 
 def test_the_oracle_run_is_its_verifying_replay_and_meets_every_window() -> None:
     result = simulate_policy("oracle", ramp(), PERF, SimConfig(slo=SLO))   # --prefill 1 --decode 1 ignored
-    shares = window_attainment(result)
+    shares = attainment_by_window(result)
     assert [n for n, _ in shares] == [600, 7200]
     assert all(share >= 0.95 for _, share in shares)
     schedule = oracle_schedule(ramp(), PERF, SLO, run=SimConfig(slo=SLO))

@@ -346,8 +346,8 @@ def gauges(results: Mapping[str, Samples], pods: Sequence[JSON], now: float, sco
     running and waiting requests and KV usage, nothing of a window (`window_s` 0: no rate, quantile
     or histogram). Raises MetricsError as `observation` does."""
     counts = _scraped_counts(results, pods, now, scope)
-    return Observation(time_s=now, window_s=0.0, prefill=_role_gauges(counts["prefill"], results, "prefill"),
-                       decode=_role_gauges(counts["decode"], results, "decode"))
+    return Observation(time_s=now, window_s=0.0, prefill=_role_gauges(counts[PREFILL], results, PREFILL),
+                       decode=_role_gauges(counts[DECODE], results, DECODE))
 
 
 def _scraped_counts(results: Mapping[str, Samples], pods: Sequence[JSON], now: float,
@@ -413,8 +413,8 @@ def with_asked(observation: Observation, asked: Mapping[str, int]) -> Observatio
 
 def pods_only(pods: Sequence[JSON], now: float, window_s: float) -> Observation:
     """An Observation with the pool's pod counts and no metrics (for holding replicas)."""
-    return Observation(time_s=now, window_s=window_s, prefill=_role_gauges(count_pods(pods, "prefill", now)),
-                       decode=_role_gauges(count_pods(pods, "decode", now)))
+    return Observation(time_s=now, window_s=window_s, prefill=_role_gauges(count_pods(pods, PREFILL, now)),
+                       decode=_role_gauges(count_pods(pods, DECODE, now)))
 
 
 # --- I/O -------------------------------------------------------------------------------------------

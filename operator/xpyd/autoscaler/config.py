@@ -112,7 +112,13 @@ class AutoscalerConfig:
             idle_s=float(spec.scale_to_zero.idle_seconds)
             if spec.prefill.min_replicas == 0 and spec.decode.min_replicas == 0 else None,
             attainment=attainment,
-            react_s=float(spec.react_seconds) if 0 < spec.react_seconds < spec.interval_seconds else None)
+            react_s=react_cadence(spec.react_seconds, spec.interval_seconds))
+
+
+def react_cadence(react_seconds: float, interval_seconds: float) -> float | None:
+    """How often `react` looks at the gauges between decisions: `reactSeconds`, or None (never) when it
+    is 0 or at least `intervalSeconds` (the next decision comes first)."""
+    return float(react_seconds) if 0 < react_seconds < interval_seconds else None
 
 
 def engine_arg(args: list[str], flag: str, default: int) -> int:

@@ -68,6 +68,7 @@ from xpyd.api.naming import DECODE, PREFILL
 from xpyd.api.waiting import Held
 from xpyd.autoscaler import collect
 from xpyd.autoscaler.config import config_for as config_for
+from xpyd.autoscaler.config import react_cadence
 from xpyd.autoscaler.decide import (
     METRICS_UNAVAILABLE,
     WITHIN_TARGETS,
@@ -364,9 +365,9 @@ class Autoscaler:
         decided by this process at its present spec (there is a state to react from; a spec change
         makes a decision due instead), and `reactSeconds` passed since its last decision or look."""
         spec = body.get("spec", {}).get("autoscaling", {})
-        react_s = float(spec.get("reactSeconds", DEFAULT_REACT_SECONDS))
-        interval_s = float(spec.get("intervalSeconds", 30))
-        if spec.get("mode", "Off") != "Auto" or not 0 < react_s < interval_s:
+        react_s = react_cadence(float(spec.get("reactSeconds", DEFAULT_REACT_SECONDS)),
+                                float(spec.get("intervalSeconds", 30)))
+        if spec.get("mode", "Off") != "Auto" or react_s is None:
             return False
         meta = body["metadata"]
         with self._guard:

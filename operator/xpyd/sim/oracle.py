@@ -145,7 +145,7 @@ def oracle_schedule(trace: Sequence[TraceRequest], perf: PerfModel, slo: Slo, en
     capacity = EngineCore(perf, engine).capacity
     possible = [r.isl + r.osl <= capacity and perf.ttft_seconds(r.isl, disaggregated=True) <= slo.ttft_s
                 for r in trace]
-    bounds = _window_bounds(trace, window_s)
+    bounds = _window_bounds([request.arrival_s for request in trace], window_s)
     search = _WindowSearch(trace, perf, slo, engine, seed)
     windows: list[OracleWindow] = []
     previous: Desired | None = None
@@ -189,15 +189,15 @@ def oracle_schedule(trace: Sequence[TraceRequest], perf: PerfModel, slo: Slo, en
     raise AssertionError("unreachable: the last round returns")
 
 
-def _window_bounds(trace: Sequence[TraceRequest], window_s: float) -> list[tuple[int, int]]:
-    """Per window, the [first, stop) indices of the requests arriving in it (the trace is sorted)."""
-    count = int(trace[-1].arrival_s // window_s) + 1
+def _window_bounds(arrivals: Sequence[float], window_s: float) -> list[tuple[int, int]]:
+    """Per window, the [first, stop) indices of the requests arriving in it (the arrivals are sorted)."""
+    count = int(arrivals[-1] // window_s) + 1
     bounds: list[tuple[int, int]] = []
     index = 0
     for window in range(count):
         first = index
         end = (window + 1) * window_s
-        while index < len(trace) and trace[index].arrival_s < end:
+        while index < len(arrivals) and arrivals[index] < end:
             index += 1
         bounds.append((first, index))
     return bounds
@@ -231,25 +231,20 @@ def refusal(schedule: OracleSchedule, slo: Slo, attainment: float = ATTAINMENT) 
     return None
 
 
-def window_attainment(result: SimResult, window_s: float = WINDOW_S) -> list[tuple[int, float]]:
-    """Per `window_s` window of arrivals, its request count and the share meeting both SLOs."""
-    arrivals = result.arrival_s
-    if not arrivals:
+def attainment_by_window(result: SimResult, window_s: float = WINDOW_S) -> list[tuple[int, float]]:
+    """Per `window_s` window of arrivals, its request count and the share meeting both of the run's
+    SLOs (1.0 for an empty window), as the search judges its windows (`_window_shares`)."""
+    if not result.arrival_s:
         return []
-    _, met = result.meets(result.config.slo)
-    count = int(max(arrivals) // window_s) + 1
-    totals, good = [0] * count, [0] * count
-    for arrival, ok in zip(arrivals, met, strict=True):
-        index = int(arrival // window_s)
-        totals[index] += 1
-        good[index] += ok
-    return [(n, g / n if n else 1.0) for n, g in zip(totals, good, strict=True)]
+    bounds = _window_bounds(result.arrival_s, window_s)
+    _, both = _window_shares(result, bounds, result.config.slo)
+    return [(stop - first, share) for (first, stop), share in zip(bounds, both, strict=True)]
 
 
 def run_verdict(result: SimResult, attainment: float = ATTAINMENT, window_s: float = WINDOW_S) -> dict[str, Any]:
     """What an oracle run was built for (`attainment` of each window's requests meeting both SLOs, verified
     under the run's start-up) and whether this run met it: per-window counts, the worst window, a summary line."""
-    shares = [share for n, share in window_attainment(result, window_s) if n]
+    shares = [share for n, share in attainment_by_window(result, window_s) if n]
     missed = sum(1 for share in shares if share < attainment)
     worst = min(shares, default=1.0)
     built = (f"oracle: built for {attainment * 100:g}% of each {window_s:g} s window's requests meeting both SLOs, "
