@@ -632,7 +632,7 @@ def verdicts(workload: Workload, startup: float, runs: Runs) -> list[tuple[str, 
 def headline(workloads: Sequence[Workload], startup: float, runs: dict[str, Runs],
              oracles: dict[str, dict[str, Any]]) -> str:
     """GPU-hours each family needs at 95% (warm starts), or its best attainment."""
-    families = [STATIC, QUEUE, DYNAMO, NOWCAST, XPYD]
+    families = FAMILIES
     out = [f"| workload | oracle | {' | '.join(families)} |", "|---|---:|" + "---:|" * len(families)]
     for workload in workloads:
         bound = oracles[workload.name]["gpu_hours"]
