@@ -815,7 +815,8 @@ share prefix blocks (its `hash_ids`), so only the Mooncake workloads differ by i
 
 - `xpyd`: `decide()`, the operator's own code, with a target attainment ({xpyd_targets}): the share
   of requests to meet both SLOs (`autoscaling.slo.attainment`; `xpyd sim --attainment`). Its model
-  sizes each SLO at a percentile of at least the target, and the headroom is learnt online.
+  sizes each SLO at the target's share, the headroom is learnt online, and the target paces
+  scale-down (window and N-1 margin; `autoscaler.config.caution`).
 - `static`: fixed from t=0 (no start-up) at sizes from the oracle's time-weighted mean sizes (rounded
   up) to its largest sizes (each role's maximum over its windows), at {static_steps} of the way,
   plus {static_below} of the mean sizes so the frontier reaches low attainment (repeats dropped).

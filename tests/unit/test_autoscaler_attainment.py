@@ -24,7 +24,7 @@ from xpyd.autoscaler.attainment import (
     share_within,
     window_attainment,
 )
-from xpyd.autoscaler.config import AutoscalerConfig
+from xpyd.autoscaler.config import AutoscalerConfig, Pace, state_max_age_s
 from xpyd.autoscaler.decide import AutoscalerState, decide, headroom
 from xpyd.autoscaler.state import decode, encode
 
@@ -130,13 +130,50 @@ def test_a_start_from_zero_teaches_no_headroom() -> None:
 
 
 def test_the_spec_sets_the_target_and_the_sizing_quantile() -> None:
+    """With a target, each SLO is sized at the target's share, whatever the percentile says (the
+    target is the goal); without one, at the percentile."""
     spec = AutoscalingSpec.model_validate({"slo": {"percentile": 90, "attainment": 0.95}})
     config = AutoscalerConfig.from_spec(spec, PERF)
     assert config.attainment == 0.95 and config.model.quantile == 0.95
-    config = AutoscalerConfig.from_spec(AutoscalingSpec.model_validate({"slo": {"percentile": 99,
-                                                                                "attainment": 0.9}}), PERF)
-    assert config.model.quantile == 0.99
-    assert AutoscalerConfig.from_spec(AutoscalingSpec(), PERF).attainment is None
+    for percentile, target in ((99, 0.9), (90, 0.8)):
+        spec = AutoscalingSpec.model_validate({"slo": {"percentile": percentile, "attainment": target}})
+        assert AutoscalerConfig.from_spec(spec, PERF).model.quantile == target
+    untargeted = AutoscalerConfig.from_spec(AutoscalingSpec.model_validate({"slo": {"percentile": 99}}), PERF)
+    assert untargeted.attainment is None and untargeted.model.quantile == 0.99
+
+
+@pytest.mark.parametrize(("target", "window_s", "margin"), [
+    (None, 300.0, 0.1),      # no target: the CRD's former default and the N-1 check's 10%
+    (0.5, 60.0, 0.0), (0.8, 60.0, 0.0),          # a loose target: no caution kept
+    (0.85, 140.0, 0.1 / 3), (0.9, 220.0, 0.2 / 3),  # linear between 80% and 95%
+    (0.95, 300.0, 0.1), (0.99, 300.0, 0.1),      # a tight one: all of it
+])
+def test_the_target_paces_scale_down_unless_the_spec_sets_the_window(target: float | None, window_s: float,
+                                                                     margin: float) -> None:
+    slo = {} if target is None else {"attainment": target}
+    config = AutoscalerConfig.from_spec(AutoscalingSpec.model_validate({"slo": slo}), PERF)
+    assert config.scale_down.window_s == pytest.approx(window_s)
+    assert config.down_margin == pytest.approx(margin)
+    assert config.scale_down.max_step == 1 and config.scale_up.window_s == 0.0
+    # A window the user sets wins; the N-1 margin still follows the target (it is not in the API).
+    spec = AutoscalingSpec.model_validate({"slo": slo, "behavior": {"scaleDown": {"stabilizationWindowSeconds": 450,
+                                                                                  "maxStep": 2}}})
+    explicit = AutoscalerConfig.from_spec(spec, PERF)
+    assert (explicit.scale_down.window_s, explicit.scale_down.max_step) == (450.0, 2)
+    assert explicit.down_margin == pytest.approx(margin)
+    # A restored decision state is used while it is younger than that window plus two intervals.
+    assert state_max_age_s(AutoscalingSpec.model_validate({"slo": slo})) == pytest.approx(window_s + 60.0)
+    assert state_max_age_s(spec) == 450.0 + 60.0
+
+
+def test_an_unset_scale_down_window_is_not_written_into_the_spec() -> None:
+    """The CRD leaves the window out of its default, so the API server stores none and the target
+    decides it; a scale-up rule without a window keeps the old default of 0."""
+    spec = AutoscalingSpec.model_validate({"behavior": {"scaleUp": {"maxStep": 2}}})
+    assert spec.behavior.scale_down.stabilization_window_seconds is None
+    dumped = spec.model_dump(by_alias=True, exclude_none=True)["behavior"]
+    assert dumped["scaleDown"] == {"maxStep": 1}
+    assert AutoscalerConfig.from_spec(spec, PERF).scale_up == Pace(0.0, 2)
 
 
 @pytest.mark.parametrize("value", [0.3, 1.0, 1.5])

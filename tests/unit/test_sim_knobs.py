@@ -12,12 +12,13 @@ import pytest
 
 from tests.paths import FIXTURE_TRACES, H200_PROFILE
 from xpyd.api.models import DEFAULT_REACT_SECONDS, AutoscalingSpec
+from xpyd.autoscaler.config import AutoscalerConfig
 from xpyd.autoscaler.observation import Desired, Slo
 from xpyd.perf.model import PerfModel
 from xpyd.sim import policies
 from xpyd.sim.dynamo import DynamoSlaPolicy
 from xpyd.sim.main import add_parser
-from xpyd.sim.policies import SIM_PERCENTILE, XpydPolicy, xpyd_config
+from xpyd.sim.policies import XpydPolicy, xpyd_config
 from xpyd.sim.policy import Policy, PolicyContext
 from xpyd.sim.simulator import SimConfig, simulate
 from xpyd.traces import TraceRequest
@@ -44,14 +45,19 @@ def parse(*argv: str) -> argparse.Namespace:
 def test_the_default_target_is_the_evaluations_95_percent() -> None:
     config = xpyd_config(context())
     assert context().attainment == 0.95 and config.attainment == 0.95
-    assert config.model.quantile == pytest.approx(SIM_PERCENTILE / 100.0)
+    assert config.model.quantile == pytest.approx(0.95)
 
 
-@pytest.mark.parametrize(("target", "quantile"), [(0.80, 0.95), (0.90, 0.95), (0.97, 0.97), (0.99, 0.99)])
-def test_the_config_carries_the_target_and_sizes_at_a_quantile_of_at_least_it(target: float, quantile: float) -> None:
+@pytest.mark.parametrize("target", [0.80, 0.90, 0.97, 0.99])
+def test_the_config_is_the_operators_for_a_spec_with_that_target(target: float) -> None:
+    """The simulator's config sizes, paces scale-down and checks N-1 as `from_spec` does for a spec
+    with the target and the CRD's defaults."""
     config = xpyd_config(context(attainment=target))
-    assert config.attainment == target
-    assert config.model.quantile == pytest.approx(quantile)   # max(percentile, attainment), as from_spec
+    spec = AutoscalingSpec.model_validate({"slo": {"attainment": target}})
+    operator = AutoscalerConfig.from_spec(spec, perf())
+    assert config.attainment == target and config.model.quantile == pytest.approx(target)
+    assert (config.model.quantile, config.scale_down, config.down_margin) == (
+        operator.model.quantile, operator.scale_down, operator.down_margin)
 
 
 @pytest.mark.parametrize("target", [0.0, 1.0, -0.5, 95.0, float("nan")])

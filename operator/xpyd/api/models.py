@@ -941,12 +941,13 @@ class SLOSpec(APIModel):
 
     ttft_ms: int = Field(default=500, ge=1, le=600000, description="Time-to-first-token target, milliseconds.")
     tpot_ms: int = Field(default=50, ge=1, le=60000, description="Time-per-output-token target, milliseconds.")
-    percentile: Literal[50, 90, 95, 99] = Field(default=90, description="Percentile the targets apply to.")
+    percentile: Literal[50, 90, 95, 99] = Field(
+        default=90, description="Percentile the targets apply to (without an attainment target).")
     attainment: float | None = Field(
         default=None, ge=0.5, le=0.999,
         description="Target attainment: the share of requests that must meet both targets, e.g. 0.95. The "
-        "autoscaler then sizes each target at a percentile of at least this share and holds the load headroom that "
-        "reaches it, learnt from the attainment it measures. Unset: no learnt headroom.",
+        "autoscaler then sizes each target at this share (instead of percentile), holds the load headroom that "
+        "reaches it, learnt from the attainment it measures, and paces scale-down by it. Unset: no learnt headroom.",
     )
 
 
@@ -968,8 +969,11 @@ class ReplicaBounds(APIModel):
 class ScalingRules(APIModel):
     """Pace of scaling in one direction."""
 
-    stabilization_window_seconds: int = Field(
-        ge=0, le=3600, description="Decisions act on the extreme recommendation over this window."
+    stabilization_window_seconds: int | None = Field(
+        default=None, ge=0, le=3600,
+        description="Decisions act on the extreme recommendation over this window. Unset: 0 for scale-up; for "
+        "scale-down 300, or with slo.attainment set, from 60 (attainment 0.80 and under) to 300 (0.95 and over): a "
+        "looser target gives capacity back sooner.",
     )
     max_step: int = Field(ge=1, le=64, description="Most replicas one decision adds or removes per role.")
 
@@ -982,8 +986,8 @@ class ScalingBehavior(APIModel):
         description="Scale-up pace.",
     )
     scale_down: ScalingRules = Field(
-        default_factory=lambda: ScalingRules(stabilization_window_seconds=300, max_step=1),
-        description="Scale-down pace.",
+        default_factory=lambda: ScalingRules(max_step=1),
+        description="Scale-down pace (its window follows slo.attainment unless set).",
     )
 
 

@@ -5,9 +5,12 @@
 - `AutoscalerConfig.from_spec`: `spec.autoscaling` with the engines' profile and batching limits.
 - `config_for`: a whole `DisaggregatedServing`: its autoscaling spec, the GPUs per replica, and the
   batching limits its decode engines' arguments set (`engine_arg`), with the metrics window.
+- What a target attainment sets besides the headroom (`sizing_quantile`, `caution`: the scale-down
+  window and N-1 margin it keeps), which the simulator's config uses too.
+- `state_max_age_s`: how old a decision state restored from the status may be.
 
-The operator (`controller.autoscale`) calls `config_for` and nothing else of this translation, so a
-spec field reaches `decide()` in exactly one place.
+The operator (`controller.autoscale`) calls `config_for` and `state_max_age_s` and nothing else of
+this translation, so a spec field reaches `decide()` in exactly one place.
 """
 
 from __future__ import annotations
@@ -41,6 +44,47 @@ class Pace:
     max_step: int
 
 
+#: Scale-down caution without a target attainment, or with one of `CAUTIOUS_TARGET` and above: the
+#: stabilisation window (the CRD's default, Kubernetes' HPA's) and the N-1 check's extra load.
+DOWN_WINDOW_S = 300.0
+DOWN_MARGIN = 0.1
+#: The target attainments between which the scale-down caution a target keeps goes from none (the
+#: shortest window, no extra load) to all of it.
+LOOSE_TARGET = 0.80
+CAUTIOUS_TARGET = 0.95
+#: The window of a target of `LOOSE_TARGET` and under: two decision windows of the metrics.
+SHORTEST_DOWN_WINDOW_S = 60.0
+
+
+def caution(attainment: float | None) -> float:
+    """The share of the scale-down caution (window and N-1 margin) a target attainment keeps: all of it
+    without a target or at `CAUTIOUS_TARGET` and above, none at `LOOSE_TARGET` and under, linear between.
+    Both guard against a rebound of the load after a scale-down; a target that allows more misses
+    absorbs one in its error budget and gives the capacity back sooner instead."""
+    if attainment is None:
+        return 1.0
+    return min(max((attainment - LOOSE_TARGET) / (CAUTIOUS_TARGET - LOOSE_TARGET), 0.0), 1.0)
+
+
+def down_window_s(window_seconds: int | None, attainment: float | None) -> float:
+    """The scale-down stabilisation window: `behavior.scaleDown.stabilizationWindowSeconds` when set,
+    else the target's (`caution`) between `SHORTEST_DOWN_WINDOW_S` and `DOWN_WINDOW_S`."""
+    if window_seconds is not None:
+        return float(window_seconds)
+    return SHORTEST_DOWN_WINDOW_S + (DOWN_WINDOW_S - SHORTEST_DOWN_WINDOW_S) * caution(attainment)
+
+
+def down_margin(attainment: float | None) -> float:
+    """The extra load the N-1 check sizes for: `DOWN_MARGIN` times the target's `caution`."""
+    return DOWN_MARGIN * caution(attainment)
+
+
+def sizing_quantile(percentile: float, attainment: float | None) -> float:
+    """The share of requests the model sizes each SLO for: the target attainment when there is one,
+    else the SLO percentile."""
+    return attainment if attainment is not None else percentile / 100.0
+
+
 @dataclass(frozen=True)
 class AutoscalerConfig:
     """Everything `decide` needs besides the observation and its own state."""
@@ -55,9 +99,9 @@ class AutoscalerConfig:
     window_s: float = 60.0            # the metrics window (rate() range) the observation covers
     startup_s: float = 120.0
     scale_up: Pace = field(default_factory=lambda: Pace(0.0, 4))
-    scale_down: Pace = field(default_factory=lambda: Pace(300.0, 1))
+    scale_down: Pace = field(default_factory=lambda: Pace(DOWN_WINDOW_S, 1))
     grace_s: float | None = None      # no scale-down this long after a role grew (None: startup + 2 intervals)
-    down_margin: float = 0.1          # the N-1 check sizes for this much more load
+    down_margin: float = DOWN_MARGIN  # the N-1 check sizes for this much more load
     forecaster: Forecaster = field(default_factory=HoltForecaster)
     correction_alpha: float = 0.3
     correction_min: float = 0.5
@@ -93,22 +137,25 @@ class AutoscalerConfig:
     def from_spec(cls, spec: AutoscalingSpec, perf: PerfModel, *, prefill_gpus: int = 1, decode_gpus: int = 1,
                   max_num_batched_tokens: int = DEFAULT_MAX_NUM_BATCHED_TOKENS,
                   max_num_seqs: int = DEFAULT_MAX_NUM_SEQS, window_s: float = 60.0) -> AutoscalerConfig:
-        """The config of a `DisaggregatedServing`'s `spec.autoscaling` with the engines' profile. With a
-        target attainment the model sizes each SLO at a quantile of at least that share."""
+        """The config of a `DisaggregatedServing`'s `spec.autoscaling` with the engines' profile. A
+        target attainment sets the share each SLO is sized at (`sizing_quantile`), and, unless the
+        spec sets the scale-down window, the scale-down caution (`down_window_s`, `down_margin`)."""
         attainment = spec.slo.attainment
-        quantile = max(spec.slo.percentile / 100.0, attainment or 0.0)
         model = PoolModel(perf=perf, ttft_target_s=spec.slo.ttft_ms / 1e3, tpot_target_s=spec.slo.tpot_ms / 1e3,
-                          quantile=quantile, max_num_batched_tokens=max_num_batched_tokens,
-                          max_num_seqs=max_num_seqs)
+                          quantile=sizing_quantile(spec.slo.percentile, attainment),
+                          max_num_batched_tokens=max_num_batched_tokens, max_num_seqs=max_num_seqs)
         behavior = spec.behavior
+        up_window = behavior.scale_up.stabilization_window_seconds
         return cls(
             model=model,
             prefill=RoleBounds(spec.prefill.min_replicas, spec.prefill.max_replicas),
             decode=RoleBounds(spec.decode.min_replicas, spec.decode.max_replicas),
             gpu_budget=spec.gpu_budget, prefill_gpus=prefill_gpus, decode_gpus=decode_gpus,
             interval_s=float(spec.interval_seconds), window_s=window_s, startup_s=float(spec.startup_seconds),
-            scale_up=Pace(float(behavior.scale_up.stabilization_window_seconds), behavior.scale_up.max_step),
-            scale_down=Pace(float(behavior.scale_down.stabilization_window_seconds), behavior.scale_down.max_step),
+            scale_up=Pace(float(up_window or 0), behavior.scale_up.max_step),
+            scale_down=Pace(down_window_s(behavior.scale_down.stabilization_window_seconds, attainment),
+                            behavior.scale_down.max_step),
+            down_margin=down_margin(attainment),
             idle_s=float(spec.scale_to_zero.idle_seconds)
             if spec.prefill.min_replicas == 0 and spec.decode.min_replicas == 0 else None,
             attainment=attainment,
@@ -119,6 +166,13 @@ def react_cadence(react_seconds: float, interval_seconds: float) -> float | None
     """How often `react` looks at the gauges between decisions: `reactSeconds`, or None (never) when it
     is 0 or at least `intervalSeconds` (the next decision comes first)."""
     return float(react_seconds) if 0 < react_seconds < interval_seconds else None
+
+
+def state_max_age_s(spec: AutoscalingSpec) -> float:
+    """How old a decision state restored from the status may be and still be used: what it remembers
+    matters for a scale-down window and a couple of decisions."""
+    window = down_window_s(spec.behavior.scale_down.stabilization_window_seconds, spec.slo.attainment)
+    return window + 2.0 * spec.interval_seconds
 
 
 def engine_arg(args: list[str], flag: str, default: int) -> int:

@@ -71,7 +71,8 @@ them as named steps: `_wake`, `_check`, `_forecast`, `_corrections`, `_plan`, `_
    most `scale_up.max_step`); down only to
    the maximum recommendation over the down-window, by at most `scale_down.max_step`, never within
    the grace period after the role grew, and only if the model says both SLOs hold at the smaller
-   size with `down_margin` more load (the N-1 check).
+   size with `down_margin` more load (the N-1 check). A target attainment shortens the window and
+   lowers the margin unless the spec sets the window (`config.caution`).
 8. Reality: replicas Pending for lack of GPUs are not capacity and stop further scale-up of their
    role only (`InsufficientGPUs`, reported as Degraded); starting replicas count as coming capacity
    for at most twice the start-up time; min/max bounds apply last, at once.

@@ -68,7 +68,7 @@ from xpyd.api.naming import DECODE, PREFILL
 from xpyd.api.waiting import Held
 from xpyd.autoscaler import collect
 from xpyd.autoscaler.config import config_for as config_for
-from xpyd.autoscaler.config import react_cadence
+from xpyd.autoscaler.config import react_cadence, state_max_age_s
 from xpyd.autoscaler.decide import (
     METRICS_UNAVAILABLE,
     WITHIN_TARGETS,
@@ -479,9 +479,7 @@ class Autoscaler:
         with self._guard:
             memory = self._memory.get((namespace, name))
             if memory is None or memory.uid != meta.get("uid"):
-                # What the state remembers matters for a scale-down window and a couple of decisions.
-                window = autoscaling.behavior.scale_down.stabilization_window_seconds
-                max_age = window + 2 * autoscaling.interval_seconds
+                max_age = state_max_age_s(autoscaling)
                 memory = self._memory[(namespace, name)] = _Memory(
                     uid=meta.get("uid", ""), state=restored(namespace, name, body.get("status") or {}, now - max_age))
         return memory

@@ -24,6 +24,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from types import MappingProxyType
 
+from xpyd.autoscaler.config import Pace, down_margin, down_window_s
 from xpyd.autoscaler.decide import (
     AutoscalerConfig,
     AutoscalerState,
@@ -50,8 +51,6 @@ from xpyd.sim.policy import Policy, PolicyContext, PolicyFactory, StaticPolicy
 from xpyd.sim.simulator import ProgressCallback, SimConfig, SimResult, simulate
 from xpyd.traces import TraceRequest
 
-SIM_PERCENTILE = 95.0
-"""The SLO percentile `xpyd`'s model sizes at in the simulator, at least (a higher target attainment raises it)."""
 SIM_MAX_REPLICAS = 64
 """Per-role maximum in the simulator (the CRD's defaults, 8 and 16, would cap the evaluation)."""
 
@@ -62,28 +61,30 @@ def _perf(context: PolicyContext, policy: str) -> PerfModel:
     return context.perf
 
 
-def pool_model(context: PolicyContext, percentile: float = SIM_PERCENTILE) -> PoolModel:
-    """The steady-state model for a simulated run: its profile, SLOs and engine arguments."""
+def pool_model(context: PolicyContext) -> PoolModel:
+    """The steady-state model for a simulated run: its profile, SLOs and engine arguments, each SLO
+    sized at the target attainment's share (as `AutoscalerConfig.from_spec` does with a target)."""
     engine = context.engine
     return PoolModel(
         perf=_perf(context, "xpyd"), ttft_target_s=context.slo.ttft_s, tpot_target_s=context.slo.tpot_s,
-        quantile=percentile / 100.0,
+        quantile=context.attainment,
         max_num_batched_tokens=engine.max_num_batched_tokens if engine else DEFAULT_MAX_NUM_BATCHED_TOKENS,
         max_num_seqs=engine.max_num_seqs if engine else DEFAULT_MAX_NUM_SEQS)
 
 
-def xpyd_config(context: PolicyContext, percentile: float = SIM_PERCENTILE) -> AutoscalerConfig:
+def xpyd_config(context: PolicyContext) -> AutoscalerConfig:
     """The `xpyd` policy's config in the simulator: the CRD's defaults (pace, windows) with the run's
     SLOs, interval and start-up delay, bounds 1..`SIM_MAX_REPLICAS` (0.. with `context.idle_s`: the
     pool scales to zero after that idle time), no GPU budget, and `context.attainment` as the target
     attainment (the share of requests meeting both SLOs: the headroom is learnt online). As
-    `AutoscalerConfig.from_spec` does, the model sizes each SLO at a quantile of at least that share
-    (`percentile` / 100 otherwise)."""
+    `AutoscalerConfig.from_spec` does for a spec that leaves the scale-down window unset, the target
+    sets the share each SLO is sized at and the scale-down caution (window and N-1 margin)."""
+    attainment = context.attainment
     bounds = RoleBounds(0 if context.idle_s is not None else 1, SIM_MAX_REPLICAS)
-    model = replace(pool_model(context, percentile), quantile=max(percentile / 100.0, context.attainment))
-    return AutoscalerConfig(model=model, prefill=bounds, decode=bounds,
+    return AutoscalerConfig(model=pool_model(context), prefill=bounds, decode=bounds,
                             interval_s=context.interval_s, startup_s=context.startup_delay_s, idle_s=context.idle_s,
-                            attainment=context.attainment, react_s=context.react_s)
+                            scale_down=Pace(down_window_s(None, attainment), 1), down_margin=down_margin(attainment),
+                            attainment=attainment, react_s=context.react_s)
 
 
 @dataclass
