@@ -407,6 +407,8 @@ async def test_a_client_disconnect_cancels_both_concurrent_legs() -> None:
 PROXY_FAMILIES: dict[str, tuple[str, set[str]]] = {
     "xpyd_proxy_requests_total": ("counter", {"connector", "endpoint", "outcome"}),
     "xpyd_proxy_rejected_total": ("counter", {"status"}),
+    "xpyd_proxy_arrival_prompt_tokens": ("histogram", {"window"}),
+    "xpyd_proxy_prompt_tokens_total": ("counter", set()),
     "xpyd_proxy_time_to_first_byte_seconds": ("histogram", {"connector", "endpoint"}),
     "xpyd_proxy_time_to_first_token_seconds": ("histogram", {"connector", "endpoint"}),
     "xpyd_proxy_request_duration_seconds": ("histogram", {"connector", "endpoint"}),

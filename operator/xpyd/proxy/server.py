@@ -116,7 +116,7 @@ class Proxy:
                               self.engine_failures)
         self.registry = exposition.registry([m.requests, m.rejected, m.ttft, m.stream_ttft, m.duration, m.legs,
                                              m.retries, m.fallbacks, m.breaker_trips, m.kv_handoff_failures,
-                                             *gauges, *self.waiting.collectors(),
+                                             m.arrival_tokens, m.prompt_tokens, *gauges, *self.waiting.collectors(),
                                              *(self.kv.collectors(self.pools) if self.kv else ())])
 
     # -- life ----------------------------------------------------------------------------------
@@ -261,6 +261,7 @@ class Proxy:
             except RequestError as error:
                 outcome = "invalid"
                 return self._reject(error.status, error.message, request_id, error.param)
+            self.metrics.arrival(parsed.prompt_tokens)  # offered to the pool, whether held or refused later
             context = Context(request=request, parsed=parsed, path=path, request_id=request_id,
                               authorization=request.headers.get("Authorization"), started=started)
             try:
@@ -486,5 +487,7 @@ class Proxy:
         return web.json_response({"status": "ready"})
 
     async def metrics_page(self, request: web.Request) -> web.Response:
-        """GET /metrics in the Prometheus text format."""
+        """GET /metrics in the Prometheus text format (arrival slots that ended since the last
+        arrival are observed first)."""
+        self.metrics.flush_arrivals()
         return exposition.response(self.registry)
