@@ -356,9 +356,11 @@ def test_client_sends_the_query_at_the_decision_time(fake_prometheus: tuple[str,
     assert seen.authorization == [None]
     results = Prometheus(url).collect(SCOPE, 10.0)
     assert set(results) == set(collect.queries(SCOPE))
-    # The fake answers every query with one sample labelled xpyd_io_role; the bucket queries key by le.
-    assert all(samples == ({"": 2.0} if name.endswith(collect.BUCKETS) else {"prefill": 2.0})
+    # The fake answers every query with one sample labelled xpyd_io_role; the bucket queries key by le,
+    # the arrival histogram's by window: neither label is on the fake's sample.
+    assert all(samples == ({"prefill": 2.0} if collect.answer_label(name) == "xpyd_io_role" else {"": 2.0})
                for name, samples in results.items())
+    assert {collect.answer_label(name) for name in results} == {"le", "window", "xpyd_io_role"}
     assert {form["query"][0] for form in seen.queries[1:]} == set(collect.queries(SCOPE).values())
     assert 1 < IN_FLIGHT["max"] <= collect.PARALLEL_QUERIES     # queries run side by side, bounded
 
@@ -425,9 +427,11 @@ def test_https_is_verified_against_the_given_ca(https_prometheus: tuple[str, See
     url, seen = https_prometheus
     ours, other = (files.ca_cert.read_text() for files in pki_dirs)
     results = Prometheus(url, Access(bearer_token="t", ca_pem=ours)).collect(SCOPE, 1.0)
-    # The fake answers every query with one sample labelled xpyd_io_role; the bucket queries key by le.
-    assert all(samples == ({"": 2.0} if name.endswith(collect.BUCKETS) else {"prefill": 2.0})
+    # The fake answers every query with one sample labelled xpyd_io_role; the bucket queries key by le,
+    # the arrival histogram's by window: neither label is on the fake's sample.
+    assert all(samples == ({"prefill": 2.0} if collect.answer_label(name) == "xpyd_io_role" else {"": 2.0})
                for name, samples in results.items())
+    assert {collect.answer_label(name) for name in results} == {"le", "window", "xpyd_io_role"}
     assert set(seen.authorization) == {"Bearer t"}
     with pytest.raises(MetricsError, match=r"TLS verification failed \(autoscaling\.prometheus\.tls\).*"
                                            r"CERTIFICATE_VERIFY_FAILED"):

@@ -1524,6 +1524,10 @@ class ObservedLoad(StatusModel):
     prefill_queue: float | None = Field(default=None, description="Requests waiting on prefill engines.")
     decode_queue: float | None = Field(default=None, description="Requests waiting on decode engines.")
     kv_cache_usage: float | None = Field(default=None, description="Mean decode KV-cache usage, 0-1.")
+    arrival_prompt_tokens: dict[str, float] | None = Field(
+        default=None, description="How prompt work bunches on arrival: per slot length in seconds (\"0.25\", "
+        "\"1\", \"4\"), the prompt tokens arriving in the same slot as a request at the SLO percentile, in the "
+        "engines' tokens across the proxies (the proxies' xpyd_proxy_arrival_prompt_tokens); unset without it.")
     held_requests: int | None = Field(
         default=None, description="Requests the proxies hold for a ready prefill and decode pair (their pods' "
         "xpyd.io/RequestsWaiting condition), a pool at zero's demand.")

@@ -17,6 +17,8 @@ and `xpyd_io_role` (the chart's PodMonitor relabels the pod labels `xpyd.io/serv
 aggregates are one query `by (xpyd_io_role)` for both engine pools. Client-side TTFT and the
 arrival rate come from the proxy's own series; without a scraped proxy, arrivals fall back to the
 prefill engines' request count and TTFT is unknown (decide() then steers by the engines' queues).
+How prompt work bunches on arrival comes from the proxies too (`autoscaler.arrivals`; `arrival_work`
+rescales their estimated tokens to the engines' and sums over proxies); without it, none is sized for.
 """
 
 from __future__ import annotations
@@ -46,6 +48,8 @@ from xpyd.api.naming import (
 )
 from xpyd.api.waiting import Held, held_by_pod
 from xpyd.autoscaler.observation import Observation, Quantiles, RoleObservation, hit_rate
+from xpyd.common.bunching import WINDOWS_S as ARRIVAL_WINDOWS_S
+from xpyd.common.bunching import window_label
 from xpyd.common.jsontypes import JSON
 from xpyd.common.netguard import NonLoopbackAddress, guard_url
 from xpyd.common.timefmt import parse_rfc3339
@@ -74,8 +78,13 @@ POOL_HISTOGRAMS: Final = {
 
 PROXY_TTFT: Final = "xpyd_proxy_time_to_first_token_seconds"  # streamed requests only
 PROXY_REQUESTS: Final = "xpyd_proxy_requests_total"
+#: How prompt work bunches on arrival (`autoscaler.arrivals`), per `window`, and the prompt tokens it counted.
+PROXY_ARRIVALS: Final = "xpyd_proxy_arrival_prompt_tokens"
+PROXY_PROMPT_TOKENS: Final = "xpyd_proxy_prompt_tokens_total"
 #: The suffix of the queries answered by bucket (`sum by (le)`): their samples are keyed by `le`.
 BUCKETS: Final = ".buckets"
+#: The prefix of the arrival queries, answered per slot length: their samples are keyed by `window`.
+ARRIVALS: Final = "arrival"
 
 
 class MetricsError(Exception):
@@ -165,6 +174,11 @@ def queries(scope: Scope) -> dict[str, str]:
     result[f"ttft{BUCKETS}"] = f"sum by (le) (rate({PROXY_TTFT}_bucket{{{proxy}}}{window}))"
     tpot = POOL_HISTOGRAMS["tpot"]
     result[f"tpot{BUCKETS}"] = f"sum by (le) (rate({tpot[1]}_bucket{{{scope.selector(tpot[0])}}}{window}))"
+    # Per slot length (`by (window)`), in the proxies' estimated tokens; with their estimated mean prompt.
+    result.update(_histogram_queries(ARRIVALS, PROXY_ARRIVALS, proxy, window, "window"))
+    one_window = f'{proxy},window="{window_label(ARRIVAL_WINDOWS_S[0])}"'
+    result["arrival_prompt"] = (f"sum(rate({PROXY_PROMPT_TOKENS}{{{proxy}}}{window})) / "
+                                f"sum(rate({PROXY_ARRIVALS}_count{{{one_window}}}{window}))")
     return result
 
 
@@ -337,7 +351,27 @@ def observation(results: Mapping[str, Samples], pods: Sequence[JSON], now: float
         ttft_seconds=_quantiles(results, "ttft") if proxied else Quantiles(),
         tpot_seconds=_quantiles(results, "tpot"),
         prefill=role_observation("prefill"), decode=role_observation("decode"),
-        ttft_buckets=buckets(results, "ttft") if proxied else (), tpot_buckets=buckets(results, "tpot"))
+        ttft_buckets=buckets(results, "ttft") if proxied else (), tpot_buckets=buckets(results, "tpot"),
+        arrival_prompt_tokens=arrival_work(results, isl.mean))
+
+
+def arrival_work(results: Mapping[str, Samples], isl_mean: float) -> tuple[tuple[float, Quantiles], ...]:
+    """The arrival histogram's quantiles per slot length, turned into the engines' tokens across the
+    pool: each proxy counts its own arrivals in its estimated tokens, so each value is rescaled by the
+    engines' mean prompt over the proxies' estimated one and multiplied by the proxies scraped (the
+    requests spread evenly over them). Empty when either mean is unknown or no proxy is scraped."""
+    proxies = _value(results, "proxy_up", "", 0.0)
+    estimated = _value(results, "arrival_prompt")
+    if not (proxies > 0 and math.isfinite(estimated) and estimated > 0 and math.isfinite(isl_mean) and isl_mean > 0):
+        return ()
+    scale = proxies * isl_mean / estimated
+    out: list[tuple[float, Quantiles]] = []
+    for window in ARRIVAL_WINDOWS_S:
+        label = window_label(window)
+        quantiles = _quantiles(results, ARRIVALS, label)
+        out.append((window, Quantiles(scale * quantiles.p50, scale * quantiles.p90, scale * quantiles.p99,
+                                      scale * quantiles.mean)))
+    return tuple(out)
 
 
 def gauges(results: Mapping[str, Samples], pods: Sequence[JSON], now: float, scope: Scope) -> Observation:
@@ -514,11 +548,18 @@ class Prometheus:
             pool = ThreadPoolExecutor(max_workers=min(PARALLEL_QUERIES, len(named)), thread_name_prefix="promql")
             try:
                 def one(item: tuple[str, str]) -> Samples:
-                    label = "le" if item[0].endswith(BUCKETS) else "xpyd_io_role"
-                    return self._query(client, item[1], at, label)
+                    return self._query(client, item[1], at, answer_label(item[0]))
                 return dict(zip(named, pool.map(one, named.items()), strict=True))
             finally:
                 pool.shutdown(wait=False, cancel_futures=True)
+
+
+def answer_label(name: str) -> str:
+    """The label a query's samples are keyed by: `le` for bucket queries, `window` for the arrival
+    histogram's, else `xpyd_io_role` (absent on the single-sample queries)."""
+    if name.endswith(BUCKETS):
+        return "le"
+    return "window" if name.startswith(f"{ARRIVALS}.") else "xpyd_io_role"
 
 
 def pool_selector(serving: str) -> str:

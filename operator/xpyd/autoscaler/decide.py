@@ -55,7 +55,10 @@ them as named steps: `_wake`, `_check`, `_forecast`, `_corrections`, `_plan`, `_
    no bursts): prefill gets at least the fewest replicas at which, were they to recur, their misses
    and the steady model's fit the SLO's error budget together (`PoolModel.burst_replicas`). A
    one-off burst that replicas ordered now could not have served sizes little; one recurring in
-   every window sizes for its tail.
+   every window sizes for its tail. Arrivals that bunch within a slot (the proxies' histogram of the
+   prompt tokens sharing each request's 0.25/1/4 s slot, `autoscaler.arrivals`) give prefill at least
+   the replicas that drain the slot work at the SLO percentile, scaled by the learnt headroom,
+   within the queue budget plus the slot (`arrivals.replicas_for`); the N-1 check holds it too.
 5. Attribution: a TTFT breach with a prefill backlog (queued work that takes more than half the
    TTFT target to drain, or a growing one) is prefill's (`PrefillQueueing`); a TTFT breach with a
    short prefill queue while decode admission is blocked (KV nearly full, at `max_num_seqs`, or
@@ -99,6 +102,7 @@ from xpyd.api.conditions import IDLE_AT_ZERO, INSUFFICIENT_GPUS
 from xpyd.api.naming import DECODE, PREFILL
 
 # The configuration lives in `config` (with the spec's translation); its names stay importable from here.
+from xpyd.autoscaler.arrivals import ArrivalNeed, replicas_for
 from xpyd.autoscaler.attainment import AttainmentState, learn, window_attainment
 from xpyd.autoscaler.config import AutoscalerConfig as AutoscalerConfig
 from xpyd.autoscaler.config import Pace as Pace
@@ -381,23 +385,29 @@ class _Plan:
     bursts: tuple[tuple[float, Burst], ...]   # remembered bursts with their weights (age decay)
     expected_requests: float          # the requests the burst memory's span brings at the current rate
     burst_replicas: int               # prefill replicas keeping the bursts' misses within the error budget
+    arrivals: ArrivalNeed = field(default_factory=ArrivalNeed)   # prefill replicas the bunched arrivals need
     k_prefill: float = 1.0
     backlog: Mapping[str, int] = field(default_factory=dict)   # per role: replicas the queued work needs
 
     @property
     def prefill_replicas(self) -> int:
-        return max(self.prefill.replicas, self.burst_replicas)
+        return max(self.prefill.replicas, self.burst_replicas, self.arrivals.replicas)
 
 
 def _plan(config: AutoscalerConfig, rate_now: float, rate: float, isl: float, osl: float, mix: PromptMix,
           k_prefill: float, k_decode: float, bursts: tuple[tuple[float, Burst], ...],
-          expected_requests: float) -> _Plan:
+          expected_requests: float, arrival_work: Mapping[float, float] | None = None) -> _Plan:
+    """The sizings of the load `rate` (the forecast with the headroom; `rate_now` the window's): each
+    role's demand, the remembered bursts' prefill, and the prefill the bunched arrivals need
+    (`arrival_work`: window seconds -> slot work to size for, see `_arrival_work`)."""
     model = config.model
+    cap = max(config.prefill.max_replicas, 1)
     decode = model.size_decode(rate, isl, osl, k_decode)
-    prefill = model.size_prefill(rate, mix, decode.itl_s, k_prefill, max_replicas=max(config.prefill.max_replicas, 1))
-    burst = model.burst_replicas(bursts, expected_requests, mix, decode.itl_s, k_prefill,
-                                 max_replicas=max(config.prefill.max_replicas, 1), rate=rate)
-    return _Plan(rate_now, rate, isl, osl, mix, prefill, decode, bursts, expected_requests, burst, k_prefill)
+    prefill = model.size_prefill(rate, mix, decode.itl_s, k_prefill, max_replicas=cap)
+    burst = model.burst_replicas(bursts, expected_requests, mix, decode.itl_s, k_prefill, max_replicas=cap, rate=rate)
+    budget_s = model.queue_budget_s(mix, decode.itl_s, k_prefill)
+    need = replicas_for(arrival_work or {}, model.saturated_tokens_per_s(k_prefill), budget_s, max_replicas=cap)
+    return _Plan(rate_now, rate, isl, osl, mix, prefill, decode, bursts, expected_requests, burst, need, k_prefill)
 
 
 def hold(observation: Observation, config: AutoscalerConfig, state: AutoscalerState, problem: str,
@@ -440,12 +450,24 @@ def decide(observation: Observation, config: AutoscalerConfig, state: Autoscaler
         return load
     observation = load.observation
     corrections = _corrections(observation, config, state, load)
-    plan = _plan(config, load.rate_now, load.rate * (1.0 + headroom(config, state)), load.isl, load.osl, load.mix,
-                 corrections.k_prefill, corrections.k_decode, corrections.bursts, corrections.expected_requests)
+    scale = 1.0 + headroom(config, state)
+    plan = _plan(config, load.rate_now, load.rate * scale, load.isl, load.osl, load.mix,
+                 corrections.k_prefill, corrections.k_decode, corrections.bursts, corrections.expected_requests,
+                 _arrival_work(observation, config, scale))
     sizes = _Sizes.of(plan, observation, config)
     _attribution(observation, config, state, plan, corrections, sizes)
     plan = _backlog_step(observation, config, state, plan, corrections, sizes)
     return _pace(observation, config, state, load, corrections, plan, sizes)
+
+
+def _arrival_work(observation: Observation, config: AutoscalerConfig, scale: float) -> dict[float, float]:
+    """The slot work prefill is sized to drain (`autoscaler.arrivals`): per window length, the prompt
+    tokens sharing a request's slot at the SLO percentile, times `scale` (one plus the learnt
+    headroom, so the target's feedback reaches this term as it does the demand's). The forecast's
+    growth is not applied: in the evaluation it bought conv and code attainment only at a higher price
+    than a higher target does."""
+    return {window: scale * quantile_at(quantiles, config.percentile)
+            for window, quantiles in observation.arrival_prompt_tokens}
 
 
 def headroom(config: AutoscalerConfig, state: AutoscalerState) -> float:
@@ -862,6 +884,13 @@ def _backlog(observation: Observation, config: AutoscalerConfig, plan: _Plan, pr
 def _prefill_message(plan: _Plan, replicas: int, config: AutoscalerConfig) -> str:
     sizing = plan.prefill
     forecast = f" (forecast; now {plan.rate_now:.1f})" if plan.rate > plan.rate_now * 1.01 else ""
+    need = plan.arrivals
+    if need.replicas > max(sizing.replicas, plan.burst_replicas):
+        return (f"arrivals bunch: the p{config.percentile:g} request shares its {need.window_s:g}s slot with "
+                f"{_kilo(need.tokens)} prompt tokens, which P {need.replicas} x "
+                f"{_kilo(config.model.saturated_tokens_per_s(plan.k_prefill))} tok/s drain within the queue budget "
+                f"{_ms(config.model.queue_budget_s(plan.mix, plan.decode.itl_s, plan.k_prefill))} + {need.window_s:g}s "
+                f"(steady load alone needs {sizing.replicas} at rho {sizing.utilisation:.2f}); P has {replicas}")
     if plan.burst_replicas > sizing.replicas:
         fewer = config.model.burst_miss_share(plan.bursts, plan.expected_requests, plan.burst_replicas - 1, plan.mix,
                                               plan.decode.itl_s, plan.k_prefill)
@@ -1003,9 +1032,11 @@ def _n_minus_one(role_name: str, replicas: int, config: AutoscalerConfig, plan: 
     if role_name == PREFILL:
         attainment = model.prefill_attainment(replicas, plan.rate * load, plan.mix, plan.decode.itl_s, k_prefill)
         rho = plan.rate * load * plan.mix.mean / (replicas * model.mix_tokens_per_s(plan.mix, k_prefill))
-        safe = attainment >= model.quantile and rho <= model.max_utilisation and replicas >= plan.burst_replicas
+        safe = (attainment >= model.quantile and rho <= model.max_utilisation and replicas >= plan.burst_replicas
+                and replicas >= plan.arrivals.replicas)
         return safe, (f"at {replicas} replicas and {load:.1f}x load predicted TTFT attainment {attainment:.3f} "
-                      f"(>= {model.quantile:.2f}) at rho {rho:.2f}, bursts need {plan.burst_replicas}")
+                      f"(>= {model.quantile:.2f}) at rho {rho:.2f}, bursts need {plan.burst_replicas}, "
+                      f"arrivals {plan.arrivals.replicas}")
     sizing = model.size_decode(plan.rate * load, plan.isl, plan.osl, k_decode)
     safe = sizing.replicas <= replicas
     return safe, (f"at {replicas} replicas and {load:.1f}x load decode needs {sizing.replicas} "

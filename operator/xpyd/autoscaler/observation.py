@@ -83,6 +83,10 @@ class Observation:
     # the last le +Inf (empty when unknown): the share of requests within each SLO (`attainment`).
     ttft_buckets: tuple[tuple[float, float], ...] = ()
     tpot_buckets: tuple[tuple[float, float], ...] = ()
+    # How prompt work bunched on arrival (`autoscaler.arrivals`): per slot length (seconds), the prompt
+    # tokens arriving in each request's slot, over the window's requests, in the engines' tokens
+    # across all proxies (empty when unknown).
+    arrival_prompt_tokens: tuple[tuple[float, Quantiles], ...] = ()
 
 
 @dataclass(frozen=True)

@@ -89,6 +89,7 @@ from xpyd.autoscaler.react import react
 from xpyd.autoscaler.state import decode as decode_state
 from xpyd.autoscaler.state import encode as encode_state
 from xpyd.common import exposition
+from xpyd.common.bunching import window_label
 from xpyd.common.jsontypes import JSON
 from xpyd.common.timefmt import parse_rfc3339, rfc3339
 from xpyd.controller.status import ConditionValue, merge_conditions, status_changed
@@ -116,6 +117,8 @@ def observed_load(observation: Observation, percentile: float) -> JSON:
         "prefillQueue": number(observation.prefill.num_requests_waiting, 1),
         "decodeQueue": number(observation.decode.num_requests_waiting, 1),
         "kvCacheUsage": number(observation.decode.kv_cache_usage_perc),
+        "arrivalPromptTokens": {window_label(window): tokens for window, q in observation.arrival_prompt_tokens
+                                if (tokens := number(at_percentile(q), 0)) is not None} or None,
     }
 
 

@@ -61,6 +61,9 @@ from dataclasses import dataclass, field, replace
 
 from xpyd.api.naming import DECODE, PREFILL, ROLES
 from xpyd.autoscaler.observation import Desired, Observation, Quantiles, RoleObservation, Slo, hit_rate
+from xpyd.common.bunching import BUCKETS as ARRIVAL_BUCKETS
+from xpyd.common.bunching import WINDOWS_S as ARRIVAL_WINDOWS_S
+from xpyd.common.bunching import ArrivalSlots
 from xpyd.kvcache.chains import TraceKeys
 from xpyd.kvcache.index import PrefixIndex
 from xpyd.kvcache.pool import BlockKeys, BlockPool
@@ -296,13 +299,17 @@ class Simulator:
         self._arrived = 0
         self._client_ttft = BucketHistogram(TTFT_BUCKETS)
         self._client_tpot = BucketHistogram(ITL_BUCKETS)
+        # The proxy's arrival histograms (`common.bunching`): one per slot length, fed at arrival.
+        self._arrival_work = {window: BucketHistogram(ARRIVAL_BUCKETS) for window in ARRIVAL_WINDOWS_S}
+        self._arrival_slots = ArrivalSlots(self._observe_slot, ARRIVAL_WINDOWS_S)
         self._holding = config.min_replicas == 0
         self._waiting: dict[int, None] = {}      # held requests, in arrival order
         self._waiting_tokens = 0
         self._held = [False] * n
         self._dropped = {"overflow": 0, "expired": 0}
         self._signal_pending = False
-        self._history: deque[tuple[float, int, dict[str, _RoleMetrics], BucketHistogram, BucketHistogram]] = deque()
+        self._history: deque[tuple[float, int, dict[str, _RoleMetrics], BucketHistogram, BucketHistogram,
+                                   dict[float, BucketHistogram]]] = deque()
         probe = EngineCore(perf, config.engine)
         self._capacity = probe.capacity
         routing = config.routing
@@ -389,8 +396,12 @@ class Simulator:
 
     # --- request flow -------------------------------------------------------------------------
 
+    def _observe_slot(self, window_s: float, tokens: float, requests: int) -> None:
+        self._arrival_work[window_s].observe(tokens, requests)
+
     def _on_arrival(self, index: int, now: float) -> None:
         request = self.trace[index]
+        self._arrival_slots.add(now, float(request.isl))   # every request the proxy is offered
         if request.isl + request.osl > self._capacity:
             self._rejected += 1
             self._done += 1
@@ -717,7 +728,9 @@ class Simulator:
                     counters[name] = counters.get(name, 0) + getattr(metrics, name)
             roles[role] = _RoleMetrics(histograms, counters)
         history = self._history
-        history.append((now, self._arrived, roles, self._client_ttft.copy(), self._client_tpot.copy()))
+        self._arrival_slots.flush(now)   # as the proxy does before a scrape
+        arrivals = {window: histogram.copy() for window, histogram in self._arrival_work.items()}
+        history.append((now, self._arrived, roles, self._client_ttft.copy(), self._client_tpot.copy(), arrivals))
         # Keep one snapshot at or before the window's start.
         while len(history) > 1 and history[1][0] <= now - self.config.window_s:
             history.popleft()
@@ -729,8 +742,8 @@ class Simulator:
         `now - window_s` (the run's start at first). Call after a snapshot at `now`.
         """
         history = self._history
-        t1, arrived1, roles1, ttft1, tpot1 = history[-1]
-        t0, arrived0, roles0, ttft0, tpot0 = history[0]
+        t1, arrived1, roles1, ttft1, tpot1, arrivals1 = history[-1]
+        t0, arrived0, roles0, ttft0, tpot0, arrivals0 = history[0]
         span = t1 - t0
         def rate(value: float) -> float:
             return value / span if span > 0 else 0.0
@@ -779,7 +792,9 @@ class Simulator:
             ttft_seconds=quantiles(client_ttft), tpot_seconds=quantiles(client_tpot),
             prefill=role_observation(PREFILL), decode=role_observation(DECODE),
             held_requests=float(len(self._waiting)), held_prompt_tokens=float(self._waiting_tokens),
-            ttft_buckets=cumulative(client_ttft), tpot_buckets=cumulative(client_tpot))
+            ttft_buckets=cumulative(client_ttft), tpot_buckets=cumulative(client_tpot),
+            arrival_prompt_tokens=tuple((window, quantiles(arrivals1[window].minus(arrivals0[window])))
+                                        for window in ARRIVAL_WINDOWS_S))
 
     def gauges(self, now: float) -> Observation:
         """What the engines' gauges and the replica counts show at `now`, nothing of a window: what
