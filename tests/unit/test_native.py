@@ -41,8 +41,8 @@ def with_source(module: str, digest: str) -> dict[str, Any]:
     (manifest(sources=None), "its manifest lists no sources"),
     (with_source("xpyd.sim.core", "0" * 64), "xpyd.sim.core changed since it was built"),
     (with_source("xpyd.traces", "1" * 64), "xpyd.traces changed since it was built"),
-    ({**manifest(), "sources": {}}, "xpyd.api.naming, xpyd.autoscaler.observation, xpyd.kvcache.chains, "
-                                    "xpyd.kvcache.index, "
+    ({**manifest(), "sources": {}}, "xpyd.api.naming, xpyd.autoscaler.observation, xpyd.common.bunching, "
+                                    "xpyd.kvcache.chains, xpyd.kvcache.index, "
                                     "xpyd.kvcache.pool, xpyd.kvcache.scoring, "
                                     "xpyd.perf.model, xpyd.perf.shapes, xpyd.sim.core, xpyd.sim.policy, "
                                     "xpyd.sim.simulator, xpyd.traces changed since it was built"),

@@ -1519,14 +1519,15 @@ class ObservedLoad(StatusModel):
     request_rate: float | None = Field(default=None, description="Arrivals per second.")
     isl: float | None = Field(default=None, description="Mean input (prompt) length, tokens.")
     osl: float | None = Field(default=None, description="Mean output length, tokens.")
-    ttft_ms: float | None = Field(default=None, description="TTFT at the SLO percentile, milliseconds.")
-    tpot_ms: float | None = Field(default=None, description="Inter-token latency at the SLO percentile, ms.")
+    ttft_ms: float | None = Field(default=None, description="TTFT at the sizing percentile (the target attainment's "
+                                  "share, else slo.percentile), milliseconds.")
+    tpot_ms: float | None = Field(default=None, description="Inter-token latency at the sizing percentile, ms.")
     prefill_queue: float | None = Field(default=None, description="Requests waiting on prefill engines.")
     decode_queue: float | None = Field(default=None, description="Requests waiting on decode engines.")
     kv_cache_usage: float | None = Field(default=None, description="Mean decode KV-cache usage, 0-1.")
     arrival_prompt_tokens: dict[str, float] | None = Field(
         default=None, description="How prompt work bunches on arrival: per slot length in seconds (\"0.25\", "
-        "\"1\", \"4\"), the prompt tokens arriving in the same slot as a request at the SLO percentile, in the "
+        "\"1\", \"4\"), the prompt tokens arriving in the same slot as a request at the sizing percentile, in the "
         "engines' tokens across the proxies (the proxies' xpyd_proxy_arrival_prompt_tokens); unset without it.")
     held_requests: int | None = Field(
         default=None, description="Requests the proxies hold for a ready prefill and decode pair (their pods' "

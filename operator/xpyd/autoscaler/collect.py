@@ -176,9 +176,12 @@ def queries(scope: Scope) -> dict[str, str]:
     result[f"tpot{BUCKETS}"] = f"sum by (le) (rate({tpot[1]}_bucket{{{scope.selector(tpot[0])}}}{window}))"
     # Per slot length (`by (window)`), in the proxies' estimated tokens; with their estimated mean prompt.
     result.update(_histogram_queries(ARRIVALS, PROXY_ARRIVALS, proxy, window, "window"))
-    one_window = f'{proxy},window="{window_label(ARRIVAL_WINDOWS_S[0])}"'
+    first_slot = f'{proxy},window="{window_label(ARRIVAL_WINDOWS_S[0])}"'
     result["arrival_prompt"] = (f"sum(rate({PROXY_PROMPT_TOKENS}{{{proxy}}}{window})) / "
-                                f"sum(rate({PROXY_ARRIVALS}_count{{{one_window}}}{window}))")
+                                f"sum(rate({PROXY_ARRIVALS}_count{{{first_slot}}}{window}))")
+    # The proxies the requests spread over: those that counted arrivals in the window (not every
+    # proxy scraped: one starting in a rollout, or an older one without the histogram, takes none).
+    result["arrival_proxies"] = f"count(rate({PROXY_ARRIVALS}_count{{{first_slot}}}{window}) > 0)"
     return result
 
 
@@ -358,9 +361,11 @@ def observation(results: Mapping[str, Samples], pods: Sequence[JSON], now: float
 def arrival_work(results: Mapping[str, Samples], isl_mean: float) -> tuple[tuple[float, Quantiles], ...]:
     """The arrival histogram's quantiles per slot length, turned into the engines' tokens across the
     pool: each proxy counts its own arrivals in its estimated tokens, so each value is rescaled by the
-    engines' mean prompt over the proxies' estimated one and multiplied by the proxies scraped (the
-    requests spread evenly over them). Empty when either mean is unknown or no proxy is scraped."""
-    proxies = _value(results, "proxy_up", "", 0.0)
+    engines' mean prompt over the proxies' estimated one and multiplied by the proxies that counted
+    arrivals in the window (the requests taken as spread evenly over them: with uneven spreading this
+    over-sizes, never under-sizes, the busiest proxy's share). Empty when either mean is unknown or
+    no proxy counted any."""
+    proxies = _value(results, "arrival_proxies", "", 0.0)
     estimated = _value(results, "arrival_prompt")
     if not (proxies > 0 and math.isfinite(estimated) and estimated > 0 and math.isfinite(isl_mean) and isl_mean > 0):
         return ()

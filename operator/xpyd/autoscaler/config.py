@@ -138,8 +138,9 @@ class AutoscalerConfig:
                   max_num_batched_tokens: int = DEFAULT_MAX_NUM_BATCHED_TOKENS,
                   max_num_seqs: int = DEFAULT_MAX_NUM_SEQS, window_s: float = 60.0) -> AutoscalerConfig:
         """The config of a `DisaggregatedServing`'s `spec.autoscaling` with the engines' profile. A
-        target attainment sets the share each SLO is sized at (`sizing_quantile`), and, unless the
-        spec sets the scale-down window, the scale-down caution (`down_window_s`, `down_margin`)."""
+        target attainment sets the share each SLO is sized at (`sizing_quantile`), the N-1 check's
+        margin (`down_margin`: not in the API) and, unless the spec sets it, the scale-down window
+        (`down_window_s`)."""
         attainment = spec.slo.attainment
         model = PoolModel(perf=perf, ttft_target_s=spec.slo.ttft_ms / 1e3, tpot_target_s=spec.slo.tpot_ms / 1e3,
                           quantile=sizing_quantile(spec.slo.percentile, attainment),

@@ -58,7 +58,8 @@ them as named steps: `_wake`, `_check`, `_forecast`, `_corrections`, `_plan`, `_
    every window sizes for its tail. Arrivals that bunch within a slot (the proxies' histogram of the
    prompt tokens sharing each request's 0.25/1/4 s slot, `autoscaler.arrivals`) give prefill at least
    the replicas that drain the slot work at the SLO percentile, scaled by the learnt headroom,
-   within the queue budget plus the slot (`arrivals.replicas_for`); the N-1 check holds it too.
+   within the queue budget plus the slot (`arrivals.replicas_for`); the N-1 check asks it of the
+   smaller size with its extra load.
 5. Attribution: a TTFT breach with a prefill backlog (queued work that takes more than half the
    TTFT target to drain, or a growing one) is prefill's (`PrefillQueueing`); a TTFT breach with a
    short prefill queue while decode admission is blocked (KV nearly full, at `max_num_seqs`, or
@@ -74,8 +75,8 @@ them as named steps: `_wake`, `_check`, `_forecast`, `_corrections`, `_plan`, `_
    most `scale_up.max_step`); down only to
    the maximum recommendation over the down-window, by at most `scale_down.max_step`, never within
    the grace period after the role grew, and only if the model says both SLOs hold at the smaller
-   size with `down_margin` more load (the N-1 check). A target attainment shortens the window and
-   lowers the margin unless the spec sets the window (`config.caution`).
+   size with `down_margin` more load (the N-1 check). A target attainment lowers the margin, and
+   shortens the window unless the spec sets it (`config.caution`).
 8. Reality: replicas Pending for lack of GPUs are not capacity and stop further scale-up of their
    role only (`InsufficientGPUs`, reported as Degraded); starting replicas count as coming capacity
    for at most twice the start-up time; min/max bounds apply last, at once.
@@ -386,6 +387,7 @@ class _Plan:
     expected_requests: float          # the requests the burst memory's span brings at the current rate
     burst_replicas: int               # prefill replicas keeping the bursts' misses within the error budget
     arrivals: ArrivalNeed = field(default_factory=ArrivalNeed)   # prefill replicas the bunched arrivals need
+    slot_work: Mapping[float, float] = field(default_factory=dict)   # what `arrivals` was sized for (`_slot_work`)
     k_prefill: float = 1.0
     backlog: Mapping[str, int] = field(default_factory=dict)   # per role: replicas the queued work needs
 
@@ -396,18 +398,28 @@ class _Plan:
 
 def _plan(config: AutoscalerConfig, rate_now: float, rate: float, isl: float, osl: float, mix: PromptMix,
           k_prefill: float, k_decode: float, bursts: tuple[tuple[float, Burst], ...],
-          expected_requests: float, arrival_work: Mapping[float, float] | None = None) -> _Plan:
+          expected_requests: float, slot_work: Mapping[float, float] | None = None) -> _Plan:
     """The sizings of the load `rate` (the forecast with the headroom; `rate_now` the window's): each
     role's demand, the remembered bursts' prefill, and the prefill the bunched arrivals need
-    (`arrival_work`: window seconds -> slot work to size for, see `_arrival_work`)."""
+    (`slot_work`: window seconds -> slot work to size for, see `_slot_work`)."""
     model = config.model
     cap = max(config.prefill.max_replicas, 1)
     decode = model.size_decode(rate, isl, osl, k_decode)
     prefill = model.size_prefill(rate, mix, decode.itl_s, k_prefill, max_replicas=cap)
     burst = model.burst_replicas(bursts, expected_requests, mix, decode.itl_s, k_prefill, max_replicas=cap, rate=rate)
-    budget_s = model.queue_budget_s(mix, decode.itl_s, k_prefill)
-    need = replicas_for(arrival_work or {}, model.saturated_tokens_per_s(k_prefill), budget_s, max_replicas=cap)
-    return _Plan(rate_now, rate, isl, osl, mix, prefill, decode, bursts, expected_requests, burst, need, k_prefill)
+    work = dict(slot_work or {})
+    need = _arrival_need(config, work, mix, decode.itl_s, k_prefill)
+    return _Plan(rate_now, rate, isl, osl, mix, prefill, decode, bursts, expected_requests, burst, need, work,
+                 k_prefill)
+
+
+def _arrival_need(config: AutoscalerConfig, slot_work: Mapping[float, float], mix: PromptMix, decode_itl_s: float,
+                  k_prefill: float) -> ArrivalNeed:
+    """The prefill replicas that drain `slot_work` within the queue budget plus each slot."""
+    model = config.model
+    budget_s = model.queue_budget_s(mix, decode_itl_s, k_prefill)
+    return replicas_for(slot_work, model.saturated_tokens_per_s(k_prefill), budget_s,
+                        max_replicas=max(config.prefill.max_replicas, 1))
 
 
 def hold(observation: Observation, config: AutoscalerConfig, state: AutoscalerState, problem: str,
@@ -453,14 +465,14 @@ def decide(observation: Observation, config: AutoscalerConfig, state: Autoscaler
     scale = 1.0 + headroom(config, state)
     plan = _plan(config, load.rate_now, load.rate * scale, load.isl, load.osl, load.mix,
                  corrections.k_prefill, corrections.k_decode, corrections.bursts, corrections.expected_requests,
-                 _arrival_work(observation, config, scale))
+                 _slot_work(observation, config, scale))
     sizes = _Sizes.of(plan, observation, config)
     _attribution(observation, config, state, plan, corrections, sizes)
     plan = _backlog_step(observation, config, state, plan, corrections, sizes)
     return _pace(observation, config, state, load, corrections, plan, sizes)
 
 
-def _arrival_work(observation: Observation, config: AutoscalerConfig, scale: float) -> dict[float, float]:
+def _slot_work(observation: Observation, config: AutoscalerConfig, scale: float) -> dict[float, float]:
     """The slot work prefill is sized to drain (`autoscaler.arrivals`): per window length, the prompt
     tokens sharing a request's slot at the SLO percentile, times `scale` (one plus the learnt
     headroom, so the target's feedback reaches this term as it does the demand's). The forecast's
@@ -886,8 +898,8 @@ def _prefill_message(plan: _Plan, replicas: int, config: AutoscalerConfig) -> st
     forecast = f" (forecast; now {plan.rate_now:.1f})" if plan.rate > plan.rate_now * 1.01 else ""
     need = plan.arrivals
     if need.replicas > max(sizing.replicas, plan.burst_replicas):
-        return (f"arrivals bunch: the p{config.percentile:g} request shares its {need.window_s:g}s slot with "
-                f"{_kilo(need.tokens)} prompt tokens, which P {need.replicas} x "
+        return (f"arrivals bunch: sized for {_kilo(need.tokens)} prompt tokens sharing the "
+                f"p{config.percentile:g} request's {need.window_s:g}s slot, which P {need.replicas} x "
                 f"{_kilo(config.model.saturated_tokens_per_s(plan.k_prefill))} tok/s drain within the queue budget "
                 f"{_ms(config.model.queue_budget_s(plan.mix, plan.decode.itl_s, plan.k_prefill))} + {need.window_s:g}s "
                 f"(steady load alone needs {sizing.replicas} at rho {sizing.utilisation:.2f}); P has {replicas}")
@@ -1032,11 +1044,13 @@ def _n_minus_one(role_name: str, replicas: int, config: AutoscalerConfig, plan: 
     if role_name == PREFILL:
         attainment = model.prefill_attainment(replicas, plan.rate * load, plan.mix, plan.decode.itl_s, k_prefill)
         rho = plan.rate * load * plan.mix.mean / (replicas * model.mix_tokens_per_s(plan.mix, k_prefill))
+        arrivals = _arrival_need(config, {window: load * tokens for window, tokens in plan.slot_work.items()},
+                                 plan.mix, plan.decode.itl_s, k_prefill)
         safe = (attainment >= model.quantile and rho <= model.max_utilisation and replicas >= plan.burst_replicas
-                and replicas >= plan.arrivals.replicas)
+                and replicas >= arrivals.replicas)
         return safe, (f"at {replicas} replicas and {load:.1f}x load predicted TTFT attainment {attainment:.3f} "
                       f"(>= {model.quantile:.2f}) at rho {rho:.2f}, bursts need {plan.burst_replicas}, "
-                      f"arrivals {plan.arrivals.replicas}")
+                      f"bunched arrivals {arrivals.replicas}")
     sizing = model.size_decode(plan.rate * load, plan.isl, plan.osl, k_decode)
     safe = sizing.replicas <= replicas
     return safe, (f"at {replicas} replicas and {load:.1f}x load decode needs {sizing.replicas} "

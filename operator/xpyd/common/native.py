@@ -42,7 +42,8 @@ MODULES = ("xpyd.sim.core", "xpyd.sim.simulator", "xpyd.perf.model", "xpyd.kvcac
            "xpyd.kvcache.index", "xpyd.kvcache.scoring")
 """Compiled together (one mypyc group): calls between them stay native."""
 
-IMPORTED = ("xpyd.api.naming", "xpyd.autoscaler.observation", "xpyd.perf.shapes", "xpyd.sim.policy", "xpyd.traces")
+IMPORTED = ("xpyd.api.naming", "xpyd.autoscaler.observation", "xpyd.common.bunching", "xpyd.perf.shapes",
+            "xpyd.sim.policy", "xpyd.traces")
 """The package's modules that `MODULES` import: mypyc compiles against their types, so a change of
 theirs makes the build stale too (a test keeps this list complete)."""
 

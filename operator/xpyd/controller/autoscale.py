@@ -81,9 +81,10 @@ from xpyd.autoscaler.decide import (
     headroom,
     hold,
     pd_ratio,
+    quantile_at,
     waking,
 )
-from xpyd.autoscaler.observation import Observation
+from xpyd.autoscaler.observation import Observation, Quantiles
 from xpyd.autoscaler.profile import ProfileError, perf_model
 from xpyd.autoscaler.react import react
 from xpyd.autoscaler.state import decode as decode_state
@@ -101,12 +102,14 @@ log = logging.getLogger(__name__)
 
 
 def observed_load(observation: Observation, percentile: float) -> JSON:
-    """`status.autoscaler.observed`: the load and latencies the decision saw (None when unknown)."""
+    """`status.autoscaler.observed`: the load and latencies the decision saw (None when unknown), the
+    quantiles at the decision's sizing percentile (`AutoscalerConfig.percentile`: the target
+    attainment's share when there is one), read as `decide` reads them."""
     def number(value: float, digits: int = 3) -> float | None:
         return round(value, digits) if math.isfinite(value) else None
 
-    def at_percentile(q: Any) -> float:
-        return float({50: q.p50, 90: q.p90, 99: q.p99}.get(round(percentile), q.p90))
+    def at_percentile(q: Quantiles) -> float:
+        return quantile_at(q, percentile)
 
     return {
         "requestRate": number(observation.request_rate),
@@ -117,8 +120,9 @@ def observed_load(observation: Observation, percentile: float) -> JSON:
         "prefillQueue": number(observation.prefill.num_requests_waiting, 1),
         "decodeQueue": number(observation.decode.num_requests_waiting, 1),
         "kvCacheUsage": number(observation.decode.kv_cache_usage_perc),
-        "arrivalPromptTokens": {window_label(window): tokens for window, q in observation.arrival_prompt_tokens
-                                if (tokens := number(at_percentile(q), 0)) is not None} or None,
+        # Every slot length, unknown ones as None, which a merge patch removes (no stale value stays).
+        "arrivalPromptTokens": {window_label(window): number(at_percentile(q), 0)
+                                for window, q in observation.arrival_prompt_tokens} or None,
     }
 
 

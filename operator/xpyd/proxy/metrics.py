@@ -18,8 +18,11 @@ How prompt work bunches on arrival (`xpyd.common.bunching`; prefill is sized by 
 `xpyd_proxy_arrival_prompt_tokens{window}`: the proxy adds each request's prompt to the aligned
 slots of its arrival time (`ProxyMetrics.arrival`), and a slot's total is observed once per request
 in it when the slot closes: at the first arrival past its end, or at the first scrape after it
-(`ProxyMetrics.flush_arrivals`, which `/metrics` calls before rendering). Slots are aligned to the
-wall clock (`time.time()`).
+(`ProxyMetrics.flush_arrivals`, which `/metrics` calls before rendering). The prompt tokens counted
+are added as the 0.25 s slots close, so the counter and the histogram's `_count` cover the same
+requests (the autoscaler divides one by the other). Slots are aligned to the wall clock as it was
+when the proxy started, advanced by the monotonic clock (`wall_clock`): a wall clock stepped back
+would otherwise pile later arrivals into a slot still open.
 """
 
 from __future__ import annotations
@@ -45,6 +48,15 @@ __all__ = ["LATENCY_BUCKETS", "Counter", "Gauge", "GaugeSample", "Histogram", "P
 #: Seconds; vLLM's TTFT buckets with sub-millisecond ones in front (the proxy's own overhead).
 LATENCY_BUCKETS: Final = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75,
                           1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0, 160.0, 640.0, 2560.0)
+
+_WALL_AT_START = time.time() - time.monotonic()
+
+
+def wall_clock() -> float:
+    """Seconds since the epoch as the wall clock read when the proxy started, advanced by the
+    monotonic clock: never steps back."""
+    return _WALL_AT_START + time.monotonic()
+
 
 M = TypeVar("M", prometheus_client.Counter, prometheus_client.Histogram)
 
@@ -148,8 +160,8 @@ class ProxyMetrics:
     prompt_tokens: Counter = field(default_factory=lambda: Counter(
         "xpyd_proxy_prompt_tokens_total", "Prompt tokens (the proxy's estimate) of the requests the arrival "
         "histogram counts.", ()))
-    #: The wall clock the arrival slots are aligned to (seconds); tests pass their own.
-    clock: Callable[[], float] = time.time
+    #: The clock the arrival slots are aligned to (seconds); tests pass their own.
+    clock: Callable[[], float] = wall_clock
     arrival_slots: bunching.ArrivalSlots = field(init=False, repr=False)
 
     def __post_init__(self) -> None:
@@ -157,7 +169,6 @@ class ProxyMetrics:
 
     def arrival(self, prompt_tokens: int) -> None:
         """A client request of `prompt_tokens` (the proxy's estimate) offered to the pool now."""
-        self.prompt_tokens.inc(amount=prompt_tokens)
         self.arrival_slots.add(self.clock(), prompt_tokens)
 
     def flush_arrivals(self) -> None:
@@ -165,6 +176,8 @@ class ProxyMetrics:
         self.arrival_slots.flush(self.clock())
 
     def _slot_closed(self, window_s: float, tokens: float, requests: int) -> None:
+        if window_s == bunching.WINDOWS_S[0]:
+            self.prompt_tokens.inc(amount=tokens)
         label = bunching.window_label(window_s)
         for _ in range(requests):  # once per request in the slot (observe takes no weight)
             self.arrival_tokens.observe(tokens, label)

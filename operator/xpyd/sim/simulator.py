@@ -300,7 +300,7 @@ class Simulator:
         self._client_ttft = BucketHistogram(TTFT_BUCKETS)
         self._client_tpot = BucketHistogram(ITL_BUCKETS)
         # The proxy's arrival histograms (`common.bunching`): one per slot length, fed at arrival.
-        self._arrival_work = {window: BucketHistogram(ARRIVAL_BUCKETS) for window in ARRIVAL_WINDOWS_S}
+        self._arrival_histograms = {window: BucketHistogram(ARRIVAL_BUCKETS) for window in ARRIVAL_WINDOWS_S}
         self._arrival_slots = ArrivalSlots(self._observe_slot, ARRIVAL_WINDOWS_S)
         self._holding = config.min_replicas == 0
         self._waiting: dict[int, None] = {}      # held requests, in arrival order
@@ -397,7 +397,7 @@ class Simulator:
     # --- request flow -------------------------------------------------------------------------
 
     def _observe_slot(self, window_s: float, tokens: float, requests: int) -> None:
-        self._arrival_work[window_s].observe(tokens, requests)
+        self._arrival_histograms[window_s].observe(tokens, requests)
 
     def _on_arrival(self, index: int, now: float) -> None:
         request = self.trace[index]
@@ -729,7 +729,7 @@ class Simulator:
             roles[role] = _RoleMetrics(histograms, counters)
         history = self._history
         self._arrival_slots.flush(now)   # as the proxy does before a scrape
-        arrivals = {window: histogram.copy() for window, histogram in self._arrival_work.items()}
+        arrivals = {window: histogram.copy() for window, histogram in self._arrival_histograms.items()}
         history.append((now, self._arrived, roles, self._client_ttft.copy(), self._client_tpot.copy(), arrivals))
         # Keep one snapshot at or before the window's start.
         while len(history) > 1 and history[1][0] <= now - self.config.window_s:
