@@ -226,3 +226,17 @@ def test_autoscaler_eval_sweeps_each_family_into_frontiers_tables_and_verdicts(t
     again = run("autoscaler_eval.py", "--workloads", "conv", *args[3:], timeout=600)
     assert again.splitlines()[-1].endswith("(saved oracles reused: conv)"), again
     assert json.loads((tmp_path / "conv" / "oracle.json").read_text()) == oracle
+
+
+def test_arrival_bunching_prints_the_slot_ratios_and_a_row_per_prefill_pool() -> None:
+    trace = BENCHMARKS.parent / "tests" / "fixtures" / "traces" / "azure_conv_2023_600s_240s.csv"
+    out = run("arrival_bunching.py", "--trace", str(trace), "--rate-scale", "2", "--start", "60", "--span", "60",
+              "--prefill", "1", "2", "--decode", "2")
+    lines = out.splitlines()
+    assert lines[0].startswith("azure_conv_2023_600s_240s.csv x2, 60-120 s: "), out
+    ratios = [line.split(" | ") for line in lines[3:6]]
+    assert [row[0] for row in ratios] == ["0.25", "1", "4"], out
+    # Each ratio is the slot work at p90 or p99 of requests over its mean over requests (here at least 1).
+    assert all(len(row) == 7 and all(float(cell.rstrip("x")) >= 1.0 for cell in row[1:]) for row in ratios), out
+    pools = [line.split(" | ") for line in lines[8:]]
+    assert [row[0] for row in pools] == ["1", "2"] and all(row[3].endswith("%") for row in pools), out

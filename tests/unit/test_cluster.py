@@ -15,7 +15,7 @@ from cryptography import x509
 from xpyd.cli import build_parser
 from xpyd.cluster import lws, pki
 from xpyd.cluster.binaries import VllmCpu
-from xpyd.cluster.controlplane import ClusterState
+from xpyd.cluster.controlplane import ClusterError, ClusterState, ControlPlane
 from xpyd.cluster.nodes import DEFAULT_NODES, node_object
 from xpyd.cluster.runtime import (
     POD_SUBCOMMANDS,
@@ -372,3 +372,39 @@ def test_an_unbound_claim_waits_and_an_unrunnable_pod_is_never_ready(runtime: Po
     assert status["phase"] == "Pending"
     assert status["containerStatuses"][0]["state"] == {"waiting": {"reason": "ErrImageNeverPull",
                                                                    "message": "no vLLM"}}
+
+
+def test_the_api_server_starts_again_on_a_new_port_when_its_port_was_taken(tmp_path: Path,
+                                                                           monkeypatch: pytest.MonkeyPatch) -> None:
+    """A free port is free only when chosen: one taken before the API server binds it is chosen
+    again (and the kubeconfig follows); any other failure, or a third taken port, is raised."""
+    plane = ControlPlane(state_dir=tmp_path)
+    files = pki.generate(tmp_path / "pki")
+    state = ClusterState(state_dir=str(tmp_path), apiserver_port=1, etcd_port=2, started_at=0.0)
+    tried: list[int] = []
+
+    def failing(times: int, message: bytes) -> Any:
+        def spawn(state: ClusterState, bins: Any, files: Any) -> None:
+            tried.append(state.apiserver_port)
+            if len(tried) <= times:
+                plane.logs.mkdir(parents=True, exist_ok=True)
+                with (plane.logs / "kube-apiserver.log").open("ab") as log:
+                    log.write(b"E run.go:72] \"command failed\" err=\"" + message + b"\"\n")
+                raise ClusterError("kube-apiserver exited during start-up")
+        return spawn
+
+    monkeypatch.setattr(plane, "_spawn_apiserver", failing(2, b"bind: address already in use"))
+    plane._start_apiserver(state, None, files)  # type: ignore[arg-type]
+    assert len(tried) == 3 and state.apiserver_port == tried[-1]
+    assert f"127.0.0.1:{tried[-1]}" in state.kubeconfig.read_text()
+    tried.clear()
+    monkeypatch.setattr(plane, "_spawn_apiserver", failing(3, b"bind: address already in use"))
+    with pytest.raises(ClusterError):
+        plane._start_apiserver(state, None, files)  # type: ignore[arg-type]
+    assert len(tried) == 3
+    tried.clear()
+    (plane.logs / "kube-apiserver.log").unlink()
+    monkeypatch.setattr(plane, "_spawn_apiserver", failing(1, b"unable to load server certificate"))
+    with pytest.raises(ClusterError):
+        plane._start_apiserver(state, None, files)  # type: ignore[arg-type]
+    assert len(tried) == 1

@@ -1,20 +1,21 @@
 """How prompt work bunches on arrival: the signal the proxy measures and prefill is sized by.
 
 The steady model (`sizing.PoolModel.size_prefill`) takes arrivals as Poisson. Real traces bunch far
-more at sub-second scale: in the Azure conversation trace the prompt tokens arriving in a 250 ms
-slot reach 5.5 times their mean at the 99th percentile of requests, where a Poisson stream of the
-same rate and prompts reaches 2; on the same minutes the model predicts every request within the
-TTFT target on 2 prefill replicas while replaying them shows 8% missing it (3 are needed). The
-engines' queue-time histogram cannot show it while the pool is large enough (its first bucket is
-0.3 s), so the autoscaler shrank into the misses and grew back, window after window.
+more at sub-second scale: in the Azure conversation trace the prompt tokens sharing a request's
+250 ms slot reach 4.4 times their mean at the 99th percentile of requests, where a Poisson stream of
+the same rate and prompts reaches 1.9 (`benchmarks/arrival_bunching.py`); on the same minutes the
+model predicts every request within the TTFT target on 2 prefill replicas while replaying them shows
+8% missing it (3 are needed). The engines' queue-time histogram cannot show it while the pool is
+large enough (its first bucket is 0.3 s), so the autoscaler shrank into the misses and grew back,
+window after window.
 
 The proxy sees every arrival, so it measures the bunching directly: per request, the prompt tokens
 arriving (at that proxy) in the same aligned slot of `w` seconds, the request's own included, for
 each `w` of `WINDOWS_S`, as the histogram `xpyd_proxy_arrival_prompt_tokens{window="w"}` (observed
 when the slot closes, once per request in it, so its quantiles are over requests), beside the
 counter of the prompt tokens counted, `xpyd_proxy_prompt_tokens_total` (the proxy's estimates:
-`collect` rescales them to the engines' mean prompt). The simulator measures the same with the
-same slots and buckets (`ArrivalSlots`).
+`collect` rescales them to the engines' mean prompt). The slots and buckets are
+`xpyd.common.bunching`, which the proxy and the simulator share; this module is the sizing.
 
 Sizing (`replicas_for`): a slot's work `W` spread over `c` replicas of saturated rate `mu` drains
 in `W / (c mu)`; its last request arrived at most `w` after its first, so it meets the queue budget

@@ -18,7 +18,8 @@ aggregates are one query `by (xpyd_io_role)` for both engine pools. Client-side 
 arrival rate come from the proxy's own series; without a scraped proxy, arrivals fall back to the
 prefill engines' request count and TTFT is unknown (decide() then steers by the engines' queues).
 How prompt work bunches on arrival comes from the proxies too (`autoscaler.arrivals`; `arrival_work`
-rescales their estimated tokens to the engines' and sums over proxies); without it, none is sized for.
+rescales their estimated tokens to the engines' and scales a proxy's share up to the pool's); without
+it, none is sized for.
 """
 
 from __future__ import annotations
@@ -362,9 +363,9 @@ def arrival_work(results: Mapping[str, Samples], isl_mean: float) -> tuple[tuple
     """The arrival histogram's quantiles per slot length, turned into the engines' tokens across the
     pool: each proxy counts its own arrivals in its estimated tokens, so each value is rescaled by the
     engines' mean prompt over the proxies' estimated one and multiplied by the proxies that counted
-    arrivals in the window (the requests taken as spread evenly over them: with uneven spreading this
-    over-sizes, never under-sizes, the busiest proxy's share). Empty when either mean is unknown or
-    no proxy counted any."""
+    arrivals in the window (the requests taken as spread evenly over them: spread unevenly, the
+    busier proxies' requests weigh most in the pooled quantile, which then over-sizes). Empty when
+    either mean is unknown or no proxy counted any."""
     proxies = _value(results, "arrival_proxies", "", 0.0)
     estimated = _value(results, "arrival_prompt")
     if not (proxies > 0 and math.isfinite(estimated) and estimated > 0 and math.isfinite(isl_mean) and isl_mean > 0):

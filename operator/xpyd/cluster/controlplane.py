@@ -89,6 +89,10 @@ class ClusterError(RuntimeError):
     """A step of `up` failed; the message names the step and the log to read."""
 
 
+#: Start-ups of the API server, each on a newly chosen port, before `up` gives up on a port taken.
+APISERVER_ATTEMPTS = 3
+
+
 def free_ports(count: int) -> list[int]:
     """`count` distinct free TCP ports on loopback (all held open until every one is chosen)."""
     sockets = [socket.socket() for _ in range(count)]
@@ -191,7 +195,6 @@ class ControlPlane:
         state = ClusterState(state_dir=str(self.state_dir), apiserver_port=free_port(), etcd_port=free_port(),
                              started_at=time.time(), pod_ip_octet=random.randint(16, 250))
         state.save()
-        write_kubeconfig(state.kubeconfig, state.server, files.ca_cert, cert=files.admin_cert, key=files.admin_key)
         try:
             self._start_etcd(state, bins)
             progress(f"etcd ready ({time.monotonic() - started:.1f}s)")
@@ -232,6 +235,28 @@ class ControlPlane:
             f"http://{HOST}:{state.etcd_port}/health", timeout=1).status == 200, 30)
 
     def _start_apiserver(self, state: ClusterState, bins: Binaries, files: pki.Files) -> None:
+        """Start the API server on a port chosen just before (and the kubeconfig pointing at it); a
+        port taken meanwhile (a free port is free only when it is chosen: etcd's and the checks'
+        outgoing connections take ephemeral ports too) is chosen again, twice at most."""
+        for attempt in range(APISERVER_ATTEMPTS):
+            state.apiserver_port = free_port()
+            state.save()
+            write_kubeconfig(state.kubeconfig, state.server, files.ca_cert, cert=files.admin_cert, key=files.admin_key)
+            try:
+                self._spawn_apiserver(state, bins, files)
+                return
+            except ClusterError:
+                if attempt + 1 == APISERVER_ATTEMPTS or not self._lost_its_port("kube-apiserver"):
+                    raise
+
+    def _lost_its_port(self, name: str) -> bool:
+        """Whether `name`'s last start-up failed because its port was taken (the end of its log)."""
+        log = self.logs / f"{name}.log"
+        with log.open("rb") as handle:
+            handle.seek(max(0, log.stat().st_size - 4096))
+            return b"address already in use" in handle.read()
+
+    def _spawn_apiserver(self, state: ClusterState, bins: Binaries, files: pki.Files) -> None:
         self._spawn(state, "kube-apiserver", [
             str(bins.kube_apiserver), f"--etcd-servers=http://{HOST}:{state.etcd_port}",
             f"--bind-address={HOST}", f"--secure-port={state.apiserver_port}", f"--advertise-address={HOST}",
