@@ -95,7 +95,7 @@ def results_with(estimated_mean: float, proxies: float) -> dict[str, collect.Sam
 def test_collect_turns_the_proxies_estimates_into_the_engines_tokens_over_the_pool() -> None:
     """Two proxies (of three scraped) counted arrivals, their estimates 25% under the engines' mean
     prompt: each value x 2 x 1.25."""
-    work = collect.arrival_work(results_with(800.0, 2.0), isl_mean=1000.0)
+    work = collect.arrival_prompt_tokens(results_with(800.0, 2.0), isl_mean=1000.0)
     assert [window for window, _ in work] == list(WINDOWS_S)
     assert work[0][1] == Quantiles(2500.0, 5000.0, 10_000.0, 3750.0)
     assert work[2][1] == Quantiles(7500.0, 15_000.0, 30_000.0, 11_250.0)
@@ -105,7 +105,7 @@ def test_collect_turns_the_proxies_estimates_into_the_engines_tokens_over_the_po
     (math.nan, 1.0, 1000.0), (0.0, 1.0, 1000.0), (800.0, 0.0, 1000.0), (800.0, 1.0, math.nan)])
 def test_collect_gives_no_arrival_work_without_both_means_and_a_proxy(estimated: float, proxies: float,
                                                                       isl: float) -> None:
-    assert collect.arrival_work(results_with(estimated, proxies), isl_mean=isl) == ()
+    assert collect.arrival_prompt_tokens(results_with(estimated, proxies), isl_mean=isl) == ()
 
 
 def test_the_queries_read_the_arrival_histogram_by_window() -> None:

@@ -13,7 +13,7 @@ import pytest
 
 from tests.integration.rig import COMPLETION, Rig, rig
 from xpyd.common.bunching import WINDOWS_S, ArrivalSlots, window_label
-from xpyd.proxy.metrics import ProxyMetrics
+from xpyd.proxy.metrics import ProxyMetrics, wall_clock
 from xpyd.proxy.server import Proxy, ProxyConfig
 
 HISTOGRAM = "xpyd_proxy_arrival_prompt_tokens"
@@ -137,7 +137,7 @@ def _buckets(samples: dict[str, float], window: str) -> dict[str, float]:
 
 @pytest.mark.unit
 def test_the_clock_is_the_wall_clock_unless_given() -> None:
-    assert abs(ProxyMetrics().clock() - time.time()) < 5.0   # the wall clock, advanced monotonically
+    assert ProxyMetrics().clock is wall_clock   # the wall clock at start-up, advanced monotonically
     clock = Clock(42.0)
     metrics = ProxyMetrics(clock=clock)
     metrics.arrival(10)
@@ -226,3 +226,13 @@ async def test_a_request_held_in_the_waiting_room_counts_even_when_it_expires() 
         assert (status, answer["error"]["code"]) == (503, 503)
         clock.now = 101.0
         assert (await _metrics(r))[COUNTER] == 10.0
+
+
+@pytest.mark.unit
+def test_the_wall_clock_follows_the_monotonic_clock_not_a_stepped_wall_clock(monkeypatch: pytest.MonkeyPatch) -> None:
+    monotonic = [1000.0]
+    monkeypatch.setattr(time, "monotonic", lambda: monotonic[0])
+    before = wall_clock()
+    monkeypatch.setattr(time, "time", lambda: 0.0)   # the wall clock stepped back to the epoch
+    monotonic[0] += 2.5
+    assert wall_clock() == pytest.approx(before + 2.5, abs=1e-6)

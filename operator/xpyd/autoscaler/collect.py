@@ -17,7 +17,7 @@ and `xpyd_io_role` (the chart's PodMonitor relabels the pod labels `xpyd.io/serv
 aggregates are one query `by (xpyd_io_role)` for both engine pools. Client-side TTFT and the
 arrival rate come from the proxy's own series; without a scraped proxy, arrivals fall back to the
 prefill engines' request count and TTFT is unknown (decide() then steers by the engines' queues).
-How prompt work bunches on arrival comes from the proxies too (`autoscaler.arrivals`; `arrival_work`
+How prompt work bunches on arrival comes from the proxies too (`autoscaler.arrivals`; `arrival_prompt_tokens`
 rescales their estimated tokens to the engines' and scales a proxy's share up to the pool's); without
 it, none is sized for.
 """
@@ -356,10 +356,10 @@ def observation(results: Mapping[str, Samples], pods: Sequence[JSON], now: float
         tpot_seconds=_quantiles(results, "tpot"),
         prefill=role_observation("prefill"), decode=role_observation("decode"),
         ttft_buckets=buckets(results, "ttft") if proxied else (), tpot_buckets=buckets(results, "tpot"),
-        arrival_prompt_tokens=arrival_work(results, isl.mean))
+        arrival_prompt_tokens=arrival_prompt_tokens(results, isl.mean))
 
 
-def arrival_work(results: Mapping[str, Samples], isl_mean: float) -> tuple[tuple[float, Quantiles], ...]:
+def arrival_prompt_tokens(results: Mapping[str, Samples], isl_mean: float) -> tuple[tuple[float, Quantiles], ...]:
     """The arrival histogram's quantiles per slot length, turned into the engines' tokens across the
     pool: each proxy counts its own arrivals in its estimated tokens, so each value is rescaled by the
     engines' mean prompt over the proxies' estimated one and multiplied by the proxies that counted

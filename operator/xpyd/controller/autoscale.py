@@ -84,7 +84,7 @@ from xpyd.autoscaler.decide import (
     quantile_at,
     waking,
 )
-from xpyd.autoscaler.observation import Observation, Quantiles
+from xpyd.autoscaler.observation import Observation
 from xpyd.autoscaler.profile import ProfileError, perf_model
 from xpyd.autoscaler.react import react
 from xpyd.autoscaler.state import decode as decode_state
@@ -108,20 +108,17 @@ def observed_load(observation: Observation, percentile: float) -> JSON:
     def number(value: float, digits: int = 3) -> float | None:
         return round(value, digits) if math.isfinite(value) else None
 
-    def at_percentile(q: Quantiles) -> float:
-        return quantile_at(q, percentile)
-
     return {
         "requestRate": number(observation.request_rate),
         "isl": number(observation.isl_mean, 1),
         "osl": number(observation.osl_mean, 1),
-        "ttftMs": number(at_percentile(observation.ttft_seconds) * 1e3, 1),
-        "tpotMs": number(at_percentile(observation.tpot_seconds) * 1e3, 2),
+        "ttftMs": number(quantile_at(observation.ttft_seconds, percentile) * 1e3, 1),
+        "tpotMs": number(quantile_at(observation.tpot_seconds, percentile) * 1e3, 2),
         "prefillQueue": number(observation.prefill.num_requests_waiting, 1),
         "decodeQueue": number(observation.decode.num_requests_waiting, 1),
         "kvCacheUsage": number(observation.decode.kv_cache_usage_perc),
         # Every slot length, unknown ones as None, which a merge patch removes (no stale value stays).
-        "arrivalPromptTokens": {window_label(window): number(at_percentile(q), 0)
+        "arrivalPromptTokens": {window_label(window): number(quantile_at(q, percentile), 0)
                                 for window, q in observation.arrival_prompt_tokens} or None,
     }
 

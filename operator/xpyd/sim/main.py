@@ -74,7 +74,7 @@ def add_parser(subparsers: Any) -> None:
                      help="with --scale-to-zero: how soon a held request makes the policy decide (default 1)")
     sim.add_argument("--attainment", type=float, default=0.95, metavar="A",
                      help="the target attainment, the share of requests to meet both SLOs (0 < A < 1; default 0.95): "
-                     "policy xpyd aims at it (its model sizes each SLO at a percentile of at least 100 A); the oracle, "
+                     "policy xpyd aims at it (its model sizes each SLO at percentile 100 A); the oracle, "
                      "static-peak and static-mean size from an oracle search for it")
     sim.add_argument("--react-seconds", type=float, default=float(DEFAULT_REACT_SECONDS), metavar="S",
                      help="policy xpyd: between decisions, read the gauges every S seconds and scale up at once on a "
