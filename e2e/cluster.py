@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import os
 import subprocess
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -20,6 +21,14 @@ from xpyd.kube.pods import condition
 ROOT = Path(__file__).resolve().parents[1]
 OPERATOR_NAMESPACE = "xpyd-system"
 RELEASE = "xpyd-operator"
+#: What kubectl prints when the API server could not be reached (a 2-core machine busy with real vLLM
+#: engines can starve the TLS handshake). A command that only reads, or that leaves the same object
+#: however often it runs (`RETRIED`, and a `delete --wait=false`: one request), is then run again, at
+#: most `ATTEMPTS` times; others (a `delete` that waits, `helm install --wait`) make several requests,
+#: and one may have landed before another failed.
+UNSENT = ("TLS handshake timeout", "connect: connection refused")
+RETRIED = frozenset({"get", "describe", "logs", "wait", "apply", "patch", "scale"})
+ATTEMPTS = 3
 
 
 @dataclass
@@ -34,10 +43,17 @@ class Cluster:
     def run(self, tool: str, *args: str, check: bool = True, stdin: str | None = None,
             timeout: float = 120) -> subprocess.CompletedProcess[str]:
         binary = {"kubectl": self.binaries.kubectl, "helm": self.binaries.helm}[tool]
-        result = subprocess.run([str(binary), *args], capture_output=True, text=True, env=self.env,
-                                input=stdin, timeout=timeout, check=False)
+        once = bool(args) and (args[0] in RETRIED or (args[0] == "delete" and "--wait=false" in args))
+        attempts = ATTEMPTS if tool == "kubectl" and once else 1
+        for attempt in range(1, attempts + 1):
+            result = subprocess.run([str(binary), *args], capture_output=True, text=True, env=self.env,
+                                    input=stdin, timeout=timeout, check=False)
+            if result.returncode == 0 or attempt == attempts or not any(m in result.stderr for m in UNSENT):
+                break
+            time.sleep(2.0 * attempt)
         if check and result.returncode != 0:
-            raise AssertionError(f"{tool} {' '.join(args)} failed ({result.returncode}):\n{result.stderr}")
+            tried = f" after {attempt} attempts" if attempt > 1 else ""
+            raise AssertionError(f"{tool} {' '.join(args)} failed ({result.returncode}){tried}:\n{result.stderr}")
         return result
 
     def kubectl(self, *args: str, **kwargs: Any) -> subprocess.CompletedProcess[str]:
