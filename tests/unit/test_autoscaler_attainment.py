@@ -25,7 +25,8 @@ from xpyd.autoscaler.attainment import (
     window_attainment,
 )
 from xpyd.autoscaler.config import AutoscalerConfig, Pace, state_max_age_s
-from xpyd.autoscaler.decide import AutoscalerState, decide, headroom
+from xpyd.autoscaler.decide import NO_TRAFFIC, AutoscalerState, RoleState, decide, headroom, served_share
+from xpyd.autoscaler.observation import Observation
 from xpyd.autoscaler.state import decode, encode
 
 pytestmark = pytest.mark.unit
@@ -84,6 +85,16 @@ def test_windows_that_teach_nothing(kwargs: dict[str, object]) -> None:
     assert state.last_hour(1000.0) == pytest.approx(0.5)   # but the hour counts them
 
 
+@pytest.mark.parametrize(("served", "share"), [(1.0, 1.0), (0.25, 0.25), (0.0, 0.0), (1.5, 1.0), (-1.0, 0.0)])
+def test_an_upward_step_is_scaled_by_the_share_of_the_pool_that_served(served: float, share: float) -> None:
+    full = learn(AttainmentState(), 1000.0, 0.5, 100.0, 0.95, 30)
+    scaled = learn(AttainmentState(), 1000.0, 0.5, 100.0, 0.95, 30, served=served)
+    assert scaled.headroom == pytest.approx(share * full.headroom)
+    # A window that met the target moves it down whatever served: a smaller pool did not miss.
+    met = learn(AttainmentState(headroom=0.5), 1000.0, 1.0, 100.0, 0.95, 30, served=served)
+    assert met.headroom == pytest.approx(0.5 + DOWN_GAIN * math.log(0.2))
+
+
 def test_the_last_hour_weighs_requests_and_forgets_older_ones() -> None:
     state = AttainmentState()
     state = learn(state, 0.0, 0.5, 100.0, None, 30)
@@ -127,6 +138,64 @@ def test_a_start_from_zero_teaches_no_headroom() -> None:
     decision = decide(observation(**missing(0.2)), TARGETED, woken)  # type: ignore[arg-type]
     assert decision.state.attainment.headroom == 0.0
     assert decision.state.attainment.last_hour(600.0) == pytest.approx(0.2)
+
+
+def growing(ready: int = 1, ordered: int = 4, pending: int = 0, time_s: float = 600.0) -> Observation:
+    """Prefill with `ready` of `ordered` replicas serving (the rest starting, or `pending` not placed),
+    90% of the window's requests missing TTFT."""
+    base = observation(prefill=ordered - pending, **missing(0.1, time_s))  # type: ignore[arg-type]
+    prefill = dataclasses.replace(base.prefill, ready=ready, starting=ordered - pending - ready, pending=pending)
+    return dataclasses.replace(base, prefill=prefill)
+
+
+def test_served_share_is_ready_over_ordered_for_the_smaller_role() -> None:
+    assert served_share(observation()) == 1.0
+    assert served_share(growing(1, 4)) == pytest.approx(0.25)
+    assert served_share(growing(2, 8, pending=4)) == pytest.approx(0.25)   # Pending replicas are ordered too
+    nothing = observation(prefill=0)
+    assert served_share(dataclasses.replace(nothing, prefill=dataclasses.replace(nothing.prefill, ready=0))) == 1.0
+
+
+def test_until_the_pool_settles_a_miss_teaches_in_proportion_to_what_served() -> None:
+    """A cold start: one prefill replica of four ordered serves, every request misses. Before any decision
+    found the pool settled, the headroom moves a quarter of a full step; once one has (a decision after an
+    earlier one with no role's window reaching back before its last scale-up), the full step, and the
+    time it settled is kept through the status encoding. A start from zero begins it again."""
+    full = decide(observation(**missing(0.1)), TARGETED, AutoscalerState())  # type: ignore[arg-type]
+    step = full.state.attainment.headroom
+    assert step > 0
+    first = decide(growing(), TARGETED, AutoscalerState())                 # no decision before: not settled
+    assert first.state.attainment.headroom == pytest.approx(step / 4)
+    assert math.isnan(first.state.attainment.settled_s)
+    grew = AutoscalerState(time_s=570.0, prefill=RoleState(last_scale_up_s=540.0))
+    unsettled = decide(growing(), TARGETED, grew)                          # its scale-up's replicas still start
+    assert unsettled.state.attainment.headroom == pytest.approx(step / 4)
+    later = decide(growing(time_s=900.0), TARGETED, unsettled.state)       # 360 s on: settled, full step
+    assert later.state.attainment.settled_s == 900.0
+    assert later.state.attainment.headroom == pytest.approx(step / 4 + step)
+    again = decide(growing(time_s=930.0), TARGETED,
+                   dataclasses.replace(later.state, prefill=RoleState(last_scale_up_s=920.0)))
+    assert again.state.attainment.settled_s == 900.0                       # once settled, it stays
+    assert again.state.attainment.headroom == pytest.approx(step / 4 + 2 * step)
+    assert decode(encode(again.state)).attainment == again.state.attainment
+    assert math.isnan(decode(encode(first.state)).attainment.settled_s)
+    basis = again.state.basis
+    assert basis is not None and decode(encode(again.state)).basis == basis   # react's basis round-trips too
+    woke = dataclasses.replace(again.state, woken_s=1000.0, prefill=RoleState(last_scale_up_s=1000.0))
+    rewoken = decide(growing(time_s=1100.0), TARGETED, woke)               # woke at 1000: not settled since
+    assert math.isnan(rewoken.state.attainment.settled_s)
+
+
+def test_a_pool_that_held_before_its_traffic_came_has_not_settled_at_its_first_sizing() -> None:
+    """A pool created before its traffic: its decisions hold (NoTraffic: nothing to size) and set their
+    time. The first sizing decision once traffic comes follows no sizing decision, so it does not find
+    the pool settled, and its miss teaches in proportion to what served."""
+    idle = decide(observation(rate=0.0, isl=math.nan, osl=math.nan, time_s=570.0), TARGETED, AutoscalerState())
+    assert idle.reason == NO_TRAFFIC and idle.state.time_s == 570.0 and idle.state.basis is None
+    first = decide(growing(), TARGETED, idle.state)
+    assert math.isnan(first.state.attainment.settled_s)
+    full = decide(observation(**missing(0.1)), TARGETED, idle.state)  # type: ignore[arg-type]
+    assert 0 < first.state.attainment.headroom == pytest.approx(full.state.attainment.headroom / 4)
 
 
 def test_the_spec_sets_the_target_and_the_sizing_quantile() -> None:

@@ -33,6 +33,7 @@ from xpyd.autoscaler.decide import (
     drain_budget_s,
     metrics_problem,
     pd_ratio,
+    pinned_limit,
     quantile_at,
 )
 from xpyd.autoscaler.observation import Observation, Quantiles, RoleObservation
@@ -239,20 +240,41 @@ def backlog_observation(waiting: float, prefill: int = 2, rate: float = 20.0, po
 
 
 def test_queued_prompt_work_is_drained_within_the_horizon_on_top_of_the_load() -> None:
-    """30,000 prompts of 1,000 tokens queued: what serves 20 req/s and drains 30M tokens within the
-    sizing horizon, in one step."""
+    """10,000 prompts of 1,000 tokens queued on 2 replicas at 100 req/s: what serves the load and drains
+    10M tokens within the sizing horizon, in one step."""
     assert drain_budget_s(CONFIG) == CONFIG.horizon_s == 180.0
-    obs = backlog_observation(30_000.0)
-    decision = decide(obs, CONFIG, settled(2, 3))
+    config = dataclasses.replace(CONFIG, scale_up=dataclasses.replace(CONFIG.scale_up, max_step=64))
+    decision = decide(backlog_observation(10_000.0, rate=100.0), config, settled(2, 3))
     per_replica = MODEL.saturated_tokens_per_s()
-    offered = 20.0 * 1000.0
-    expected = math.ceil((offered + 30_000 * 1000.0 / drain_budget_s(CONFIG)) / per_replica)
-    assert expected > 3                                  # more than +1, and more than the load needs
-    assert decision.prefill.replicas == min(expected, 2 + CONFIG.scale_up.max_step)
+    expected = math.ceil((100.0 * 1000.0 + 10_000 * 1000.0 / drain_budget_s(CONFIG)) / per_replica)
+    assert expected > 3                                  # more than one step
+    assert decision.prefill.replicas == expected
     assert decision.prefill.reason == PREFILL_QUEUEING
-    assert "backlog 30000.0k prompt tokens queued" in decision.prefill.message
+    assert "backlog 10000.0k prompt tokens queued" in decision.prefill.message
+    assert "hold the queue" not in decision.prefill.message
     # The stabilisation window remembers the load's size, not the queue's.
     assert decision.state.prefill.recommendations[-1][1] < expected
+
+
+def test_a_backlog_orders_no_more_than_the_load_needs_plus_the_replicas_holding_it() -> None:
+    """Three times that queue: queued work stays on the engine that holds it, so replicas ordered now take
+    only later arrivals; the load's replicas plus the 2 holding the queue, not the 6 that would drain it
+    within the horizon if they could take any of it."""
+    config = dataclasses.replace(CONFIG, scale_up=dataclasses.replace(CONFIG.scale_up, max_step=64))
+    decision = decide(backlog_observation(30_000.0, rate=100.0), config, settled(2, 3))
+    per_replica = MODEL.saturated_tokens_per_s()
+    drained = math.ceil((100.0 * 1000.0 + 30_000 * 1000.0 / drain_budget_s(CONFIG)) / per_replica)
+    load = decide(observation(rate=100.0), config, settled(2, 3)).prefill.recommended   # the load alone
+    assert drained > decision.prefill.recommended == decision.prefill.replicas == load + 2
+    assert f"at most the load's {load} plus the 2 ready that hold the queue" in decision.prefill.message
+    assert pinned_limit(4, 1, 2) == (3, " (at most the load's 1 plus the 2 ready that hold the queue: queued work "
+                                        "stays on its engine)")
+    assert pinned_limit(3, 1, 2) == (3, "")
+    # Decode: requests waiting for admission on 3 replicas, the load needing 1.
+    obs = dataclasses.replace(observation(), decode=role(3, num_requests_waiting=60_000.0))
+    decode = decide(obs, config, settled(2, 3)).decode
+    load = MODEL.size_decode(20.0, 1000.0, 200.0).replicas
+    assert decode.recommended == load + 3 and "plus the 3 ready that hold the queue" in decode.message
 
 
 def test_a_cold_pool_orders_what_the_load_and_the_queue_building_over_start_up_need_at_once() -> None:
@@ -293,7 +315,8 @@ def test_requests_waiting_for_decode_admission_order_decode_within_the_horizon()
     obs = dataclasses.replace(observation(), decode=role(3, num_requests_waiting=15_000.0))
     decision = decide(obs, CONFIG, settled(2, 3))
     waiting = 15_000.0 - 20.0 * PERF.kv_transfer_seconds(1000)
-    expected = MODEL.size_decode(20.0 + waiting / drain_budget_s(CONFIG), 1000.0, 200.0).replicas
+    expected = min(MODEL.size_decode(20.0 + waiting / drain_budget_s(CONFIG), 1000.0, 200.0).replicas,
+                   MODEL.size_decode(20.0, 1000.0, 200.0).replicas + 3)
     assert decision.decode.replicas == min(expected, 3 + CONFIG.scale_up.max_step) > 3
     assert decision.decode.reason == DECODE_ADMISSION
     assert "requests waiting for decode admission" in decision.decode.message

@@ -102,11 +102,27 @@ def test_nothing_to_add(case: str, observed: Observation, before: AutoscalerStat
 def test_pace_and_the_gpu_budget_bound_the_growth() -> None:
     waiting = 200_000.0
     observed = gauges(role(2, num_requests_waiting=waiting))
+    busy = state(waiting, basis=dataclasses.replace(BASIS, rate=200.0, rate_now=200.0))   # the load needs 5
     paced = react(observed, dataclasses.replace(CONFIG, scale_up=dataclasses.replace(CONFIG.scale_up, max_step=2)),
-                  state(waiting))
+                  busy)
     assert paced is not None and paced.prefill.replicas == 4
-    budget = react(observed, dataclasses.replace(CONFIG, gpu_budget=8), state(waiting))   # 2 P + 3 D hold 5 GPUs
+    budget = react(observed, dataclasses.replace(CONFIG, gpu_budget=8), busy)   # 2 P + 3 D hold 5 GPUs
     assert budget is not None and budget.prefill.replicas == 5
+
+
+def test_a_backlog_orders_no_more_than_the_load_needs_plus_the_replicas_holding_it() -> None:
+    """Queued work stays on the engine that holds it: 200,000 requests on 2 replicas at a load one replica
+    serves order 3 (`decide.pinned_limit`), for prefill as for decode."""
+    waiting = 200_000.0
+    prefill = react(gauges(role(2, num_requests_waiting=waiting)), CONFIG, state(waiting))
+    assert prefill is not None and prefill.prefill.recommended == prefill.prefill.replicas == 3
+    assert "at most the load's 1 plus the 2 ready that hold the queue" in prefill.message
+    stored = dataclasses.replace(BASIS, prefill_replicas=4)       # what the last decision sized the load for
+    assert react(gauges(role(2, num_requests_waiting=waiting)), CONFIG,
+                 state(waiting, basis=stored)).prefill.recommended == 4 + 2  # type: ignore[union-attr]
+    decode = react(gauges(decode=role(3, num_requests_waiting=waiting, kv_cache_usage_perc_max=0.97)), CONFIG, state())
+    load = MODEL.size_decode(BASIS.rate, BASIS.isl, BASIS.osl).replicas
+    assert decode is not None and decode.decode.recommended == load + 3
 
 
 @pytest.mark.parametrize("blocked", [

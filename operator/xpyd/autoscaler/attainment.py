@@ -20,6 +20,13 @@ requests missing their SLOs. So each decision measures the window's attainment a
   Windows with fewer than `config.min_requests` new requests, windows holding the release of a start
   from zero (their misses are the start-up's, which no headroom shortens) and windows while every
   role is at its maximum (more headroom orders nothing) teach nothing.
+- anti-windup: until the pool first settles on the autoscaler's sizes (`AttainmentState.settled_s`),
+  an upward step is scaled by the share of the ordered pool that served (`served`). A pool created or
+  woken far smaller than its load misses while the replicas the autoscaler ordered start, whatever
+  the headroom: taught at full gain, such a cold start wound the headroom up to its maximum within
+  minutes in the evaluation, and the slow way down still held +44% 20 minutes later. Once
+  settled, a miss while the pool grows again teaches at full gain: the autoscaler sized that pool a
+  start-up earlier, too small, which is what the headroom is for.
 - reported: the attainment over the last hour (`HOUR_S`), kept as requests and requests met in
   `BUCKET_S` buckets, and the headroom held now (`status.autoscaler.attainment`, the operator's
   `xpyd_autoscaler_attainment` and `xpyd_autoscaler_headroom`).
@@ -53,6 +60,9 @@ class AttainmentState:
 
     headroom: float = 0.0
     updates: int = 0
+    # When a decision first found the pool settled on the autoscaler's sizes since it began or woke
+    # (NaN: not yet): from then on an upward step is taught at full gain.
+    settled_s: float = math.nan
     history: tuple[tuple[float, float, float], ...] = ()   # (bucket start, requests, requests met)
 
     def last_hour(self, now: float) -> float:
@@ -91,9 +101,10 @@ def window_attainment(ttft: Buckets, tpot: Buckets, ttft_target_s: float, tpot_t
 
 
 def learn(state: AttainmentState, now: float, attainment: float, requests: float, target: float | None,
-          min_requests: float, teach: bool = True) -> AttainmentState:
+          min_requests: float, teach: bool = True, served: float = 1.0) -> AttainmentState:
     """The state after a window whose `requests` new requests met both SLOs at `attainment`: the hour's
-    history gains them; with a `target` (and `teach`), the headroom moves on the log miss ratio."""
+    history gains them; with a `target` (and `teach`), the headroom moves on the log miss ratio, an
+    upward step times `served` (within 0-1: the share of the ordered pool that served the window)."""
     history = tuple(b for b in state.history if b[0] > now - HOUR_S - BUCKET_S)
     if not (math.isfinite(attainment) and requests > 0):
         return replace(state, history=history)
@@ -108,6 +119,6 @@ def learn(state: AttainmentState, now: float, attainment: float, requests: float
         return state
     allowed = 1.0 - target
     error = math.log((1.0 - attainment + allowed / 4.0) / (allowed * 1.25))
-    step = (UP_GAIN if error > 0 else DOWN_GAIN) * error
+    step = (UP_GAIN * min(max(served, 0.0), 1.0) if error > 0 else DOWN_GAIN) * error
     headroom = min(max(state.headroom + step, MIN_HEADROOM), MAX_HEADROOM)
     return replace(state, headroom=headroom, updates=state.updates + 1)

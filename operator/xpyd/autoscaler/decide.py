@@ -69,7 +69,8 @@ them as named steps: `_wake`, `_check`, `_forecast`, `_corrections`, `_plan`, `_
    before its last scale-up's replicas served), the other role none for that symptom.
 6. Backlog: each role also gets what serves the load and drains the work queued now (`_backlog`):
    prefill the queued prompt tokens plus what keeps queueing until replicas ordered now serve,
-   decode the requests waiting for admission, each drained within the sizing horizon.
+   decode the requests waiting for admission, each drained within the sizing horizon, and at most
+   the load's replicas plus the ready ones (`pinned_limit`: queued work stays on its engine).
    Recommended while the queue lasts, never remembered by the stabilisation windows.
 7. Stability: up at once (minimum over the up-window, but never below the backlog's size, by at
    most `scale_up.max_step`); down only to
@@ -178,6 +179,8 @@ class ScaleUpBasis:
     rate_now: float                  # req/s over the window
     prefill_tokens_per_s: float      # prompt tokens/s one saturated prefill replica serves
     k_decode: float
+    prefill_replicas: int = 0        # what the load sized for needs, per role (a backlog's `pinned_limit`)
+    decode_replicas: int = 0
 
     @property
     def offered_tokens_per_s(self) -> float:
@@ -491,16 +494,42 @@ def headroom(config: AutoscalerConfig, state: AutoscalerState) -> float:
 def _attainment(observation: Observation, config: AutoscalerConfig, state: AutoscalerState) -> AutoscalerState:
     """The window's attainment (both SLOs, from the client histograms' buckets) added to the hour's,
     and, with a target, the headroom moved towards it (`autoscaler.attainment`). Windows holding the
-    release of a start from zero, or with every role at its maximum, move no headroom."""
+    release of a start from zero, or with every role at its maximum, move no headroom; until the pool
+    first settles on the autoscaler's sizes (`_settled_s`), a miss moves it up in proportion to the
+    share of the ordered pool that served (`served_share`)."""
     model = config.model
     share = window_attainment(observation.ttft_buckets, observation.tpot_buckets, model.ttft_target_s,
                               model.tpot_target_s)
     woken = _releasing(observation, config, state)
     capped = (observation.prefill.replicas >= config.prefill.max_replicas
               and observation.decode.replicas >= config.decode.max_replicas)
-    learnt = learn(state.attainment, observation.time_s, share, observation.request_rate * _span(observation, state),
-                   config.attainment, config.min_requests, teach=not woken and not capped)
+    settled_s = _settled_s(observation, config, state)
+    served = 1.0 if math.isfinite(settled_s) else served_share(observation)
+    learnt = learn(replace(state.attainment, settled_s=settled_s), observation.time_s, share,
+                   observation.request_rate * _span(observation, state), config.attainment, config.min_requests,
+                   teach=not woken and not capped, served=served)
     return replace(state, attainment=learnt)
+
+
+def _settled_s(observation: Observation, config: AutoscalerConfig, state: AutoscalerState) -> float:
+    """When the pool first settled on the autoscaler's sizes since it began or last woke from zero:
+    the first decision, after an earlier sizing decision since then (a hold sizes nothing: a pool
+    created before its traffic holds until the traffic comes), whose window reaches back before no
+    role's last scale-up (`_unsettled`); NaN while it has not."""
+    since = state.attainment.settled_s
+    if since > state.woken_s:
+        return since
+    now = observation.time_s
+    sized = state.basis is not None and state.basis.time_s > state.woken_s
+    settled = sized and not any(_unsettled(state.role(name), now, config) for name in (PREFILL, DECODE))
+    return now if settled else math.nan
+
+
+def served_share(observation: Observation) -> float:
+    """The share of the ordered pool that serves: ready over ordered (ready, starting, and not yet placed),
+    the smaller of the two roles' (1 for a role with none ordered)."""
+    return min(role.ready / ordered if (ordered := role.replicas + role.pending) > 0 else 1.0
+               for role in (observation.prefill, observation.decode))
 
 
 def _attainment_message(config: AutoscalerConfig, state: AutoscalerState, now: float) -> str:
@@ -708,7 +737,7 @@ def _pace(observation: Observation, config: AutoscalerConfig, state: AutoscalerS
                                 basis=ScaleUpBasis(now, observation.isl_mean, observation.osl_mean, plan.rate,
                                                    plan.rate_now,
                                                    config.model.mix_tokens_per_s(plan.mix, corrections.k_prefill),
-                                                   corrections.k_decode),
+                                                   corrections.k_decode, plan.prefill_replicas, plan.decode.replicas),
                                 prefill=role_states[PREFILL], decode=role_states[DECODE])
     prefill, decode = roles[PREFILL], roles[DECODE]
     candidates = [r for r in (prefill, decode) if r.replicas != r.current] or [prefill, decode]
@@ -850,6 +879,20 @@ def until_serving(role: RoleObservation, role_state: RoleState, now: float, conf
     return config.startup_s
 
 
+def pinned_limit(need: int, load_replicas: int, ready: int) -> tuple[int, str]:
+    """A backlog's `need` within the most replicas it can use, and a note when that binds: those the load
+    needs plus the ready ones. Queued work stays on the engine that holds it (the proxy routes each
+    request once; a vLLM engine serves only its own queue), so replicas ordered now take only later
+    arrivals, and when they serve at most the ready replicas are still busy with the backlog. Without
+    this limit a backlog on the one replica of a pool created far smaller than its load ordered replicas
+    to drain it that could never take any of it."""
+    limit = load_replicas + ready
+    if need <= limit:
+        return need, ""
+    return limit, (f" (at most the load's {load_replicas} plus the {ready} ready that hold the queue: queued "
+                   f"work stays on its engine)")
+
+
 def _backlog(observation: Observation, config: AutoscalerConfig, plan: _Plan, prefill_state: RoleState,
              k_prefill: float, k_decode: float) -> dict[str, tuple[int, str]]:
     """Per role, the replicas that serve the load and drain the work queued now, plus what keeps
@@ -861,7 +904,8 @@ def _backlog(observation: Observation, config: AutoscalerConfig, plan: _Plan, pr
     saturated replicas; each decision sizes the whole backlog it foresees, so a queue that grows as
     foreseen while replicas start orders nothing more. Decode: the requests waiting for admission
     (less those whose KV is in flight), over the drain budget, as extra arrival rate of the decode
-    model (decode's arrivals are what prefill delivers, so its queue is not extrapolated). Only
+    model (decode's arrivals are what prefill delivers, so its queue is not extrapolated). Each role
+    gets at most the load's replicas plus the ready ones (`pinned_limit`). Only
     roles whose queue needs more than the load alone are returned. They are recommended while the
     queue lasts, but the stabilisation windows do not remember them: the queue is work to drain, not
     load to expect again."""
@@ -877,19 +921,21 @@ def _backlog(observation: Observation, config: AutoscalerConfig, plan: _Plan, pr
     building = max(0.0, offered - prefill.ready * per_replica) * until_s
     if queued + building > 0:
         need = (offered + (queued + building) / drain_s) / per_replica
-        replicas = min(max(1, math.ceil(need - 1e-9)), max(config.prefill.max_replicas, 1))
+        bounded = min(max(1, math.ceil(need - 1e-9)), max(config.prefill.max_replicas, 1))
+        replicas, note = pinned_limit(bounded, plan.prefill_replicas, prefill.ready)
         if replicas > plan.prefill_replicas:
             out[PREFILL] = (replicas, f"backlog {_kilo(queued)} prompt tokens queued + {_kilo(building)} building "
                                       f"over {until_s:.0f}s of start-up, drained within {drain_s:.0f}s on "
-                                      f"top of {_kilo(offered)} tok/s: P {replicas} x {_kilo(per_replica)} tok/s")
+                                      f"top of {_kilo(offered)} tok/s: P {replicas} x {_kilo(per_replica)} tok/s{note}")
     decode = observation.decode
     # Requests whose KV is still in flight wait in decode's queue too: they are not a backlog.
     waiting = max(0.0, decode.num_requests_waiting - plan.rate_now * model.perf.kv_transfer_seconds(round(isl)))
     if waiting > 0:
         sizing = model.size_decode(plan.rate + waiting / drain_s, plan.isl, plan.osl, k_decode)
-        if sizing.replicas > plan.decode.replicas:
-            out[DECODE] = (sizing.replicas, f"backlog {waiting:.0f} requests waiting for decode admission, admitted "
-                                            f"within {drain_s:.0f}s on top of the load: D {sizing.replicas}")
+        replicas, note = pinned_limit(sizing.replicas, plan.decode.replicas, decode.ready)
+        if replicas > plan.decode.replicas:
+            out[DECODE] = (replicas, f"backlog {waiting:.0f} requests waiting for decode admission, admitted "
+                                     f"within {drain_s:.0f}s on top of the load: D {replicas}{note}")
     return out
 
 

@@ -20,11 +20,12 @@ capacity), with the present read from the gauges:
   grown since the last decision (over at least `MIN_GROWTH_SPAN_S`), what was served (at most the
   ready replicas' capacity) plus that growth: a growing queue shows load past capacity now, which a
   window's rate shows only half a window later. The replicas that serve it and drain the backlog
-  within the sizing horizon (`drain_budget_s`) are counted against those in force (ready and
-  starting), so work foreseen while replicas start orders nothing more.
+  within the sizing horizon (`drain_budget_s`), at most those the load needs plus the ready ones
+  (`pinned_limit`), are counted against those in force (ready and starting), so work foreseen while
+  replicas start orders nothing more.
 - Decode, once its admission is blocked (KV nearly full, at `max_num_seqs`, or more waiting than the
   KV hand-offs in flight explain): the requests waiting beyond those hand-offs, admitted within the
-  same budget on top of the load sized for (`size_decode`).
+  same budget on top of the load sized for (`size_decode`), within the same limit.
 
 A role grows at once to what it needs, by at most `scale_up.max_step`, within its bounds and the GPU
 budget, unless it has Pending pods (they are not capacity: `decide()` reports InsufficientGPUs).
@@ -50,6 +51,7 @@ from xpyd.autoscaler.decide import (
     ScaleUpBasis,
     drain_budget_s,
     pd_ratio,
+    pinned_limit,
     until_serving,
 )
 from xpyd.autoscaler.observation import Observation, RoleObservation
@@ -123,11 +125,13 @@ def _prefill_need(observation: Observation, config: AutoscalerConfig, state: Aut
     until_s = until_serving(prefill, state.prefill, now, config)
     building = max(0.0, offered - prefill.ready * per_replica) * until_s
     budget_s = drain_budget_s(config)
-    need = max(1, math.ceil((offered + (queued + building) / budget_s) / per_replica - 1e-9))
+    load = max(basis.prefill_replicas, math.ceil(offered / per_replica - 1e-9))
+    need, note = pinned_limit(max(1, math.ceil((offered + (queued + building) / budget_s) / per_replica - 1e-9)),
+                              load, prefill.ready)
     grew = f", queue grew {growth / basis.isl:.2f} req/s over {span:.0f}s" if growth > 0 else ""
     return need, (f"prefill waiting {prefill.num_requests_waiting:.0f} ({queued / 1e3:.1f}k prompt tokens{grew}) + "
                   f"{building / 1e3:.1f}k building over {until_s:.0f}s of start-up, drained within {budget_s:.0f}s on "
-                  f"top of {offered / 1e3:.1f}k tok/s: P {need} x {per_replica / 1e3:.1f}k tok/s")
+                  f"top of {offered / 1e3:.1f}k tok/s: P {need} x {per_replica / 1e3:.1f}k tok/s{note}")
 
 
 def _decode_need(observation: Observation, config: AutoscalerConfig, basis: ScaleUpBasis) -> tuple[int, str]:
@@ -144,6 +148,8 @@ def _decode_need(observation: Observation, config: AutoscalerConfig, basis: Scal
         return 0, ""
     drain_s = drain_budget_s(config)
     sizing = model.size_decode(basis.rate + waiting / drain_s, basis.isl, basis.osl, basis.k_decode)
+    load = max(basis.decode_replicas, model.size_decode(basis.rate, basis.isl, basis.osl, basis.k_decode).replicas)
+    replicas, note = pinned_limit(sizing.replicas, load, decode.ready)
     state = f"KV max {decode.kv_cache_usage_perc_max:.2f}, running {decode.num_requests_running:.0f}"
-    return sizing.replicas, (f"{waiting:.0f} requests waiting for decode admission beyond the KV hand-offs in flight "
-                             f"({state}), admitted within {drain_s:.0f}s on top of the load: D {sizing.replicas}")
+    return replicas, (f"{waiting:.0f} requests waiting for decode admission beyond the KV hand-offs in flight "
+                      f"({state}), admitted within {drain_s:.0f}s on top of the load: D {replicas}{note}")
