@@ -95,6 +95,15 @@ def test_an_upward_step_is_scaled_by_the_share_of_the_pool_that_served(served: f
     assert met.headroom == pytest.approx(0.5 + DOWN_GAIN * math.log(0.2))
 
 
+@pytest.mark.parametrize(("excused", "taught"), [(0.0, 0.5), (0.2, 0.7), (0.5, 1.0), (0.9, 1.0), (-0.1, 0.5)])
+def test_excused_misses_are_taught_as_met_and_reported_as_they_were(excused: float, taught: float) -> None:
+    """Misses no headroom could have prevented (requests served from a queue one engine holds) teach as
+    if they had met; the hour still reports the window as measured."""
+    state = learn(AttainmentState(), 1000.0, 0.5, 100.0, 0.95, 30, excused=excused)
+    assert state.headroom == pytest.approx(learn(AttainmentState(), 1000.0, taught, 100.0, 0.95, 30).headroom)
+    assert state.last_hour(1000.0) == pytest.approx(0.5)
+
+
 def test_the_last_hour_weighs_requests_and_forgets_older_ones() -> None:
     state = AttainmentState()
     state = learn(state, 0.0, 0.5, 100.0, None, 30)

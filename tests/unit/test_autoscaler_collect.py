@@ -169,6 +169,7 @@ def healthy_results(**overrides: dict[str, float]) -> dict[str, dict[str, float]
     results: dict[str, dict[str, float]] = {
         "up": {"prefill": 2, "decode": 1}, "age": {"prefill": 4, "decode": 3},
         "running": {"prefill": 3, "decode": 40}, "waiting": {"prefill": 5, "decode": 0},
+        "waiting_max": {"prefill": 4, "decode": 0},
         "kv_mean": {"prefill": 0.1, "decode": 0.5}, "kv_max": {"prefill": 0.2, "decode": 0.5},
         "prompt_tps": {"prefill": 9000.0}, "generation_tps": {"decode": 2500.0},
         "success_rps": {"prefill": 7.0, "decode": 7.0},
@@ -194,6 +195,7 @@ def test_observation_from_answers_and_pods() -> None:
     assert (p.replicas, p.ready, p.starting, p.pending, p.draining) == (3, 2, 1, 0, 0)
     assert (d.replicas, d.ready, d.starting, d.pending, d.draining) == (1, 1, 0, 1, 1)
     assert (p.num_requests_waiting, d.num_requests_running, d.kv_cache_usage_perc) == (5, 40, 0.5)
+    assert (p.num_requests_waiting_max, d.num_requests_waiting_max) == (4, 0)
     assert (p.prompt_tokens_per_s, d.generation_tokens_per_s, p.requests_per_s) == (9000.0, 2500.0, 7.0)
     assert p.request_queue_time_seconds.p90 == 0.4 and math.isnan(d.request_queue_time_seconds.p90)
 
@@ -243,12 +245,14 @@ def test_a_pool_without_ready_pods_needs_no_series() -> None:
 
 def test_the_gauge_queries_are_the_decisions_own() -> None:
     """The gauges (what a look between decisions reads) are a part of a decision's queries, the same
-    PromQL: per role, the scrape and its age, running and waiting requests, KV usage mean and max."""
+    PromQL: per role, the scrape and its age, running and waiting requests (summed, and the fullest
+    engine's), KV usage mean and max."""
     gauge = gauge_queries(SCOPE)
-    assert set(gauge) == {"up", "age", "running", "waiting", "kv_mean", "kv_max"}
+    assert set(gauge) == {"up", "age", "running", "waiting", "waiting_max", "kv_mean", "kv_max"}
     assert gauge.items() <= collect.queries(SCOPE).items()
     engines = f'{{{SELECT},xpyd_io_role=~"prefill|decode"}}'
     assert gauge["waiting"] == f"sum by (xpyd_io_role) (vllm:num_requests_waiting{engines})"
+    assert gauge["waiting_max"] == f"max by (xpyd_io_role) (vllm:num_requests_waiting{engines})"
     assert gauge["kv_max"] == f"max by (xpyd_io_role) (vllm:kv_cache_usage_perc{engines})"
     assert not any("rate(" in promql or "[" in promql for promql in gauge.values())  # instant: no window
 

@@ -11,6 +11,7 @@ import pytest
 from tests.paths import H200_PROFILE
 from xpyd.api.conditions import INSUFFICIENT_GPUS
 from xpyd.api.models import AutoscalingSpec
+from xpyd.autoscaler.attainment import AttainmentState, learn
 from xpyd.autoscaler.decide import (
     DECODE_ADMISSION,
     GPU_BUDGET,
@@ -34,7 +35,9 @@ from xpyd.autoscaler.decide import (
     metrics_problem,
     pd_ratio,
     pinned_limit,
+    pinned_queue,
     quantile_at,
+    queue_drain_s,
 )
 from xpyd.autoscaler.observation import Observation, Quantiles, RoleObservation
 from xpyd.autoscaler.sizing import PoolModel, PromptMix
@@ -94,6 +97,7 @@ def rate_where(predicate: Any, low: float = 0.1, high: float = 400.0) -> float:
     ({"window_s": 0.0}, "no metrics window"),
     ({"time_s": 570.0}, "not newer"),
     ({"prefill": role(2, num_requests_waiting=-1.0)}, "gauges missing or negative"),
+    ({"prefill": role(2, num_requests_waiting_max=math.nan)}, "gauges missing or negative"),
     ({"decode": role(3, kv_cache_usage_perc=1.7)}, "KV-cache usage outside 0-1"),
     ({"decode": role(3, ready=4)}, "4 ready of 3 replicas"),
 ])
@@ -204,6 +208,58 @@ def test_breaches_scale_only_the_guilty_role(changes: dict[str, Any], guilty: st
     assert other.replicas <= other.current
     assert decision.reason == reason
     assert decision.message.startswith(blamed.message)   # the role that leads the decision speaks first
+
+
+@pytest.mark.parametrize(("ready", "waiting", "fullest", "per_engine"), [
+    (4, 40.0, 10.0, 10.0),      # spread evenly: the mean
+    (4, 40.0, 40.0, 0.0),       # one engine holds it all: the others share none
+    (4, 40.0, 19.0, 7.0),       # the queue outside the fullest engine, over the other three
+    (1, 40.0, 40.0, 40.0),      # one ready replica: the whole queue
+    (4, 40.0, 0.0, 10.0),       # no per-engine maximum (an older collector): the mean
+    (4, 40.0, 50.0, 10.0),      # a maximum over the sum contradicts it: the mean
+    (0, 40.0, 40.0, 40.0),      # none ready: as one
+])
+def test_a_queue_drains_on_the_replicas_that_share_it(ready: int, waiting: float, fullest: float,
+                                                      per_engine: float) -> None:
+    queue = role(max(ready, 1), ready=ready, num_requests_waiting=waiting, num_requests_waiting_max=fullest)
+    assert queue_drain_s(queue, 1000.0, 2000.0) == pytest.approx(per_engine / 2)
+
+
+def test_a_queue_one_engine_holds_beside_idle_ones_is_no_prefill_shortage() -> None:
+    """A TTFT breach (40% met) with 60 requests waiting on 4 prefill replicas: prefill's fault when they
+    share the queue; none when one engine holds it (queued work stays there: more replicas would take
+    none of it). The requests that engine serves from its queue over the span (at its saturated rate,
+    at most those it holds) teach as met, though the hour still counts the window as measured."""
+    targeted = dataclasses.replace(CONFIG, attainment=0.95)
+    per_replica = MODEL.saturated_tokens_per_s()
+
+    def breach(fullest: float) -> Observation:
+        return dataclasses.replace(
+            observation(prefill=4, decode=3), ttft_seconds=Quantiles(0.3, 0.9, 1.5, 0.5),
+            ttft_buckets=((0.5, 40.0), (math.inf, 100.0)), tpot_buckets=((0.025, 100.0), (math.inf, 100.0)),
+            prefill=role(4, num_requests_waiting=60.0, num_requests_waiting_max=fullest))
+
+    shared, pinned = breach(15.0), breach(60.0)
+    assert not pinned_queue(shared.prefill, 1000.0, per_replica, 0.25)
+    assert pinned_queue(pinned.prefill, 1000.0, per_replica, 0.25)
+    short = decide(shared, targeted, settled(4, 3))
+    assert short.prefill.reason == PREFILL_QUEUEING and short.prefill.replicas == 5
+    assert short.state.attainment.headroom > 0
+    held = decide(pinned, targeted, settled(4, 3))
+    assert held.prefill.reason != PREFILL_QUEUEING and held.prefill.replicas == 4
+    assert "one prefill engine holds 60 of the 60 requests waiting" in held.message
+    assert held.state.attainment.headroom == pytest.approx(   # its 60 requests of the span's 600 excused
+        learn(AttainmentState(), 600.0, 0.5, 600.0, 0.95, CONFIG.min_requests).headroom)
+    assert 0 < held.state.attainment.headroom < short.state.attainment.headroom
+    assert held.state.attainment.last_hour(600.0) == pytest.approx(0.4)
+    # At a rate where that engine serves 30% of the span's requests from a long enough queue, the other
+    # 30% missed teach; from its 60 requests, only those are excused.
+    rate = per_replica / 1000.0 / 0.3
+    long_queue = role(4, num_requests_waiting=6000.0, num_requests_waiting_max=6000.0)
+    for queue, excused in ((long_queue, 0.3), (pinned.prefill, 60.0 / (rate * 30.0))):
+        busy = decide(dataclasses.replace(pinned, request_rate=rate, prefill=queue), targeted, settled(4, 3))
+        assert busy.state.attainment.headroom == pytest.approx(
+            learn(AttainmentState(), 600.0, 0.4 + excused, 1000.0, 0.95, CONFIG.min_requests).headroom)
 
 
 def test_breach_with_replicas_already_starting_adds_none_for_that_symptom() -> None:

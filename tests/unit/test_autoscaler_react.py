@@ -125,6 +125,17 @@ def test_a_backlog_orders_no_more_than_the_load_needs_plus_the_replicas_holding_
     assert decode is not None and decode.decode.recommended == load + 3
 
 
+def test_a_queue_one_engine_holds_beside_idle_ones_orders_nothing() -> None:
+    """The same queue on 4 prefill replicas: shared, a backlog; on one engine beside three idle, none
+    (`decide.queue_drain_s`: more replicas would take none of it)."""
+    waiting = 200_000.0
+    shared = react(gauges(role(4, num_requests_waiting=waiting, num_requests_waiting_max=waiting / 4)), CONFIG,
+                   state(waiting))
+    assert shared is not None and shared.prefill.replicas > 4
+    assert react(gauges(role(4, num_requests_waiting=waiting, num_requests_waiting_max=waiting)), CONFIG,
+                 state(waiting)) is None
+
+
 @pytest.mark.parametrize("blocked", [
     {"kv_cache_usage_perc_max": 0.97},
     {"num_requests_running": 0.96 * MODEL.max_num_seqs * 3},

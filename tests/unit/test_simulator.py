@@ -158,6 +158,8 @@ def test_observation_mirrors_prometheus_queries() -> None:
     assert second.decode.inter_token_latency_seconds.p50 > 0
     assert second.prefill.replicas == second.prefill.ready == 1 and second.decode.starting == 0
     assert 0 <= second.decode.kv_cache_usage_perc <= second.decode.kv_cache_usage_perc_max < 1
+    for gauges in (second.prefill, second.decode):   # one engine per role: its queue is the fullest
+        assert gauges.num_requests_waiting_max == gauges.num_requests_waiting
 
 
 def test_requests_that_never_fit_are_rejected_not_lost() -> None:

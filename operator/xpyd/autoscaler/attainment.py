@@ -18,8 +18,11 @@ requests missing their SLOs. So each decision measures the window's attainment a
   when it misses less, within [`MIN_HEADROOM`, `MAX_HEADROOM`]. Up fast, down slowly: a replica ordered
   now serves after the start-up, and a miss costs the user where a spare replica costs GPU time.
   Windows with fewer than `config.min_requests` new requests, windows holding the release of a start
-  from zero (their misses are the start-up's, which no headroom shortens) and windows while every
-  role is at its maximum (more headroom orders nothing) teach nothing.
+  from zero (their misses are the start-up's, which no headroom shortens), windows while every
+  role is at its maximum (more headroom orders nothing) teach nothing. While one prefill engine holds
+  a queue the other engines do not share (`decide.pinned_queue`: queued work stays on its engine, so
+  its late requests miss however many replicas serve beside it), the requests it serves from that
+  queue (at most the window's misses) are `excused`: taught as met (and reported as they were).
 - anti-windup: until the pool first settles on the autoscaler's sizes (`AttainmentState.settled_s`),
   an upward step is scaled by the share of the ordered pool that served (`served`). A pool created or
   woken far smaller than its load misses while the replicas the autoscaler ordered start, whatever
@@ -101,10 +104,11 @@ def window_attainment(ttft: Buckets, tpot: Buckets, ttft_target_s: float, tpot_t
 
 
 def learn(state: AttainmentState, now: float, attainment: float, requests: float, target: float | None,
-          min_requests: float, teach: bool = True, served: float = 1.0) -> AttainmentState:
+          min_requests: float, teach: bool = True, served: float = 1.0, excused: float = 0.0) -> AttainmentState:
     """The state after a window whose `requests` new requests met both SLOs at `attainment`: the hour's
     history gains them; with a `target` (and `teach`), the headroom moves on the log miss ratio, an
-    upward step times `served` (within 0-1: the share of the ordered pool that served the window)."""
+    upward step times `served` (within 0-1: the share of the ordered pool that served the window), the
+    misses of an `excused` share of the requests (those no headroom could have prevented) taught as met."""
     history = tuple(b for b in state.history if b[0] > now - HOUR_S - BUCKET_S)
     if not (math.isfinite(attainment) and requests > 0):
         return replace(state, history=history)
@@ -118,7 +122,8 @@ def learn(state: AttainmentState, now: float, attainment: float, requests: float
     if target is None or not teach or requests < min_requests:
         return state
     allowed = 1.0 - target
-    error = math.log((1.0 - attainment + allowed / 4.0) / (allowed * 1.25))
+    missed = max(1.0 - attainment - max(excused, 0.0), 0.0)
+    error = math.log((missed + allowed / 4.0) / (allowed * 1.25))
     step = (UP_GAIN * min(max(served, 0.0), 1.0) if error > 0 else DOWN_GAIN) * error
     headroom = min(max(state.headroom + step, MIN_HEADROOM), MAX_HEADROOM)
     return replace(state, headroom=headroom, updates=state.updates + 1)

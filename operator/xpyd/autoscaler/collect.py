@@ -131,7 +131,8 @@ SUCCESS_REASONS = "stop|length|repetition"
 
 def gauge_queries(scope: Scope) -> dict[str, str]:
     """The queries of the engines' gauges alone, per role (`by (xpyd_io_role)`): which engines are
-    scraped and how fresh their samples are, running and waiting requests, KV usage. What `react()`
+    scraped and how fresh their samples are, running and waiting requests (and the fullest engine's
+    waiting), KV usage. What `react()`
     reads between decisions (`gauges`); a part of `queries`, which reads the same names."""
     engines, by = scope.selector(), "xpyd_io_role"
     return {
@@ -139,6 +140,7 @@ def gauge_queries(scope: Scope) -> dict[str, str]:
         "age": f"max by ({by}) (time() - timestamp(vllm:num_requests_running{{{engines}}}))",
         "running": f"sum by ({by}) (vllm:num_requests_running{{{engines}}})",
         "waiting": f"sum by ({by}) (vllm:num_requests_waiting{{{engines}}})",
+        "waiting_max": f"max by ({by}) (vllm:num_requests_waiting{{{engines}}})",
         "kv_mean": f"avg by ({by}) (vllm:kv_cache_usage_perc{{{engines}}})",
         "kv_max": f"max by ({by}) (vllm:kv_cache_usage_perc{{{engines}}})",
     }
@@ -421,6 +423,7 @@ def _role_gauges(counts: PodCounts, results: Mapping[str, Samples] | None = None
         draining=counts.draining,
         num_requests_running=_value(answers, "running", role, 0.0),
         num_requests_waiting=_value(answers, "waiting", role, 0.0),
+        num_requests_waiting_max=_value(answers, "waiting_max", role, 0.0),
         kv_cache_usage_perc=_value(answers, "kv_mean", role, 0.0),
         kv_cache_usage_perc_max=_value(answers, "kv_max", role, 0.0))
 

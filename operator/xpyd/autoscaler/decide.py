@@ -61,7 +61,9 @@ them as named steps: `_wake`, `_check`, `_forecast`, `_corrections`, `_plan`, `_
    within the queue budget plus the slot (`arrivals.replicas_for`); the N-1 check asks it of the
    smaller size with its extra load.
 5. Attribution: a TTFT breach with a prefill backlog (queued work that takes more than half the
-   TTFT target to drain, or a growing one) is prefill's (`PrefillQueueing`); a TTFT breach with a
+   TTFT target to drain on the replicas sharing it, or a growing one) is prefill's
+   (`PrefillQueueing`); a queue one engine holds beside idle ones is none (`queue_drain_s`: more
+   replicas would take none of it; said in the message, `pinned_queue`). A TTFT breach with a
    short prefill queue while decode admission is blocked (KV nearly full, at `max_num_seqs`, or
    requests waiting beyond the KV hand-offs in flight) is decode's (`DecodeAdmission`); a TPOT
    breach is decode's (`TpotOverTarget`). The guilty role gets at least one replica more than it
@@ -279,7 +281,7 @@ def metrics_problem(observation: Observation, state: AutoscalerState) -> str | N
         return "request rate missing"
     for name, role in ((PREFILL, observation.prefill), (DECODE, observation.decode)):
         counts = (role.replicas, role.ready, role.starting, role.pending, role.draining,
-                  role.num_requests_running, role.num_requests_waiting)
+                  role.num_requests_running, role.num_requests_waiting, role.num_requests_waiting_max)
         if any(not math.isfinite(v) or v < 0 for v in counts):
             return f"{name} replica or queue gauges missing or negative"
         if role.ready > role.replicas:
@@ -459,6 +461,7 @@ def decide(observation: Observation, config: AutoscalerConfig, state: Autoscaler
     checked = _check(observation, config, state)
     if isinstance(checked, Decision):
         return checked
+    pinned = _pinned(observation, config, checked)
     state = _attainment(observation, config, checked)
     load = _forecast(observation, config, state)
     if isinstance(load, Decision):
@@ -470,7 +473,7 @@ def decide(observation: Observation, config: AutoscalerConfig, state: Autoscaler
                  corrections.k_prefill, corrections.k_decode, corrections.bursts, corrections.expected_requests,
                  _slot_work(observation, config, scale))
     sizes = _Sizes.of(plan, observation, config)
-    _attribution(observation, config, state, plan, corrections, sizes)
+    _attribution(observation, config, state, plan, corrections, sizes, pinned)
     plan = _backlog_step(observation, config, state, plan, corrections, sizes)
     return _pace(observation, config, state, load, corrections, plan, sizes)
 
@@ -491,12 +494,39 @@ def headroom(config: AutoscalerConfig, state: AutoscalerState) -> float:
     return state.attainment.headroom if config.attainment is not None else 0.0
 
 
+def _saturated_prefill(observation: Observation, config: AutoscalerConfig, state: AutoscalerState) -> float:
+    """Prompt tokens/s one busy prefill replica serves at the last decision's correction."""
+    return config.model.saturated_tokens_per_s(state.prefill.correction / computed_share(observation, config))
+
+
+def _pinned(observation: Observation, config: AutoscalerConfig, state: AutoscalerState) -> bool:
+    """Whether one prefill engine holds a queue the others do not share (`pinned_queue`, judged at the
+    saturated rate, against the attribution's backlog tolerance)."""
+    return pinned_queue(observation.prefill, observation.isl_mean, _saturated_prefill(observation, config, state),
+                        config.queue_drain_share * config.model.ttft_target_s)
+
+
+def _excused(observation: Observation, config: AutoscalerConfig, state: AutoscalerState, share: float) -> float:
+    """The share of the window's requests whose misses no headroom could have prevented, while one
+    prefill engine holds a queue the others do not share (`_pinned`): the requests that engine serves
+    from that queue over the span (at its saturated rate, at most the requests it holds), at most the
+    window's misses."""
+    span = _span(observation, state)
+    requests = observation.request_rate * span
+    if not (requests > 0 and math.isfinite(share) and _pinned(observation, config, state)):
+        return 0.0
+    served = _saturated_prefill(observation, config, state) / observation.isl_mean * span
+    late = min(served, observation.prefill.num_requests_waiting_max)
+    return min(late / requests, 1.0 - share)
+
+
 def _attainment(observation: Observation, config: AutoscalerConfig, state: AutoscalerState) -> AutoscalerState:
     """The window's attainment (both SLOs, from the client histograms' buckets) added to the hour's,
     and, with a target, the headroom moved towards it (`autoscaler.attainment`). Windows holding the
-    release of a start from zero, or with every role at its maximum, move no headroom; until the pool
-    first settles on the autoscaler's sizes (`_settled_s`), a miss moves it up in proportion to the
-    share of the ordered pool that served (`served_share`)."""
+    release of a start from zero, or with every role at its maximum, move no headroom; while one prefill
+    engine holds a queue the others do not share, the misses it serves teach as met (`_excused`);
+    until the pool first settles on the autoscaler's sizes (`_settled_s`), a miss moves it up in
+    proportion to the share of the ordered pool that served (`served_share`)."""
     model = config.model
     share = window_attainment(observation.ttft_buckets, observation.tpot_buckets, model.ttft_target_s,
                               model.tpot_target_s)
@@ -507,7 +537,7 @@ def _attainment(observation: Observation, config: AutoscalerConfig, state: Autos
     served = 1.0 if math.isfinite(settled_s) else served_share(observation)
     learnt = learn(replace(state.attainment, settled_s=settled_s), observation.time_s, share,
                    observation.request_rate * _span(observation, state), config.attainment, config.min_requests,
-                   teach=not woken and not capped, served=served)
+                   teach=not (woken or capped), served=served, excused=_excused(observation, config, state, share))
     return replace(state, attainment=learnt)
 
 
@@ -651,13 +681,15 @@ def _corrections(observation: Observation, config: AutoscalerConfig, state: Auto
 
 @dataclass
 class _Sizes:
-    """Each role's recommendation as the steps build it, with its reason and message, and what the
-    stabilisation windows remember (the load's sizes, not the queue's)."""
+    """Each role's recommendation as the steps build it, with its reason and message, what the
+    stabilisation windows remember (the load's sizes, not the queue's), and what the decision's
+    message says after the roles' (a role's message is replaced when it holds)."""
 
     recommended: dict[str, int]
     reasons: dict[str, str]
     messages: dict[str, str]
     remembered: dict[str, int] = field(default_factory=dict)
+    notes: list[str] = field(default_factory=list)
 
     @classmethod
     def of(cls, plan: _Plan, observation: Observation, config: AutoscalerConfig) -> _Sizes:
@@ -669,11 +701,18 @@ class _Sizes:
 
 
 def _attribution(observation: Observation, config: AutoscalerConfig, state: AutoscalerState, plan: _Plan,
-                 corrections: _Corrections, sizes: _Sizes) -> None:
+                 corrections: _Corrections, sizes: _Sizes, pinned: bool) -> None:
     """Rule 5: an SLO breach (or a building prefill backlog) gives the guilty role one replica more
-    than it has, unless replicas of it are starting or (TPOT) the window predates its last growth."""
+    than it has, unless replicas of it are starting or (TPOT) the window predates its last growth. A
+    queue one prefill engine holds (`pinned`) is noted when prefill is not blamed."""
     now = observation.time_s
     feedback = _attribute(observation, config, plan, state.prefill, corrections.k_prefill)
+    if pinned and PREFILL not in feedback:
+        prefill = observation.prefill
+        taught = ", and its late requests teach no headroom" if config.attainment is not None else ""
+        sizes.notes.append(f"one prefill engine holds {prefill.num_requests_waiting_max:.0f} of the "
+                           f"{prefill.num_requests_waiting:.0f} requests waiting: queued work stays on its "
+                           f"engine, so that queue orders no replica{taught}")
     for role_name, (reason, message) in feedback.items():
         role = observation.prefill if role_name == PREFILL else observation.decode
         capacity = _capacity(role, state.role(role_name), now, config)
@@ -744,7 +783,7 @@ def _pace(observation: Observation, config: AutoscalerConfig, state: AutoscalerS
     lead = min(candidates, key=lambda r: _PRIORITY.index(r.reason))
     reason = GPU_BUDGET if budget_binding else lead.reason
     # The role that leads the decision speaks first (Events and the status show the message's start).
-    message = "; ".join(r.message for r in sorted((prefill, decode), key=lambda r: r is not lead))
+    message = "; ".join([*(r.message for r in sorted((prefill, decode), key=lambda r: r is not lead)), *sizes.notes])
     if config.idle_s is not None and math.isfinite(state.idle_since_s):
         message += f"; idle {now - state.idle_since_s:.0f}s of the {config.idle_s:.0f}s before scaling to zero"
     message += _attainment_message(config, state, now)
@@ -879,6 +918,29 @@ def until_serving(role: RoleObservation, role_state: RoleState, now: float, conf
     return config.startup_s
 
 
+def queue_drain_s(role: RoleObservation, isl: float, per_replica: float) -> float:
+    """How long a prefill queue takes to drain on the replicas that share it, `isl` prompt tokens per
+    request at `per_replica` tokens/s each: the queue outside the fullest engine over the other ready
+    replicas (the whole queue over the ready ones with one ready, or without a consistent per-engine
+    maximum: 0 from an older collector). Queued work stays on its engine (the proxy routes each request
+    once), so one engine's long queue beside idle ones shows that engine was sent more than its share
+    before the others served, not a pool too small: more replicas would take none of it."""
+    ready = max(role.ready, 1)
+    waiting, fullest = role.num_requests_waiting, role.num_requests_waiting_max
+    per_engine = (waiting - fullest) / (ready - 1) if ready > 1 and waiting / ready <= fullest <= waiting \
+        else waiting / ready
+    return per_engine * isl / per_replica
+
+
+def pinned_queue(role: RoleObservation, isl: float, per_replica: float, tolerated_s: float) -> bool:
+    """Whether one engine holds a queue that takes more than `tolerated_s` to drain while the queue the
+    others share drains within it (`queue_drain_s`): misses from such a queue are no pool's shortage."""
+    if not (isl > 0 and per_replica > 0 and role.ready > 1):
+        return False
+    return (role.num_requests_waiting_max * isl / per_replica > tolerated_s
+            and queue_drain_s(role, isl, per_replica) <= tolerated_s)
+
+
 def pinned_limit(need: int, load_replicas: int, ready: int) -> tuple[int, str]:
     """A backlog's `need` within the most replicas it can use, and a note when that binds: those the load
     needs plus the ready ones. Queued work stays on the engine that holds it (the proxy routes each
@@ -989,7 +1051,7 @@ def _attribute(observation: Observation, config: AutoscalerConfig, plan: _Plan, 
     ready = max(prefill.ready, 1)
     isl = observation.isl_mean if observation.isl_mean > 0 else plan.isl
     per_replica = model.mix_tokens_per_s(plan.mix, k_prefill)
-    drain_s = prefill.num_requests_waiting * isl / (ready * per_replica)
+    drain_s = queue_drain_s(prefill, isl, per_replica)
     backlog = drain_s > config.queue_drain_share * model.ttft_target_s
     growing = (math.isfinite(prefill_state.waiting) and prefill.num_requests_waiting > prefill_state.waiting
                and drain_s > config.queue_drain_share * model.ttft_target_s / 2)

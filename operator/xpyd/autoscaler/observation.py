@@ -40,6 +40,7 @@ class RoleObservation:
     draining: int = 0                 # scaled away, finishing their requests
     num_requests_running: float = 0.0     # sum of vllm:num_requests_running over the role's engines
     num_requests_waiting: float = 0.0     # sum of vllm:num_requests_waiting
+    num_requests_waiting_max: float = 0.0  # max of vllm:num_requests_waiting (the fullest engine's queue)
     kv_cache_usage_perc: float = 0.0      # mean of vllm:kv_cache_usage_perc (0-1)
     kv_cache_usage_perc_max: float = 0.0  # max of vllm:kv_cache_usage_perc
     time_to_first_token_seconds: Quantiles = field(default_factory=Quantiles)  # vllm:time_to_first_token_seconds

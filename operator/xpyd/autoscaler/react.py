@@ -14,8 +14,9 @@ Its judgement is `decide()`'s backlog rule (rule 6) at the basis the last sizing
 capacity), with the present read from the gauges:
 
 - Prefill, once it has a backlog as `decide()`'s attribution judges one (queued work that takes
-  its ready replicas more than `queue_drain_share` of the TTFT target to drain, or half that while
-  the queue grows): the queued prompt tokens (waiting requests x ISL) and what keeps queueing until
+  the ready replicas sharing it more than `queue_drain_share` of the TTFT target to drain, or half
+  that while the queue grows; `queue_drain_s`: one engine's queue beside idle ones is none): the
+  queued prompt tokens (waiting requests x ISL) and what keeps queueing until
   replicas ordered now serve. The arrival rate is the basis' offered load or, while the queue has
   grown since the last decision (over at least `MIN_GROWTH_SPAN_S`), what was served (at most the
   ready replicas' capacity) plus that growth: a growing queue shows load past capacity now, which a
@@ -52,6 +53,7 @@ from xpyd.autoscaler.decide import (
     drain_budget_s,
     pd_ratio,
     pinned_limit,
+    queue_drain_s,
     until_serving,
 )
 from xpyd.autoscaler.observation import Observation, RoleObservation
@@ -116,7 +118,7 @@ def _prefill_need(observation: Observation, config: AutoscalerConfig, state: Aut
         growth = max(0.0, prefill.num_requests_waiting - state.prefill.waiting) / span * basis.isl
     # A backlog as `decide()`'s attribution judges one: queued work that takes more than a share of
     # the TTFT target to drain, or half that while it grows.
-    drain_s = queued / (prefill.ready * per_replica)
+    drain_s = queue_drain_s(prefill, basis.isl, per_replica)
     tolerated = config.queue_drain_share * config.model.ttft_target_s
     if not (drain_s > tolerated or (growth > 0 and drain_s > tolerated / 2)):
         return 0, ""

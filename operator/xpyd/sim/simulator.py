@@ -804,7 +804,8 @@ class Simulator:
                            held_prompt_tokens=float(self._waiting_tokens))
 
     def _role_gauges(self, role: str) -> RoleObservation:
-        """A role's replica counts and its scraped engines' gauges (summed; KV usage mean and max)."""
+        """A role's replica counts and its scraped engines' gauges (summed; the fullest engine's waiting
+        requests; KV usage mean and max)."""
         replicas = self._replicas[role]
         scraped = [r for r in replicas if r.ready and math.isnan(r.stopped_s)]
         usage = [r.core.kv_cache_usage_perc for r in scraped]
@@ -815,6 +816,7 @@ class Simulator:
             draining=sum(1 for r in scraped if r.draining),
             num_requests_running=float(sum(r.core.num_requests_running for r in scraped)),
             num_requests_waiting=float(sum(r.core.num_requests_waiting for r in scraped)),
+            num_requests_waiting_max=float(max((r.core.num_requests_waiting for r in scraped), default=0)),
             kv_cache_usage_perc=sum(usage) / len(usage) if usage else 0.0,
             kv_cache_usage_perc_max=max(usage, default=0.0))
 
