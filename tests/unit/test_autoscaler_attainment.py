@@ -104,6 +104,13 @@ def test_excused_misses_are_taught_as_met_and_reported_as_they_were(excused: flo
     assert state.last_hour(1000.0) == pytest.approx(0.5)
 
 
+def test_unknown_shares_teach_as_none_given() -> None:
+    """A NaN `excused` excuses nothing and a NaN `served` scales nothing: the headroom stays a number."""
+    plain = learn(AttainmentState(), 1000.0, 0.5, 100.0, 0.95, 30).headroom
+    assert learn(AttainmentState(), 1000.0, 0.5, 100.0, 0.95, 30, excused=math.nan).headroom == pytest.approx(plain)
+    assert learn(AttainmentState(), 1000.0, 0.5, 100.0, 0.95, 30, served=math.nan).headroom == pytest.approx(plain)
+
+
 def test_the_last_hour_weighs_requests_and_forgets_older_ones() -> None:
     state = AttainmentState()
     state = learn(state, 0.0, 0.5, 100.0, None, 30)

@@ -252,7 +252,8 @@ def test_the_gauge_queries_are_the_decisions_own() -> None:
     assert gauge.items() <= collect.queries(SCOPE).items()
     engines = f'{{{SELECT},xpyd_io_role=~"prefill|decode"}}'
     assert gauge["waiting"] == f"sum by (xpyd_io_role) (vllm:num_requests_waiting{engines})"
-    assert gauge["waiting_max"] == f"max by (xpyd_io_role) (vllm:num_requests_waiting{engines})"
+    assert gauge["waiting_max"] == \
+        f"max by (xpyd_io_role) (sum by (xpyd_io_role, instance) (vllm:num_requests_waiting{engines}))"
     assert gauge["kv_max"] == f"max by (xpyd_io_role) (vllm:kv_cache_usage_perc{engines})"
     assert not any("rate(" in promql or "[" in promql for promql in gauge.values())  # instant: no window
 

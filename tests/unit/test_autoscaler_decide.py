@@ -32,6 +32,7 @@ from xpyd.autoscaler.decide import (
     computed_share,
     decide,
     drain_budget_s,
+    fullest_queue,
     metrics_problem,
     pd_ratio,
     pinned_limit,
@@ -225,6 +226,19 @@ def test_a_queue_drains_on_the_replicas_that_share_it(ready: int, waiting: float
     assert queue_drain_s(queue, 1000.0, 2000.0) == pytest.approx(per_engine / 2)
 
 
+def test_a_draining_engines_queue_is_one_of_the_engines_the_sum_covers() -> None:
+    """4 ready engines with 10 waiting each beside a draining one with 60: the queue outside the
+    fullest spreads over the 4 others scraped, not over 3."""
+    queue = role(4, draining=1, num_requests_waiting=100.0, num_requests_waiting_max=60.0)
+    assert queue_drain_s(queue, 1000.0, 2000.0) == pytest.approx(10.0 / 2)
+
+
+@pytest.mark.parametrize(("waiting", "fullest", "expected"),
+                         [(60.0, 15.0, 15.0), (60.0, 90.0, 60.0), (60.0, -1.0, 0.0)])
+def test_the_fullest_queue_is_within_the_sum(waiting: float, fullest: float, expected: float) -> None:
+    assert fullest_queue(role(4, num_requests_waiting=waiting, num_requests_waiting_max=fullest)) == expected
+
+
 def test_a_queue_one_engine_holds_beside_idle_ones_is_no_prefill_shortage() -> None:
     """A TTFT breach (40% met) with 60 requests waiting on 4 prefill replicas: prefill's fault when they
     share the queue; none when one engine holds it (queued work stays there: more replicas would take
@@ -240,14 +254,22 @@ def test_a_queue_one_engine_holds_beside_idle_ones_is_no_prefill_shortage() -> N
             prefill=role(4, num_requests_waiting=60.0, num_requests_waiting_max=fullest))
 
     shared, pinned = breach(15.0), breach(60.0)
-    assert not pinned_queue(shared.prefill, 1000.0, per_replica, 0.25)
-    assert pinned_queue(pinned.prefill, 1000.0, per_replica, 0.25)
+    assert not pinned_queue(shared.prefill, 1000.0, per_replica, 0.25, 0.5)
+    assert pinned_queue(pinned.prefill, 1000.0, per_replica, 0.25, 0.5)
+    # 40 of 100 requests on one of 10 engines: long for that engine, little for the others, but not most
+    # of the queue: routing's unevenness, not a queue one engine holds.
+    uneven = role(10, num_requests_waiting=100.0, num_requests_waiting_max=40.0)
+    assert 40.0 * 1000.0 / per_replica > 0.5 and queue_drain_s(uneven, 1000.0, per_replica) <= 0.25
+    assert not pinned_queue(uneven, 1000.0, per_replica, 0.25, 0.5)
+    assert pinned_queue(dataclasses.replace(uneven, num_requests_waiting_max=50.0), 1000.0, per_replica, 0.25, 0.5)
     short = decide(shared, targeted, settled(4, 3))
     assert short.prefill.reason == PREFILL_QUEUEING and short.prefill.replicas == 5
     assert short.state.attainment.headroom > 0
     held = decide(pinned, targeted, settled(4, 3))
-    assert held.prefill.reason != PREFILL_QUEUEING and held.prefill.replicas == 4
+    assert held.prefill.reason != PREFILL_QUEUEING and held.prefill.recommended < 4
     assert "one prefill engine holds 60 of the 60 requests waiting" in held.message
+    assert "teach the headroom as met" in held.message
+    assert "teach the headroom" not in decide(pinned, CONFIG, settled(4, 3)).message   # no target: nothing taught
     assert held.state.attainment.headroom == pytest.approx(   # its 60 requests of the span's 600 excused
         learn(AttainmentState(), 600.0, 0.5, 600.0, 0.95, CONFIG.min_requests).headroom)
     assert 0 < held.state.attainment.headroom < short.state.attainment.headroom
@@ -260,6 +282,22 @@ def test_a_queue_one_engine_holds_beside_idle_ones_is_no_prefill_shortage() -> N
         busy = decide(dataclasses.replace(pinned, request_rate=rate, prefill=queue), targeted, settled(4, 3))
         assert busy.state.attainment.headroom == pytest.approx(
             learn(AttainmentState(), 600.0, 0.4 + excused, 1000.0, 0.95, CONFIG.min_requests).headroom)
+
+
+def test_a_queue_one_engine_holds_is_no_backlog_even_while_it_grows() -> None:
+    """6,000 requests on one of 4 prefill engines, more than the last decision saw: no PrefillQueueing
+    and no backlog replica (that engine drains them; the other three serve the load). Spread over the
+    four, the same queue is a backlog."""
+    def queued(fullest: float) -> Observation:
+        return dataclasses.replace(observation(prefill=4, decode=3), ttft_seconds=Quantiles(0.3, 0.9, 1.5, 0.5),
+                                   prefill=role(4, num_requests_waiting=6000.0, num_requests_waiting_max=fullest))
+
+    growing = settled(4, 3, waiting=5000.0)
+    held = decide(queued(6000.0), CONFIG, growing)
+    assert held.prefill.reason != PREFILL_QUEUEING and "backlog" not in held.message
+    assert held.prefill.recommended < 4 and "one prefill engine holds 6000 of the 6000" in held.message
+    spread = decide(queued(1500.0), CONFIG, growing)
+    assert spread.prefill.reason == PREFILL_QUEUEING and spread.prefill.replicas > 4
 
 
 def test_breach_with_replicas_already_starting_adds_none_for_that_symptom() -> None:

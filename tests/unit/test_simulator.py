@@ -162,6 +162,27 @@ def test_observation_mirrors_prometheus_queries() -> None:
         assert gauges.num_requests_waiting_max == gauges.num_requests_waiting
 
 
+def test_the_fullest_engines_queue_is_reported_beside_the_sum() -> None:
+    """One prefill replica queues 30 req/s of 4,000-token prompts (about 12 it serves) until three more
+    serve at t=30 s: then new requests go to them, and the first drains its queue alone. At t=100 s
+    100 req/s for 20 s queue on all four alike. The observations report the fullest engine's queue,
+    within the sum: nearly all of it first, about a quarter of it then."""
+    trace = [TraceRequest(i / 30.0, 4000, 5) for i in range(1800)]
+    trace += [TraceRequest(100.0 + i / 100.0, 4000, 5) for i in range(2000)]
+    policy = Recorder([(0.0, Desired(1, 1)), (10.0, Desired(4, 2))])
+    simulate(trace, LinearPerf(), SimConfig(interval_s=10.0, startup_delay_s=20.0), policy)
+    for seen in policy.seen:
+        prefill = seen.prefill
+        assert prefill.num_requests_waiting_max <= prefill.num_requests_waiting
+        assert prefill.num_requests_waiting_max * max(prefill.ready + prefill.draining, 1) \
+            >= prefill.num_requests_waiting
+    pinned = [seen.prefill for seen in policy.seen
+              if seen.time_s < 100.0 and seen.prefill.ready == 4 and seen.prefill.num_requests_waiting > 50]
+    assert pinned and all(p.num_requests_waiting_max >= 0.8 * p.num_requests_waiting for p in pinned)
+    shared = [seen.prefill for seen in policy.seen if seen.time_s > 100.0 and seen.prefill.num_requests_waiting > 100]
+    assert shared and all(p.num_requests_waiting_max <= 0.4 * p.num_requests_waiting for p in shared)
+
+
 def test_requests_that_never_fit_are_rejected_not_lost() -> None:
     trace = [TraceRequest(0.0, 100, 10), TraceRequest(1.0, 190_000, 20_000)]
     result = simulate(trace, LinearPerf(), SimConfig())

@@ -122,8 +122,9 @@ def learn(state: AttainmentState, now: float, attainment: float, requests: float
     if target is None or not teach or requests < min_requests:
         return state
     allowed = 1.0 - target
-    missed = max(1.0 - attainment - max(excused, 0.0), 0.0)
+    missed = max(1.0 - attainment - (max(excused, 0.0) if math.isfinite(excused) else 0.0), 0.0)
     error = math.log((missed + allowed / 4.0) / (allowed * 1.25))
-    step = (UP_GAIN * min(max(served, 0.0), 1.0) if error > 0 else DOWN_GAIN) * error
+    share = min(max(served, 0.0), 1.0) if math.isfinite(served) else 1.0
+    step = (UP_GAIN * share if error > 0 else DOWN_GAIN) * error
     headroom = min(max(state.headroom + step, MIN_HEADROOM), MAX_HEADROOM)
     return replace(state, headroom=headroom, updates=state.updates + 1)

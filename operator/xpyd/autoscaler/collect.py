@@ -140,7 +140,8 @@ def gauge_queries(scope: Scope) -> dict[str, str]:
         "age": f"max by ({by}) (time() - timestamp(vllm:num_requests_running{{{engines}}}))",
         "running": f"sum by ({by}) (vllm:num_requests_running{{{engines}}})",
         "waiting": f"sum by ({by}) (vllm:num_requests_waiting{{{engines}}})",
-        "waiting_max": f"max by ({by}) (vllm:num_requests_waiting{{{engines}}})",
+        # The fullest engine: per scrape target (a data-parallel pod's ranks summed), as the proxy routes.
+        "waiting_max": f"max by ({by}) (sum by ({by}, instance) (vllm:num_requests_waiting{{{engines}}}))",
         "kv_mean": f"avg by ({by}) (vllm:kv_cache_usage_perc{{{engines}}})",
         "kv_max": f"max by ({by}) (vllm:kv_cache_usage_perc{{{engines}}})",
     }

@@ -62,8 +62,8 @@ them as named steps: `_wake`, `_check`, `_forecast`, `_corrections`, `_plan`, `_
    smaller size with its extra load.
 5. Attribution: a TTFT breach with a prefill backlog (queued work that takes more than half the
    TTFT target to drain on the replicas sharing it, or a growing one) is prefill's
-   (`PrefillQueueing`); a queue one engine holds beside idle ones is none (`queue_drain_s`: more
-   replicas would take none of it; said in the message, `pinned_queue`). A TTFT breach with a
+   (`PrefillQueueing`); a queue one engine holds beside idle ones is none (`pinned_queue`: more
+   replicas would take none of it; the decision says so). A TTFT breach with a
    short prefill queue while decode admission is blocked (KV nearly full, at `max_num_seqs`, or
    requests waiting beyond the KV hand-offs in flight) is decode's (`DecodeAdmission`); a TPOT
    breach is decode's (`TpotOverTarget`). The guilty role gets at least one replica more than it
@@ -72,7 +72,8 @@ them as named steps: `_wake`, `_check`, `_forecast`, `_corrections`, `_plan`, `_
 6. Backlog: each role also gets what serves the load and drains the work queued now (`_backlog`):
    prefill the queued prompt tokens plus what keeps queueing until replicas ordered now serve,
    decode the requests waiting for admission, each drained within the sizing horizon, and at most
-   the load's replicas plus the ready ones (`pinned_limit`: queued work stays on its engine).
+   the load's replicas plus the ready ones (`pinned_limit`: queued work stays on its engine). A
+   queue one prefill engine holds is left to it, and that engine to it (`shared_queue`).
    Recommended while the queue lasts, never remembered by the stabilisation windows.
 7. Stability: up at once (minimum over the up-window, but never below the backlog's size, by at
    most `scale_up.max_step`); down only to
@@ -462,7 +463,7 @@ def decide(observation: Observation, config: AutoscalerConfig, state: Autoscaler
     if isinstance(checked, Decision):
         return checked
     pinned = _pinned(observation, config, checked)
-    state = _attainment(observation, config, checked)
+    state = _attainment(observation, config, checked, pinned)
     load = _forecast(observation, config, state)
     if isinstance(load, Decision):
         return load
@@ -474,7 +475,7 @@ def decide(observation: Observation, config: AutoscalerConfig, state: Autoscaler
                  _slot_work(observation, config, scale))
     sizes = _Sizes.of(plan, observation, config)
     _attribution(observation, config, state, plan, corrections, sizes, pinned)
-    plan = _backlog_step(observation, config, state, plan, corrections, sizes)
+    plan = _backlog_step(observation, config, state, plan, corrections, sizes, pinned)
     return _pace(observation, config, state, load, corrections, plan, sizes)
 
 
@@ -499,32 +500,40 @@ def _saturated_prefill(observation: Observation, config: AutoscalerConfig, state
     return config.model.saturated_tokens_per_s(state.prefill.correction / computed_share(observation, config))
 
 
+def _isl(observation: Observation, state: AutoscalerState) -> float:
+    """The window's mean prompt length, or the forecast's level when no request finished in it."""
+    return observation.isl_mean if observation.isl_mean > 0 else state.isl.level
+
+
 def _pinned(observation: Observation, config: AutoscalerConfig, state: AutoscalerState) -> bool:
     """Whether one prefill engine holds a queue the others do not share (`pinned_queue`, judged at the
-    saturated rate, against the attribution's backlog tolerance)."""
-    return pinned_queue(observation.prefill, observation.isl_mean, _saturated_prefill(observation, config, state),
-                        config.queue_drain_share * config.model.ttft_target_s)
+    saturated rate, against the attribution's backlog tolerance): the one judgement the attainment,
+    attribution and backlog steps all use."""
+    model = config.model
+    return pinned_queue(observation.prefill, _isl(observation, state), _saturated_prefill(observation, config, state),
+                        config.queue_drain_share * model.ttft_target_s, model.ttft_target_s)
 
 
-def _excused(observation: Observation, config: AutoscalerConfig, state: AutoscalerState, share: float) -> float:
+def _excused(observation: Observation, config: AutoscalerConfig, state: AutoscalerState, share: float,
+             pinned: bool) -> float:
     """The share of the window's requests whose misses no headroom could have prevented, while one
-    prefill engine holds a queue the others do not share (`_pinned`): the requests that engine serves
+    prefill engine holds a queue the others do not share (`pinned`): the requests that engine serves
     from that queue over the span (at its saturated rate, at most the requests it holds), at most the
     window's misses."""
     span = _span(observation, state)
     requests = observation.request_rate * span
-    if not (requests > 0 and math.isfinite(share) and _pinned(observation, config, state)):
+    if not (pinned and requests > 0 and math.isfinite(share)):
         return 0.0
-    served = _saturated_prefill(observation, config, state) / observation.isl_mean * span
-    late = min(served, observation.prefill.num_requests_waiting_max)
-    return min(late / requests, 1.0 - share)
+    drained = _saturated_prefill(observation, config, state) / _isl(observation, state) * span
+    return min(min(drained, fullest_queue(observation.prefill)) / requests, 1.0 - share)
 
 
-def _attainment(observation: Observation, config: AutoscalerConfig, state: AutoscalerState) -> AutoscalerState:
+def _attainment(observation: Observation, config: AutoscalerConfig, state: AutoscalerState,
+                pinned: bool) -> AutoscalerState:
     """The window's attainment (both SLOs, from the client histograms' buckets) added to the hour's,
     and, with a target, the headroom moved towards it (`autoscaler.attainment`). Windows holding the
     release of a start from zero, or with every role at its maximum, move no headroom; while one prefill
-    engine holds a queue the others do not share, the misses it serves teach as met (`_excused`);
+    engine holds a queue the others do not share (`pinned`), the misses it serves teach as met (`_excused`);
     until the pool first settles on the autoscaler's sizes (`_settled_s`), a miss moves it up in
     proportion to the share of the ordered pool that served (`served_share`)."""
     model = config.model
@@ -535,9 +544,10 @@ def _attainment(observation: Observation, config: AutoscalerConfig, state: Autos
               and observation.decode.replicas >= config.decode.max_replicas)
     settled_s = _settled_s(observation, config, state)
     served = 1.0 if math.isfinite(settled_s) else served_share(observation)
+    excused = _excused(observation, config, state, share, pinned)
     learnt = learn(replace(state.attainment, settled_s=settled_s), observation.time_s, share,
                    observation.request_rate * _span(observation, state), config.attainment, config.min_requests,
-                   teach=not (woken or capped), served=served, excused=_excused(observation, config, state, share))
+                   teach=not (woken or capped), served=served, excused=excused)
     return replace(state, attainment=learnt)
 
 
@@ -704,13 +714,14 @@ def _attribution(observation: Observation, config: AutoscalerConfig, state: Auto
                  corrections: _Corrections, sizes: _Sizes, pinned: bool) -> None:
     """Rule 5: an SLO breach (or a building prefill backlog) gives the guilty role one replica more
     than it has, unless replicas of it are starting or (TPOT) the window predates its last growth. A
-    queue one prefill engine holds (`pinned`) is noted when prefill is not blamed."""
+    queue one prefill engine holds (`pinned`) is no prefill breach, and the decision says so."""
     now = observation.time_s
-    feedback = _attribute(observation, config, plan, state.prefill, corrections.k_prefill)
-    if pinned and PREFILL not in feedback:
+    feedback = _attribute(observation, config, plan, state.prefill, corrections.k_prefill, pinned)
+    if pinned:
         prefill = observation.prefill
-        taught = ", and its late requests teach no headroom" if config.attainment is not None else ""
-        sizes.notes.append(f"one prefill engine holds {prefill.num_requests_waiting_max:.0f} of the "
+        taught = ", and the requests it serves from it teach the headroom as met" if config.attainment is not None \
+            else ""
+        sizes.notes.append(f"one prefill engine holds {fullest_queue(prefill):.0f} of the "
                            f"{prefill.num_requests_waiting:.0f} requests waiting: queued work stays on its "
                            f"engine, so that queue orders no replica{taught}")
     for role_name, (reason, message) in feedback.items():
@@ -728,11 +739,11 @@ def _attribution(observation: Observation, config: AutoscalerConfig, state: Auto
 
 
 def _backlog_step(observation: Observation, config: AutoscalerConfig, state: AutoscalerState, plan: _Plan,
-                  corrections: _Corrections, sizes: _Sizes) -> _Plan:
+                  corrections: _Corrections, sizes: _Sizes, pinned: bool) -> _Plan:
     """Rule 6: the replicas that drain the work already queued within the drain budget as well as
     serve the load; recommended while the queue lasts, never remembered by the windows. Returns the
     plan with each role's backlog size (the pace never goes below it)."""
-    backlog = _backlog(observation, config, plan, state.prefill, corrections.k_prefill, corrections.k_decode)
+    backlog = _backlog(observation, config, plan, state.prefill, corrections.k_prefill, corrections.k_decode, pinned)
     plan = replace(plan, backlog={name: replicas for name, (replicas, _) in backlog.items()})
     sizes.remembered = dict(sizes.recommended)
     for role_name, (replicas, message) in backlog.items():
@@ -918,27 +929,48 @@ def until_serving(role: RoleObservation, role_state: RoleState, now: float, conf
     return config.startup_s
 
 
+def fullest_queue(role: RoleObservation) -> float:
+    """The fullest engine's waiting requests (0 when unknown: an older collector), within the sum."""
+    return min(max(role.num_requests_waiting_max, 0.0), role.num_requests_waiting)
+
+
 def queue_drain_s(role: RoleObservation, isl: float, per_replica: float) -> float:
     """How long a prefill queue takes to drain on the replicas that share it, `isl` prompt tokens per
-    request at `per_replica` tokens/s each: the queue outside the fullest engine over the other ready
-    replicas (the whole queue over the ready ones with one ready, or without a consistent per-engine
-    maximum: 0 from an older collector). Queued work stays on its engine (the proxy routes each request
-    once), so one engine's long queue beside idle ones shows that engine was sent more than its share
-    before the others served, not a pool too small: more replicas would take none of it."""
+    request at `per_replica` tokens/s each: the queue outside the fullest engine over the other engines
+    scraped (ready and draining: the sum and the maximum are over both), or the whole queue over the
+    ready replicas with one ready, or without a per-engine maximum consistent with the sum. Queued work
+    stays on its engine (the proxy routes each request once), so one engine's long queue beside idle
+    ones shows that engine was sent more than its share before the others served, not a pool too
+    small: more replicas would take none of it."""
     ready = max(role.ready, 1)
+    engines = role.ready + role.draining
     waiting, fullest = role.num_requests_waiting, role.num_requests_waiting_max
-    per_engine = (waiting - fullest) / (ready - 1) if ready > 1 and waiting / ready <= fullest <= waiting \
+    per_engine = (waiting - fullest) / (engines - 1) if ready > 1 and waiting / engines <= fullest <= waiting \
         else waiting / ready
     return per_engine * isl / per_replica
 
 
-def pinned_queue(role: RoleObservation, isl: float, per_replica: float, tolerated_s: float) -> bool:
-    """Whether one engine holds a queue that takes more than `tolerated_s` to drain while the queue the
-    others share drains within it (`queue_drain_s`): misses from such a queue are no pool's shortage."""
+def pinned_queue(role: RoleObservation, isl: float, per_replica: float, tolerated_s: float,
+                 target_s: float) -> bool:
+    """Whether one engine holds most of the queue (at least half the waiting requests), so long that
+    every request it serves from it misses (more than the TTFT target, `target_s`, of work), while the
+    queue the others share drains within `tolerated_s` (`queue_drain_s`): misses from such a queue are
+    no pool's shortage. (An engine a little fuller than the others, as routing leaves them, is not.)"""
     if not (isl > 0 and per_replica > 0 and role.ready > 1):
         return False
-    return (role.num_requests_waiting_max * isl / per_replica > tolerated_s
+    fullest = fullest_queue(role)
+    return (2 * fullest >= role.num_requests_waiting and fullest * isl / per_replica > target_s
             and queue_drain_s(role, isl, per_replica) <= tolerated_s)
+
+
+def shared_queue(role: RoleObservation, pinned: bool) -> tuple[float, int]:
+    """The waiting requests more replicas could relieve and the ready replicas serving the load beside
+    them: without a queue one engine holds, the whole queue and every ready replica; with one
+    (`pinned_queue`), the queue outside it and the other ready replicas (that engine drains its own
+    queue, serving nothing else until it has)."""
+    if not pinned:
+        return role.num_requests_waiting, role.ready
+    return role.num_requests_waiting - fullest_queue(role), max(role.ready - 1, 0)
 
 
 def pinned_limit(need: int, load_replicas: int, ready: int) -> tuple[int, str]:
@@ -956,7 +988,7 @@ def pinned_limit(need: int, load_replicas: int, ready: int) -> tuple[int, str]:
 
 
 def _backlog(observation: Observation, config: AutoscalerConfig, plan: _Plan, prefill_state: RoleState,
-             k_prefill: float, k_decode: float) -> dict[str, tuple[int, str]]:
+             k_prefill: float, k_decode: float, pinned: bool) -> dict[str, tuple[int, str]]:
     """Per role, the replicas that serve the load and drain the work queued now, plus what keeps
     queueing until replicas ordered now serve (start-up), within `drain_budget_s`.
 
@@ -967,7 +999,8 @@ def _backlog(observation: Observation, config: AutoscalerConfig, plan: _Plan, pr
     foreseen while replicas start orders nothing more. Decode: the requests waiting for admission
     (less those whose KV is in flight), over the drain budget, as extra arrival rate of the decode
     model (decode's arrivals are what prefill delivers, so its queue is not extrapolated). Each role
-    gets at most the load's replicas plus the ready ones (`pinned_limit`). Only
+    gets at most the load's replicas plus the ready ones (`pinned_limit`). A queue one prefill engine
+    holds (`pinned`) is none of prefill's backlog: that engine drains it, serving nothing else. Only
     roles whose queue needs more than the load alone are returned. They are recommended while the
     queue lasts, but the stabilisation windows do not remember them: the queue is work to drain, not
     load to expect again."""
@@ -978,9 +1011,10 @@ def _backlog(observation: Observation, config: AutoscalerConfig, plan: _Plan, pr
     isl = observation.isl_mean if observation.isl_mean > 0 else plan.isl
     per_replica = model.mix_tokens_per_s(plan.mix, k_prefill)
     offered = max(plan.rate, plan.rate_now) * isl
-    queued = prefill.num_requests_waiting * isl
+    queued, serving = shared_queue(prefill, pinned)
+    queued *= isl
     until_s = until_serving(prefill, prefill_state, observation.time_s, config)
-    building = max(0.0, offered - prefill.ready * per_replica) * until_s
+    building = max(0.0, offered - serving * per_replica) * until_s
     if queued + building > 0:
         need = (offered + (queued + building) / drain_s) / per_replica
         bounded = min(max(1, math.ceil(need - 1e-9)), max(config.prefill.max_replicas, 1))
@@ -1037,8 +1071,9 @@ def _decode_message(plan: _Plan, replicas: int) -> str:
 
 
 def _attribute(observation: Observation, config: AutoscalerConfig, plan: _Plan, prefill_state: RoleState,
-               k_prefill: float) -> dict[str, tuple[str, str]]:
-    """Which role a breach (or a building prefill backlog) points at, with the evidence."""
+               k_prefill: float, pinned: bool) -> dict[str, tuple[str, str]]:
+    """Which role a breach (or a building prefill backlog) points at, with the evidence; never prefill
+    for a queue one engine holds (`pinned`)."""
     model = config.model
     percentile = config.percentile
     out: dict[str, tuple[str, str]] = {}
@@ -1056,7 +1091,7 @@ def _attribute(observation: Observation, config: AutoscalerConfig, plan: _Plan, 
     growing = (math.isfinite(prefill_state.waiting) and prefill.num_requests_waiting > prefill_state.waiting
                and drain_s > config.queue_drain_share * model.ttft_target_s / 2)
     p_label = f"p{percentile:g}"
-    if (ttft_breach or growing) and (backlog or growing):
+    if not pinned and (ttft_breach or growing) and (backlog or growing):
         what = f"TTFT {p_label} {_ms(ttft)} > {_ms(ttft_limit)}" if ttft_breach else "prefill queue growing"
         out[PREFILL] = (PREFILL_QUEUEING,
                         f"{what} with prefill waiting {prefill.num_requests_waiting:.0f} ({_ms(drain_s)} of work per "

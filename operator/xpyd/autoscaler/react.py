@@ -53,7 +53,9 @@ from xpyd.autoscaler.decide import (
     drain_budget_s,
     pd_ratio,
     pinned_limit,
+    pinned_queue,
     queue_drain_s,
+    shared_queue,
     until_serving,
 )
 from xpyd.autoscaler.observation import Observation, RoleObservation
@@ -110,7 +112,10 @@ def _prefill_need(observation: Observation, config: AutoscalerConfig, state: Aut
     if not (per_replica > 0 and basis.isl > 0 and prefill.ready > 0):
         return 0, ""
     now = observation.time_s
-    queued = prefill.num_requests_waiting * basis.isl
+    tolerated = config.queue_drain_share * config.model.ttft_target_s
+    pinned = pinned_queue(prefill, basis.isl, per_replica, tolerated, config.model.ttft_target_s)
+    waiting, serving = shared_queue(prefill, pinned)
+    queued = waiting * basis.isl
     offered = basis.offered_tokens_per_s
     span = now - state.time_s
     growth = 0.0
@@ -119,13 +124,12 @@ def _prefill_need(observation: Observation, config: AutoscalerConfig, state: Aut
     # A backlog as `decide()`'s attribution judges one: queued work that takes more than a share of
     # the TTFT target to drain, or half that while it grows.
     drain_s = queue_drain_s(prefill, basis.isl, per_replica)
-    tolerated = config.queue_drain_share * config.model.ttft_target_s
     if not (drain_s > tolerated or (growth > 0 and drain_s > tolerated / 2)):
         return 0, ""
     # A growing queue: arrivals are what was served (at most the ready replicas' capacity) plus the growth.
-    offered = max(offered, min(offered, prefill.ready * per_replica) + growth)
+    offered = max(offered, min(offered, serving * per_replica) + growth)
     until_s = until_serving(prefill, state.prefill, now, config)
-    building = max(0.0, offered - prefill.ready * per_replica) * until_s
+    building = max(0.0, offered - serving * per_replica) * until_s
     budget_s = drain_budget_s(config)
     load = max(basis.prefill_replicas, math.ceil(offered / per_replica - 1e-9))
     need, note = pinned_limit(max(1, math.ceil((offered + (queued + building) / budget_s) / per_replica - 1e-9)),
