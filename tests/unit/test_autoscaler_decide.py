@@ -217,7 +217,8 @@ def test_breaches_scale_only_the_guilty_role(changes: dict[str, Any], guilty: st
     (4, 40.0, 19.0, 7.0),       # the queue outside the fullest engine, over the other three
     (1, 40.0, 40.0, 40.0),      # one ready replica: the whole queue
     (4, 40.0, 0.0, 10.0),       # no per-engine maximum (an older collector): the mean
-    (4, 40.0, 50.0, 10.0),      # a maximum over the sum contradicts it: the mean
+    (4, 40.0, 50.0, 10.0),      # a maximum over the sum contradicts it: unknown, the mean
+    (4, 40.0, 5.0, 10.0),       # so does one below the mean
     (0, 40.0, 40.0, 40.0),      # none ready: as one
 ])
 def test_a_queue_drains_on_the_replicas_that_share_it(ready: int, waiting: float, fullest: float,
@@ -234,8 +235,10 @@ def test_a_draining_engines_queue_is_one_of_the_engines_the_sum_covers() -> None
 
 
 @pytest.mark.parametrize(("waiting", "fullest", "expected"),
-                         [(60.0, 15.0, 15.0), (60.0, 90.0, 60.0), (60.0, -1.0, 0.0)])
-def test_the_fullest_queue_is_within_the_sum(waiting: float, fullest: float, expected: float) -> None:
+                         [(60.0, 15.0, 15.0), (60.0, 60.0, 60.0), (60.0, 90.0, 0.0), (60.0, 10.0, 0.0),
+                          (60.0, -1.0, 0.0), (0.0, 0.0, 0.0)])
+def test_the_fullest_queue_is_unknown_where_the_sum_contradicts_it(waiting: float, fullest: float,
+                                                                   expected: float) -> None:
     assert fullest_queue(role(4, num_requests_waiting=waiting, num_requests_waiting_max=fullest)) == expected
 
 
@@ -254,14 +257,15 @@ def test_a_queue_one_engine_holds_beside_idle_ones_is_no_prefill_shortage() -> N
             prefill=role(4, num_requests_waiting=60.0, num_requests_waiting_max=fullest))
 
     shared, pinned = breach(15.0), breach(60.0)
-    assert not pinned_queue(shared.prefill, 1000.0, per_replica, 0.25, 0.5)
-    assert pinned_queue(pinned.prefill, 1000.0, per_replica, 0.25, 0.5)
+    assert not pinned_queue(shared.prefill, 1000.0, per_replica, CONFIG)
+    assert pinned_queue(pinned.prefill, 1000.0, per_replica, CONFIG)
     # 40 of 100 requests on one of 10 engines: long for that engine, little for the others, but not most
     # of the queue: routing's unevenness, not a queue one engine holds.
     uneven = role(10, num_requests_waiting=100.0, num_requests_waiting_max=40.0)
     assert 40.0 * 1000.0 / per_replica > 0.5 and queue_drain_s(uneven, 1000.0, per_replica) <= 0.25
-    assert not pinned_queue(uneven, 1000.0, per_replica, 0.25, 0.5)
-    assert pinned_queue(dataclasses.replace(uneven, num_requests_waiting_max=50.0), 1000.0, per_replica, 0.25, 0.5)
+    assert not pinned_queue(uneven, 1000.0, per_replica, CONFIG)
+    assert pinned_queue(dataclasses.replace(uneven, num_requests_waiting_max=50.0), 1000.0, per_replica,
+                        CONFIG)
     short = decide(shared, targeted, settled(4, 3))
     assert short.prefill.reason == PREFILL_QUEUEING and short.prefill.replicas == 5
     assert short.state.attainment.headroom > 0

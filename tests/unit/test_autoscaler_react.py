@@ -27,7 +27,8 @@ pytestmark = pytest.mark.unit
 NOW = 610.0
 PER_REPLICA = MODEL.saturated_tokens_per_s()
 BASIS = ScaleUpBasis(time_s=600.0, isl=1000.0, osl=200.0, rate=20.0, rate_now=20.0,
-                     prefill_tokens_per_s=PER_REPLICA, k_decode=1.0)
+                     prefill_tokens_per_s=PER_REPLICA, k_decode=1.0,
+                     decode_replicas=MODEL.size_decode(20.0, 1000.0, 200.0).replicas)
 
 
 def state(waiting: float = 0.0, basis: ScaleUpBasis | None = BASIS) -> AutoscalerState:
@@ -120,9 +121,11 @@ def test_a_backlog_orders_no_more_than_the_load_needs_plus_the_replicas_holding_
     stored = dataclasses.replace(BASIS, prefill_replicas=4)       # what the last decision sized the load for
     assert react(gauges(role(2, num_requests_waiting=waiting)), CONFIG,
                  state(waiting, basis=stored)).prefill.recommended == 4 + 2  # type: ignore[union-attr]
-    decode = react(gauges(decode=role(3, num_requests_waiting=waiting, kv_cache_usage_perc_max=0.97)), CONFIG, state())
-    load = MODEL.size_decode(BASIS.rate, BASIS.isl, BASIS.osl).replicas
-    assert decode is not None and decode.decode.recommended == load + 3
+    blocked = gauges(decode=role(3, num_requests_waiting=waiting, kv_cache_usage_perc_max=0.97))
+    decode = react(blocked, CONFIG, state())
+    assert decode is not None and decode.decode.recommended == BASIS.decode_replicas + 3
+    planned = dataclasses.replace(BASIS, decode_replicas=BASIS.decode_replicas + 2)   # as the last decision sized it
+    assert react(blocked, CONFIG, state(basis=planned)).decode.recommended == BASIS.decode_replicas + 5  # type: ignore[union-attr]
 
 
 def test_a_queue_one_engine_holds_beside_idle_ones_orders_nothing() -> None:
@@ -134,6 +137,23 @@ def test_a_queue_one_engine_holds_beside_idle_ones_orders_nothing() -> None:
     assert shared is not None and shared.prefill.replicas > 4
     assert react(gauges(role(4, num_requests_waiting=waiting, num_requests_waiting_max=waiting)), CONFIG,
                  state(waiting)) is None
+
+
+def test_a_queue_one_engine_holds_orders_nothing_while_it_grows() -> None:
+    """One engine's queue grew since the last decision while the other three share one that drains
+    within the tolerance, though not within half of it: decide's attribution blames no prefill
+    (`decide.pinned_queue`), so the growth (all that engine's) orders nothing here either. Were the
+    other engines' queue that long with no engine holding the rest, the growth would order replicas."""
+    tolerated = CONFIG.queue_drain_share * MODEL.ttft_target_s
+    others = 3 * 0.75 * tolerated * PER_REPLICA / BASIS.isl    # three engines' queue: 3/4 of the tolerance each
+    pinned_queue = 100.0 * MODEL.ttft_target_s * PER_REPLICA / BASIS.isl
+    busy = dataclasses.replace(BASIS, rate=192.0, rate_now=192.0)   # just under 4 replicas' capacity
+    held = role(4, num_requests_waiting=others + pinned_queue, num_requests_waiting_max=pinned_queue)
+    assert react(gauges(held), CONFIG, state(others + pinned_queue / 2, basis=busy)) is None
+    spread = role(4, num_requests_waiting=4 * others / 3, num_requests_waiting_max=others / 3)
+    assert react(gauges(spread), CONFIG, state(4 * others / 3, basis=busy)) is None   # not growing: none
+    grown = react(gauges(spread), CONFIG, state(0.0, basis=busy))
+    assert grown is not None and grown.prefill.replicas == 5 and "queue grew" in grown.message
 
 
 @pytest.mark.parametrize("blocked", [

@@ -506,26 +506,24 @@ def _isl(observation: Observation, state: AutoscalerState) -> float:
 
 
 def _pinned(observation: Observation, config: AutoscalerConfig, state: AutoscalerState) -> bool:
-    """Whether one prefill engine holds a queue the others do not share (`pinned_queue`, judged at the
-    saturated rate, against the attribution's backlog tolerance): the one judgement the attainment,
-    attribution and backlog steps all use."""
-    model = config.model
+    """Whether one prefill engine holds a queue the others do not share (`pinned_queue`, at the
+    saturated rate): the one judgement the attainment, attribution and backlog steps all use."""
     return pinned_queue(observation.prefill, _isl(observation, state), _saturated_prefill(observation, config, state),
-                        config.queue_drain_share * model.ttft_target_s, model.ttft_target_s)
+                        config)
 
 
 def _excused(observation: Observation, config: AutoscalerConfig, state: AutoscalerState, share: float,
              pinned: bool) -> float:
     """The share of the window's requests whose misses no headroom could have prevented, while one
     prefill engine holds a queue the others do not share (`pinned`): the requests that engine serves
-    from that queue over the span (at its saturated rate, at most the requests it holds), at most the
-    window's misses."""
+    from that queue over the span (at its saturated rate, at most the requests it holds); `learn`
+    excuses at most the window's misses."""
     span = _span(observation, state)
     requests = observation.request_rate * span
     if not (pinned and requests > 0 and math.isfinite(share)):
         return 0.0
     drained = _saturated_prefill(observation, config, state) / _isl(observation, state) * span
-    return min(min(drained, fullest_queue(observation.prefill)) / requests, 1.0 - share)
+    return min(drained, fullest_queue(observation.prefill)) / requests
 
 
 def _attainment(observation: Observation, config: AutoscalerConfig, state: AutoscalerState,
@@ -930,37 +928,41 @@ def until_serving(role: RoleObservation, role_state: RoleState, now: float, conf
 
 
 def fullest_queue(role: RoleObservation) -> float:
-    """The fullest engine's waiting requests (0 when unknown: an older collector), within the sum."""
-    return min(max(role.num_requests_waiting_max, 0.0), role.num_requests_waiting)
+    """The fullest engine's waiting requests; 0 when unknown: an older collector, or a maximum the sum
+    contradicts (above it, or below the mean over the engines scraped, ready and draining)."""
+    waiting, fullest = role.num_requests_waiting, role.num_requests_waiting_max
+    engines = max(role.ready + role.draining, 1)
+    return fullest if waiting / engines <= fullest <= waiting else 0.0
 
 
 def queue_drain_s(role: RoleObservation, isl: float, per_replica: float) -> float:
     """How long a prefill queue takes to drain on the replicas that share it, `isl` prompt tokens per
-    request at `per_replica` tokens/s each: the queue outside the fullest engine over the other engines
-    scraped (ready and draining: the sum and the maximum are over both), or the whole queue over the
-    ready replicas with one ready, or without a per-engine maximum consistent with the sum. Queued work
-    stays on its engine (the proxy routes each request once), so one engine's long queue beside idle
-    ones shows that engine was sent more than its share before the others served, not a pool too
-    small: more replicas would take none of it."""
+    request at `per_replica` tokens/s each: the queue outside the fullest engine (`fullest_queue`) over
+    the other engines scraped (ready and draining: the sum and the maximum are over both), or the whole
+    queue over the ready replicas with one ready or no per-engine maximum known. Queued work stays on
+    its engine (the proxy routes each request once), so one engine's long queue beside idle ones shows
+    that engine was sent more than its share before the others served, not a pool too small: more
+    replicas would take none of it."""
     ready = max(role.ready, 1)
-    engines = role.ready + role.draining
-    waiting, fullest = role.num_requests_waiting, role.num_requests_waiting_max
-    per_engine = (waiting - fullest) / (engines - 1) if ready > 1 and waiting / engines <= fullest <= waiting \
+    waiting, fullest = role.num_requests_waiting, fullest_queue(role)
+    per_engine = (waiting - fullest) / (role.ready + role.draining - 1) if ready > 1 and fullest > 0 \
         else waiting / ready
     return per_engine * isl / per_replica
 
 
-def pinned_queue(role: RoleObservation, isl: float, per_replica: float, tolerated_s: float,
-                 target_s: float) -> bool:
+def pinned_queue(role: RoleObservation, isl: float, per_replica: float, config: AutoscalerConfig) -> bool:
     """Whether one engine holds most of the queue (at least half the waiting requests), so long that
-    every request it serves from it misses (more than the TTFT target, `target_s`, of work), while the
-    queue the others share drains within `tolerated_s` (`queue_drain_s`): misses from such a queue are
-    no pool's shortage. (An engine a little fuller than the others, as routing leaves them, is not.)"""
+    every request it serves from it misses (more than the TTFT target of work at `per_replica` prompt
+    tokens/s, `isl` tokens a request), while the queue the others share drains within the attribution's
+    tolerance (`queue_drain_share` of the target, `queue_drain_s`): misses from such a queue are no
+    pool's shortage, and more replicas would take none of it. (An engine a little fuller than the others,
+    as routing leaves them, is not.) `decide` and `react` both judge by it."""
     if not (isl > 0 and per_replica > 0 and role.ready > 1):
         return False
+    target_s = config.model.ttft_target_s
     fullest = fullest_queue(role)
     return (2 * fullest >= role.num_requests_waiting and fullest * isl / per_replica > target_s
-            and queue_drain_s(role, isl, per_replica) <= tolerated_s)
+            and queue_drain_s(role, isl, per_replica) <= config.queue_drain_share * target_s)
 
 
 def shared_queue(role: RoleObservation, pinned: bool) -> tuple[float, int]:

@@ -15,7 +15,8 @@ capacity), with the present read from the gauges:
 
 - Prefill, once it has a backlog as `decide()`'s attribution judges one (queued work that takes
   the ready replicas sharing it more than `queue_drain_share` of the TTFT target to drain, or half
-  that while the queue grows; `queue_drain_s`: one engine's queue beside idle ones is none): the
+  that while the queue grows, `queue_drain_s`; none while one engine holds a queue the others do
+  not share, `pinned_queue`, judged at the basis' capacity as `decide()` judges it at its own): the
   queued prompt tokens (waiting requests x ISL) and what keeps queueing until
   replicas ordered now serve. The arrival rate is the basis' offered load or, while the queue has
   grown since the last decision (over at least `MIN_GROWTH_SPAN_S`), what was served (at most the
@@ -26,7 +27,8 @@ capacity), with the present read from the gauges:
   replicas start orders nothing more.
 - Decode, once its admission is blocked (KV nearly full, at `max_num_seqs`, or more waiting than the
   KV hand-offs in flight explain): the requests waiting beyond those hand-offs, admitted within the
-  same budget on top of the load sized for (`size_decode`), within the same limit.
+  same budget on top of the load sized for (`size_decode`), within the same limit (the load's
+  replicas as the last sizing decision planned them).
 
 A role grows at once to what it needs, by at most `scale_up.max_step`, within its bounds and the GPU
 budget, unless it has Pending pods (they are not capacity: `decide()` reports InsufficientGPUs).
@@ -55,7 +57,6 @@ from xpyd.autoscaler.decide import (
     pinned_limit,
     pinned_queue,
     queue_drain_s,
-    shared_queue,
     until_serving,
 )
 from xpyd.autoscaler.observation import Observation, RoleObservation
@@ -111,11 +112,12 @@ def _prefill_need(observation: Observation, config: AutoscalerConfig, state: Aut
     per_replica = basis.prefill_tokens_per_s
     if not (per_replica > 0 and basis.isl > 0 and prefill.ready > 0):
         return 0, ""
+    if pinned_queue(prefill, basis.isl, per_replica, config):
+        return 0, ""   # one engine's queue: it drains it, more replicas would take none (decide's attribution)
     now = observation.time_s
     tolerated = config.queue_drain_share * config.model.ttft_target_s
-    pinned = pinned_queue(prefill, basis.isl, per_replica, tolerated, config.model.ttft_target_s)
-    waiting, serving = shared_queue(prefill, pinned)
-    queued = waiting * basis.isl
+    queued = prefill.num_requests_waiting * basis.isl
+    serving = prefill.ready
     offered = basis.offered_tokens_per_s
     span = now - state.time_s
     growth = 0.0
@@ -154,8 +156,7 @@ def _decode_need(observation: Observation, config: AutoscalerConfig, basis: Scal
         return 0, ""
     drain_s = drain_budget_s(config)
     sizing = model.size_decode(basis.rate + waiting / drain_s, basis.isl, basis.osl, basis.k_decode)
-    load = max(basis.decode_replicas, model.size_decode(basis.rate, basis.isl, basis.osl, basis.k_decode).replicas)
-    replicas, note = pinned_limit(sizing.replicas, load, decode.ready)
+    replicas, note = pinned_limit(sizing.replicas, basis.decode_replicas, decode.ready)
     state = f"KV max {decode.kv_cache_usage_perc_max:.2f}, running {decode.num_requests_running:.0f}"
     return replicas, (f"{waiting:.0f} requests waiting for decode admission beyond the KV hand-offs in flight "
                       f"({state}), admitted within {drain_s:.0f}s on top of the load: D {replicas}{note}")
