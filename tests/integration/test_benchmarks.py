@@ -4,6 +4,7 @@ figures themselves are not checked, only that every row is there and nothing fai
 from __future__ import annotations
 
 import importlib.util
+import itertools
 import json
 import re
 import subprocess
@@ -240,3 +241,31 @@ def test_arrival_bunching_prints_the_slot_ratios_and_a_row_per_prefill_pool() ->
     assert all(len(row) == 7 and all(float(cell.rstrip("x")) >= 1.0 for cell in row[1:]) for row in ratios), out
     pools = [line.split(" | ") for line in lines[8:]]
     assert [row[0] for row in pools] == ["1", "2"] and all(row[3].endswith("%") for row in pools), out
+
+
+def test_headroom_steps_holds_each_headroom_and_refines_where_the_band_is_straddled(tmp_path: Path) -> None:
+    """conv's first 4 minutes at 75%, warm and cold, with the headroom held at -0.6, -0.2 and +0.2, then
+    every 0.1 between two neighbours on either side of 74-76% with neither in it; the learner's own
+    run beside."""
+    out = run("headroom_steps.py", "--workloads", "conv", "--duration", "240", "--targets", "0.75", "--low", "-0.6",
+              "--high", "0.2", "--step", "0.4", "--fine", "0.1", "--out", str(tmp_path), timeout=600)
+    rows = [line for line in out.splitlines() if line.startswith("| conv | 75% |")]
+    assert [row.split(" | ")[2] for row in rows] == ["warm", "cold"], out
+    assert all(re.search(r"\| (met|missed \(.+\)|n/a) \|$", row) for row in rows), out
+    curve = next(line for line in out.splitlines() if line.startswith("- conv at 75%, warm: "))
+    held = {float(h): (float(a.rstrip("%")), float(g)) for h, a, g in
+            re.findall(r"([+-]\d\.\d\d) (\d+\.\d)%/(\d+\.\d\d)", curve)}
+    assert {-0.6, -0.2, 0.2} <= set(held), curve
+    # Held, not learnt: more headroom holds a larger pool all run.
+    assert held[-0.6][1] < held[-0.2][1] < held[0.2][1], curve
+    assert len(held) > 3, curve    # some pair straddled the band (the test's premise)
+    ordered = sorted(held)
+    for low, high in itertools.pairwise(ordered):
+        a, b = held[low][0], held[high][0]
+        # Every coarse pair straddling the band without a point in it was refined (0.1 apart at most).
+        assert not ((a < 74.0 and b > 76.0) or (a > 76.0 and b < 74.0)) or high - low <= 0.1 + 1e-9, curve
+    assert all((tmp_path / f"headroom_steps_{start}.png").stat().st_size > 0 for start in ("warm", "cold"))
+    saved = json.loads((tmp_path / "headroom_steps.json").read_text())
+    assert [case["start"] for case in saved] == ["warm", "cold"] and len(saved[0]["held"]) == len(held), saved
+    assert len(saved[1]["held"]) >= 3 and 0 <= saved[1]["learnt"]["attainment"] <= 1, saved
+    assert all(row in (tmp_path / "headroom_steps.md").read_text() for row in rows)

@@ -1,0 +1,289 @@
+"""Can any fixed headroom land a target attainment within 1 point? (issue 30, target (c))
+
+    python benchmarks/headroom_steps.py [--workloads conv ...] [--targets 0.8 0.9 0.95 0.97]
+                                        [--starts warm cold] [--low -0.5] [--high 1.0] [--step 0.05]
+                                        [--fine 0.01] [--duration S] [--jobs N] [--out benchmarks/results]
+
+`xpyd` sizes each pool for `(1 + h)` times its forecast load, `h` the headroom it learns from the
+attainment it measures (`xpyd.autoscaler.attainment`). This sweeps the other way round: for each
+workload, target attainment and start, the same `xpyd` policy as `autoscaler_eval.py` runs it (the
+operator's `decide()`, 120 s start-up, warm from the oracle's first sizes or cold from 1 P / 1 D),
+but with its headroom held at each value of a grid for the whole run, learning nothing (the
+learner's bounds both at that value, and its state starting there; every decision's state is
+checked to hold it). First every `--step` from `--low` to `--high`, then every `--fine` within each
+pair of adjacent values whose attainments fall on either side of the band target +-1 point with
+neither in it. Attainment is judged as `autoscaler_eval.py` judges target (c): warm over the whole
+run, cold over the requests arriving after the start-up and two windows.
+
+A headroom held all run is a choice made in hindsight, once per workload: it is the best the
+headroom alone can do. Where no value of it, at 0.01 apart, lands within the band, attainment jumps
+across the band between two pool sizes that differ by a few replicas for a few minutes, and a
+learner that only moves the headroom cannot land in it either, except by luck. Where a value does,
+the learner's own run (learning, as in the evaluation) shows how close it gets.
+
+Per workload, target and start it prints (and writes to `<out>/headroom_steps.md`, with a plot per
+start, `<out>/headroom_steps_<start>.png`) the attainment and GPU-hours at each held headroom, the
+value closest to the target, the steepest step at the finest spacing, the cheapest held headroom
+that reaches the band or above, the learner's run, and the target this proposes in place of
+"within 1 point": the learner attains at least the target less 1 point on at most `HELD_RATIO`
+times that held headroom's GPU-hours (n/a where no held headroom reaches the band); every run's
+figures go to `<out>/headroom_steps.json`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import sys
+import time
+from collections.abc import Iterator, Sequence
+from concurrent.futures import ProcessPoolExecutor
+from contextlib import contextmanager
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import Any
+
+import autoscaler_eval as ev  # beside this script: its workloads, oracles and runs
+
+from xpyd.autoscaler import attainment
+from xpyd.autoscaler.attainment import AttainmentState
+from xpyd.autoscaler.decide import AutoscalerState
+from xpyd.autoscaler.observation import Desired
+from xpyd.sim.policies import XpydPolicy
+from xpyd.sim.simulator import SimConfig, Simulator
+
+HERE = Path(__file__).resolve().parent
+STARTUP_S = 120.0
+TOLERANCE = 0.01
+#: The proposed target: the learner attains at least the target less `TOLERANCE` on at most this many
+#: times the GPU-hours of the cheapest held headroom that does.
+HELD_RATIO = 1.15
+
+
+@contextmanager
+def held(headroom: float) -> Iterator[None]:
+    """The learner's bounds both at `headroom` (whatever a window teaches, it stays there)."""
+    saved = attainment.MIN_HEADROOM, attainment.MAX_HEADROOM
+    attainment.MIN_HEADROOM = attainment.MAX_HEADROOM = headroom
+    try:
+        yield
+    finally:
+        attainment.MIN_HEADROOM, attainment.MAX_HEADROOM = saved
+
+
+#: One workload, target and start (warm or cold).
+Case = tuple[str, float, str]
+
+
+@dataclass(frozen=True)
+class Task:
+    case: Case
+    headroom: float | None        # None: the learner's own run
+    initial: Desired
+    duration_s: float | None
+
+
+def run(task: Task) -> dict[str, Any]:
+    """One `xpyd` replay at `STARTUP_S`, its headroom held (or learnt): the attainment its start is
+    judged on (warm: the whole run; cold: after the start-up and two windows, as `autoscaler_eval.py`
+    judges target (c)), the GPU-hours, and the headrooms its decisions held (a held run must show
+    only its own)."""
+    name, target, start = task.case
+    workload = replace(next(w for w in ev.WORKLOADS if w.name == name), duration_s=task.duration_s)
+    perf = ev.perf_model()
+    knob = ev.Run(ev.XPYD, target, STARTUP_S, start)
+    interval_s = SimConfig().interval_s
+    policy, initial = ev.build(knob, workload, perf, task.initial, (), interval_s)
+    assert isinstance(policy, XpydPolicy)
+    config = SimConfig(prefill=initial.prefill, decode=initial.decode, slo=workload.slo, startup_delay_s=STARTUP_S,
+                       interval_s=interval_s, engine=workload.engine)
+    if task.headroom is None:
+        result = Simulator(workload.load(), perf, policy, config, ev.XPYD).run()
+    else:
+        policy.state = AutoscalerState(attainment=AttainmentState(headroom=task.headroom))
+        with held(task.headroom):
+            result = Simulator(workload.load(), perf, policy, config, ev.XPYD).run()
+    report = ev.report_for(result, workload, STARTUP_S, {})
+    headrooms = sorted({round(d.state.attainment.headroom, 6) for _, d, _ in policy.decisions})
+    return {"attainment": ev.attained(report, settled=start == ev.COLD), "gpu_hours": report["gpu_hours"],
+            "headrooms": headrooms}
+
+
+def grid(low: float, high: float, step: float) -> list[float]:
+    count = round((high - low) / step)
+    return [round(low + i * step, 6) for i in range(count + 1)]
+
+
+def straddles(points: Sequence[tuple[float, float]], target: float) -> list[tuple[float, float]]:
+    """Adjacent (headroom, attainment) pairs on either side of the band target +-`TOLERANCE`, neither
+    in it: where a finer spacing may find a headroom within the band."""
+    low, high = target - TOLERANCE, target + TOLERANCE
+    return [(a[0], b[0]) for a, b in itertools.pairwise(points)
+            if (a[1] < low and b[1] > high) or (a[1] > high and b[1] < low)]
+
+
+@dataclass(frozen=True)
+class Summary:
+    """One workload, target and start: the held runs by headroom, and the learner's run."""
+
+    workload: str
+    target: float
+    start: str
+    held: dict[float, dict[str, Any]]
+    learnt: dict[str, Any]
+    fine: float
+
+    def closest(self) -> tuple[float, dict[str, Any]]:
+        return min(self.held.items(), key=lambda item: (abs(item[1]["attainment"] - self.target), item[1]["gpu_hours"]))
+
+    def within(self) -> bool:
+        return abs(self.closest()[1]["attainment"] - self.target) <= TOLERANCE + 1e-9
+
+    def cheapest_reaching(self) -> tuple[float, dict[str, Any]] | None:
+        reaching = [(h, r) for h, r in self.held.items() if r["attainment"] >= self.target - TOLERANCE]
+        return min(reaching, key=lambda item: item[1]["gpu_hours"]) if reaching else None
+
+    def proposed(self) -> str:
+        """The proposed target's verdict: met, missed (why), or n/a (no held headroom reaches the band)."""
+        reach = self.cheapest_reaching()
+        if reach is None:
+            return "n/a"
+        learnt = self.learnt
+        if learnt["attainment"] < self.target - TOLERANCE:
+            return "missed (under)"
+        ratio = learnt["gpu_hours"] / reach[1]["gpu_hours"]
+        return "met" if ratio <= HELD_RATIO else f"missed ({ratio:.2f}x)"
+
+    def steepest(self) -> tuple[float, float, float] | None:
+        """The largest attainment step between held headrooms `fine` apart: (from, to, points)."""
+        ordered = sorted(self.held.items())
+        steps = [(a[0], b[0], 100 * (b[1]["attainment"] - a[1]["attainment"]))
+                 for a, b in itertools.pairwise(ordered) if abs(b[0] - a[0] - self.fine) < 1e-6]
+        return max(steps, key=lambda s: abs(s[2])) if steps else None
+
+
+def row(summary: Summary) -> str:
+    h, best = summary.closest()
+    verdict = "yes" if summary.within() else "no"
+    steep = summary.steepest()
+    step = f"{steep[2]:+.1f} points from {steep[0]:+.2f} to {steep[1]:+.2f}" if steep else "-"
+    reach = summary.cheapest_reaching()
+    learnt = summary.learnt
+    ratio = f" ({learnt['gpu_hours'] / reach[1]['gpu_hours']:.2f}x)" if reach else ""
+    reach_cell = f"{reach[0]:+.2f}: {reach[1]['attainment']:.1%} on {reach[1]['gpu_hours']:.2f}" if reach else \
+        "none reaches it"
+    return (f"| {summary.workload} | {summary.target:.0%} | {summary.start} | {verdict} | {h:+.2f}: "
+            f"{best['attainment']:.1%} on {best['gpu_hours']:.2f} | {step} | {reach_cell} | "
+            f"{learnt['attainment']:.1%} on {learnt['gpu_hours']:.2f}{ratio} | {summary.proposed()} |")
+
+
+HEAD = ("| workload | target | start | a held headroom within 1 point | closest (headroom: attainment on GPU-hours) "
+        "| steepest step at the finest spacing | cheapest held headroom within 1 point or above "
+        "| the learner (its GPU-hours over that one's) "
+        f"| the learner: at least the target less 1 point, on at most {HELD_RATIO:.2f}x |\n"
+        "|---|---|---|---|---|---|---|---|---|")
+
+
+def plot(summaries: Sequence[Summary], start: str, path: Path) -> None:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    names = list(dict.fromkeys(s.workload for s in summaries))
+    columns = min(len(names), 3)
+    rows = -(-len(names) // columns)
+    fig, axes = plt.subplots(rows, columns, figsize=(4.6 * columns, 3.9 * rows), squeeze=False)
+    for ax in axes.flat[len(names):]:
+        ax.set_visible(False)
+    for ax, name in zip(axes.flat, names, strict=False):
+        for summary, color in zip((s for s in summaries if s.workload == name),
+                                  ("#d62728", "#ff7f0e", "#1f77b4", "#2ca02c", "#9467bd"), strict=False):
+            ordered = sorted(summary.held.items())
+            ax.plot([h for h, _ in ordered], [100 * r["attainment"] for _, r in ordered], ".-", color=color,
+                    label=f"held, target {summary.target:.0%}")
+            ax.axhspan(100 * (summary.target - TOLERANCE), 100 * (summary.target + TOLERANCE), color=color, alpha=0.15)
+            ax.axhline(100 * summary.learnt["attainment"], color=color, linestyle=":",
+                       label=f"learnt, target {summary.target:.0%}")
+        ax.set_title(f"{name}, {start}")
+        ax.set_xlabel("headroom held all run")
+        ax.set_ylabel("attainment (%)" if start == ev.WARM else "attainment after start-up + 2 windows (%)")
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--workloads", nargs="+", default=[w.name for w in ev.WORKLOADS],
+                        choices=[w.name for w in ev.WORKLOADS])
+    parser.add_argument("--targets", type=float, nargs="+", default=[0.80, 0.90, 0.95, 0.97])
+    parser.add_argument("--low", type=float, default=-0.5)
+    parser.add_argument("--high", type=float, default=1.0)
+    parser.add_argument("--step", type=float, default=0.05)
+    parser.add_argument("--fine", type=float, default=0.01)
+    parser.add_argument("--starts", nargs="+", default=[ev.WARM, ev.COLD], choices=[ev.WARM, ev.COLD])
+    parser.add_argument("--duration", type=float, default=None, metavar="S", help="each workload's first S seconds")
+    parser.add_argument("--jobs", type=int, default=2)
+    parser.add_argument("--out", default=str(HERE / "results"))
+    args = parser.parse_args()
+    if not (args.low < args.high and 0 < args.fine <= args.step):
+        parser.error("need --low < --high and 0 < --fine <= --step")
+    out = Path(args.out)
+    started = time.perf_counter()
+    warm: dict[str, Desired] = {}
+    for name in args.workloads:
+        workload = replace(next(w for w in ev.WORKLOADS if w.name == name), duration_s=args.duration)
+        oracle = ev.saved_oracle(workload, HERE / "results") or ev.compute_oracle(workload)
+        warm[name] = ev.warm_sizes(ev.windows_of(oracle), STARTUP_S)
+    cases = [(name, target, start) for start in args.starts for name in args.workloads for target in args.targets]
+    coarse = grid(args.low, args.high, args.step)
+    results: dict[Case, dict[float | None, dict[str, Any]]] = {case: {} for case in cases}
+
+    def task(case: Case, headroom: float | None) -> Task:
+        return Task(case, headroom, warm[case[0]] if case[2] == ev.WARM else ev.COLD_SIZES, args.duration)
+
+    def sweep(tasks: list[Task]) -> None:
+        for done, result in zip(tasks, pool.map(run, tasks, chunksize=1), strict=True):
+            if done.headroom is not None and result["headrooms"] not in ([done.headroom], []):
+                raise SystemExit(f"{done.case}: held {done.headroom:+.2f} but its decisions held {result['headrooms']}")
+            results[done.case][done.headroom] = result
+
+    with ProcessPoolExecutor(max_workers=args.jobs) as pool:
+        sweep([task(case, h) for case in cases for h in [None, *coarse]])
+        refine: list[Task] = []
+        for case in cases:
+            held_points = sorted((h, r["attainment"]) for h, r in results[case].items() if h is not None)
+            for low, high in straddles(held_points, case[1]):
+                refine += [task(case, h) for h in grid(min(low, high), max(low, high), args.fine)[1:-1]]
+        sweep(refine)
+    summaries = [Summary(*case, {h: r for h, r in results[case].items() if h is not None}, results[case][None],
+                         args.fine) for case in cases]
+    table = "\n".join([HEAD, *(row(s) for s in summaries)])
+    curves = "\n".join(
+        f"- {s.workload} at {s.target:.0%}, {s.start}: " +
+        ", ".join(f"{h:+.2f} {r['attainment']:.1%}/{r['gpu_hours']:.2f}" for h, r in sorted(s.held.items()))
+        for s in summaries)
+    minutes = (time.perf_counter() - started) / 60
+    runs = sum(len(r) for r in results.values())
+    command = " ".join(["python3 benchmarks/headroom_steps.py", *sys.argv[1:]])
+    out.mkdir(parents=True, exist_ok=True)
+    for start in args.starts:
+        plot([s for s in summaries if s.start == start], start, out / f"headroom_steps_{start}.png")
+    (out / "headroom_steps.json").write_text(json.dumps(
+        [{"workload": s.workload, "target": s.target, "start": s.start, "learnt": s.learnt,
+          "held": [{"headroom": h, **r} for h, r in sorted(s.held.items())]} for s in summaries], indent=1) + "\n")
+    (out / "headroom_steps.md").write_text(
+        f"# Attainment against a held headroom\n\n`{command}`: {runs} runs in {minutes:.1f} min on {args.jobs} jobs "
+        f"(`xpyd`, {STARTUP_S:g} s start-up; what each column means: the script's docstring).\n\n{table}\n\n"
+        + "".join(f"![{start}: attainment against the headroom held](headroom_steps_{start}.png)\n\n"
+                  for start in args.starts)
+        + f"Every run (headroom attainment/GPU-hours):\n\n{curves}\n")
+    sys.stdout.write(f"{table}\n\n{curves}\n\n{runs} runs in {minutes:.1f} min; wrote {out / 'headroom_steps.md'}\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
