@@ -39,7 +39,7 @@ import math
 import os
 import sys
 import time
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -226,20 +226,31 @@ def build(run: Run, workload: Workload, perf: PerfModel, initial: Desired, windo
     raise ValueError(f"unknown family {run.family!r}")
 
 
-def run_one(workload: Workload, run: Run, initial: Desired, windows: tuple[OracleWindow, ...] = ()) -> dict[str, Any]:
-    """One simulated run; returns its report (with the xpyd decisions' reasons when it is xpyd).
-    `initial` is the causal families' starting sizes; `windows` the oracle's, for the nowcast."""
-    task_started = time.perf_counter()
+def simulate(workload: Workload, run: Run, initial: Desired, windows: tuple[OracleWindow, ...] = (),
+             prepare: Callable[[Policy], None] | None = None) -> tuple[SimResult, Policy, float]:
+    """One replay of `run` on `workload`: its result, its policy (with what it decided) and the replay's
+    wall time. `initial` is the causal families' starting sizes; `windows` the oracle's, for the
+    nowcast; `prepare` sees the policy before the replay starts."""
     perf = perf_model()
     trace = workload.load()
     interval_s = SimConfig().interval_s
     policy, initial = build(run, workload, perf, initial, windows, interval_s)
+    if prepare is not None:
+        prepare(policy)
     config = SimConfig(prefill=initial.prefill, decode=initial.decode, slo=workload.slo,
                        startup_delay_s=run.startup_s, interval_s=interval_s, engine=workload.engine)
     started = time.perf_counter()
     result = Simulator(trace, perf, policy, config, run.family).run()
+    return result, policy, time.perf_counter() - started
+
+
+def run_one(workload: Workload, run: Run, initial: Desired, windows: tuple[OracleWindow, ...] = ()) -> dict[str, Any]:
+    """One simulated run (`simulate`); returns its report (with the xpyd decisions' reasons when it is
+    xpyd)."""
+    task_started = time.perf_counter()
+    result, policy, wall_s = simulate(workload, run, initial, windows)
     knob = run.knob
-    extra: dict[str, Any] = {"wall_s": round(time.perf_counter() - started, 2), "workload": workload.name,
+    extra: dict[str, Any] = {"wall_s": round(wall_s, 2), "workload": workload.name,
                              "family": run.family, "knob": knob if isinstance(knob, float) else
                              {"prefill": knob.prefill, "decode": knob.decode}, "knob_label": run.label,
                              "start": run.start, "startup_s": run.startup_s,

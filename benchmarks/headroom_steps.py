@@ -51,7 +51,7 @@ from xpyd.autoscaler.attainment import AttainmentState
 from xpyd.autoscaler.decide import AutoscalerState
 from xpyd.autoscaler.observation import Desired
 from xpyd.sim.policies import XpydPolicy
-from xpyd.sim.simulator import SimConfig, Simulator
+from xpyd.sim.policy import Policy
 
 HERE = Path(__file__).resolve().parent
 STARTUP_S = 120.0
@@ -91,19 +91,19 @@ def run(task: Task) -> dict[str, Any]:
     only its own)."""
     name, target, start = task.case
     workload = replace(next(w for w in ev.WORKLOADS if w.name == name), duration_s=task.duration_s)
-    perf = ev.perf_model()
     knob = ev.Run(ev.XPYD, target, STARTUP_S, start)
-    interval_s = SimConfig().interval_s
-    policy, initial = ev.build(knob, workload, perf, task.initial, (), interval_s)
-    assert isinstance(policy, XpydPolicy)
-    config = SimConfig(prefill=initial.prefill, decode=initial.decode, slo=workload.slo, startup_delay_s=STARTUP_S,
-                       interval_s=interval_s, engine=workload.engine)
     if task.headroom is None:
-        result = Simulator(workload.load(), perf, policy, config, ev.XPYD).run()
+        result, policy, _ = ev.simulate(workload, knob, task.initial)
     else:
-        policy.state = AutoscalerState(attainment=AttainmentState(headroom=task.headroom))
-        with held(task.headroom):
-            result = Simulator(workload.load(), perf, policy, config, ev.XPYD).run()
+        headroom = task.headroom
+
+        def start_held(policy: Policy) -> None:
+            assert isinstance(policy, XpydPolicy)
+            policy.state = AutoscalerState(attainment=AttainmentState(headroom=headroom))
+
+        with held(headroom):
+            result, policy, _ = ev.simulate(workload, knob, task.initial, prepare=start_held)
+    assert isinstance(policy, XpydPolicy)
     report = ev.report_for(result, workload, STARTUP_S, {})
     headrooms = sorted({round(d.state.attainment.headroom, 6) for _, d, _ in policy.decisions})
     return {"attainment": ev.attained(report, settled=start == ev.COLD), "gpu_hours": report["gpu_hours"],

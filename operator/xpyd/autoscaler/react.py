@@ -117,7 +117,6 @@ def _prefill_need(observation: Observation, config: AutoscalerConfig, state: Aut
     now = observation.time_s
     tolerated = config.queue_drain_share * config.model.ttft_target_s
     queued = prefill.num_requests_waiting * basis.isl
-    serving = prefill.ready
     offered = basis.offered_tokens_per_s
     span = now - state.time_s
     growth = 0.0
@@ -129,9 +128,9 @@ def _prefill_need(observation: Observation, config: AutoscalerConfig, state: Aut
     if not (drain_s > tolerated or (growth > 0 and drain_s > tolerated / 2)):
         return 0, ""
     # A growing queue: arrivals are what was served (at most the ready replicas' capacity) plus the growth.
-    offered = max(offered, min(offered, serving * per_replica) + growth)
+    offered = max(offered, min(offered, prefill.ready * per_replica) + growth)
     until_s = until_serving(prefill, state.prefill, now, config)
-    building = max(0.0, offered - serving * per_replica) * until_s
+    building = max(0.0, offered - prefill.ready * per_replica) * until_s
     budget_s = drain_budget_s(config)
     load = max(basis.prefill_replicas, math.ceil(offered / per_replica - 1e-9))
     need, note = pinned_limit(max(1, math.ceil((offered + (queued + building) / budget_s) / per_replica - 1e-9)),
