@@ -71,7 +71,8 @@ BASELINES = (STATIC, QUEUE, DYNAMO)
 FIXED, WARM, COLD, OWN = "fixed", "warm", "cold", "-"
 COLD_SIZES = Desired(1, 1)
 
-XPYD_TARGETS = (0.80, 0.90, 0.95, 0.97, 0.99)
+XPYD_TARGETS = (0.80, 0.90, 0.95, 0.97, 0.99, 0.995, 0.999)
+"""The targets `xpyd` is swept over, up to the API's largest (`autoscaling.slo.attainment` <= 0.999)."""
 STATIC_BELOW = (0.6, 0.8)
 """Static sizes below the oracle's mean: these shares of it (at least 1), so the frontier reaches low attainment."""
 STATIC_STEPS = (0.0, 0.25, 0.5, 0.75, 1.0)
@@ -172,7 +173,7 @@ class Run:
         if isinstance(knob, Desired):
             value = f"p{knob.prefill}d{knob.decode}"
         else:
-            value = {XPYD: f"att{knob:.2f}", QUEUE: f"x{knob:g}", DYNAMO: f"margin{knob:g}"}[self.family]
+            value = {XPYD: f"att{knob:g}", QUEUE: f"x{knob:g}", DYNAMO: f"margin{knob:g}"}[self.family]
         suffix = "" if self.start == FIXED else f"_startup{self.startup_s:g}" if self.start == OWN else \
             f"_{self.start}_startup{self.startup_s:g}"
         return f"{self.family}_{value}{suffix}"

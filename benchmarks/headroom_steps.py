@@ -3,6 +3,7 @@
     python benchmarks/headroom_steps.py [--workloads conv ...] [--targets 0.8 0.9 0.95 0.97]
                                         [--starts warm cold] [--low -0.5] [--high 1.0] [--step 0.05]
                                         [--fine 0.01] [--duration S] [--jobs N] [--out benchmarks/results]
+                                        [--evaluation benchmarks/results] [--report]
 
 `xpyd` sizes each pool for `(1 + h)` times its forecast load, `h` the headroom it learns from the
 attainment it measures (`xpyd.autoscaler.attainment`). This sweeps the other way round: for each
@@ -28,6 +29,14 @@ that reaches the band or above, the learner's run, and the target this proposes 
 "within 1 point": the learner attains at least the target less 1 point on at most `HELD_RATIO`
 times that held headroom's GPU-hours (n/a where no held headroom reaches the band); every run's
 figures go to `<out>/headroom_steps.json`.
+
+The warm held runs of a workload, over every target swept, are a family of their own: `xpyd` with
+a headroom chosen in hindsight, as `dynamo-sla`'s margin and `static`'s sizes are. The report judges
+them, beside the learner, against the baselines `autoscaler_eval.py` swept (`--evaluation`: its
+`<workload>/frontiers.json`, 120 s start-up) as it judges its target (a): where the learner misses
+and a held headroom dominates, the gap is the learner's; where both miss, no headroom held all run
+closes it. `--report` writes the report again from `<out>/headroom_steps.json`, replaying nothing
+(after a new evaluation, say).
 """
 
 from __future__ import annotations
@@ -215,23 +224,50 @@ def plot(summaries: Sequence[Summary], start: str, path: Path) -> None:
     plt.close(fig)
 
 
-def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--workloads", nargs="+", default=[w.name for w in ev.WORKLOADS],
-                        choices=[w.name for w in ev.WORKLOADS])
-    parser.add_argument("--targets", type=float, nargs="+", default=[0.80, 0.90, 0.95, 0.97])
-    parser.add_argument("--low", type=float, default=-0.5)
-    parser.add_argument("--high", type=float, default=1.0)
-    parser.add_argument("--step", type=float, default=0.05)
-    parser.add_argument("--fine", type=float, default=0.01)
-    parser.add_argument("--starts", nargs="+", default=[ev.WARM, ev.COLD], choices=[ev.WARM, ev.COLD])
-    parser.add_argument("--duration", type=float, default=None, metavar="S", help="each workload's first S seconds")
-    parser.add_argument("--jobs", type=int, default=2)
-    parser.add_argument("--out", default=str(HERE / "results"))
-    args = parser.parse_args()
-    if not (args.low < args.high and 0 < args.fine <= args.step):
-        parser.error("need --low < --high and 0 < --fine <= --step")
-    out = Path(args.out)
+Point = tuple[float, float]   # (GPU-hours, attainment), as `autoscaler_eval.py`'s frontiers
+
+
+def held_points(summaries: Sequence[Summary], workload: str) -> list[Point]:
+    """Every held run of a workload, warm, over all the targets swept: `xpyd` with a headroom chosen in
+    hindsight (and its target), judged, as target (a) judges, over the whole run."""
+    return [(r["gpu_hours"], r["attainment"]) for s in summaries if s.workload == workload and s.start == ev.WARM
+            for r in s.held.values()]
+
+
+def against_baselines(summaries: Sequence[Summary], evaluation: Path) -> list[str]:
+    """Target (a), warm, both ways: the evaluation's `xpyd` (learning) and `xpyd` with each headroom held
+    against each baseline family's swept points (`<evaluation>/<workload>/frontiers.json`, 120 s
+    start-up), each judged by `autoscaler_eval.dominance`. Where the learner misses and a held headroom
+    dominates, the gap is the learner's; where both miss, no headroom held all run gets there either."""
+    rows: list[str] = []
+    for workload in dict.fromkeys(s.workload for s in summaries if s.start == ev.WARM):
+        path = evaluation / workload / "frontiers.json"
+        if not path.is_file():
+            continue
+        lines = json.loads(path.read_text())[f"{STARTUP_S:g}"]
+        learnt = [(p["gpu_hours"], p["attainment"]) for p in lines[f"{ev.XPYD}/{ev.WARM}"]["points"]]
+        held = held_points(summaries, workload)
+        for family in ev.BASELINES:
+            key = f"{family}/{ev.FIXED if family == ev.STATIC else ev.WARM}"
+            if key not in lines:
+                continue
+            theirs = [(p["gpu_hours"], p["attainment"]) for p in lines[key]["points"]]
+            as_learnt, as_held = ev.dominance(learnt, theirs), ev.dominance(held, theirs)
+            if as_learnt.vacuous:
+                continue
+            shows = "-" if as_learnt.met else "the learner's cost: a held headroom dominates" if as_held.met else \
+                "beyond any headroom held all run"
+            rows.append(f"| {workload} | {family} | {'met' if as_learnt.met else 'missed'}: {as_learnt.detail(family)} "
+                        f"| {'met' if as_held.met else 'missed'}: {as_held.detail(family)} | {shows} |")
+    if not rows:
+        return []
+    return ["| workload | baseline | xpyd, learning (the evaluation's target (a)) "
+            "| xpyd, each headroom held all run (any target swept) | what this shows |",
+            "|---|---|---|---|---|", *rows]
+
+
+def replay(args: argparse.Namespace) -> tuple[list[Summary], dict[str, Any]]:
+    """Every run the arguments ask for: the summaries and the sweep's own figures (`meta`)."""
     started = time.perf_counter()
     warm: dict[str, Desired] = {}
     for name in args.workloads:
@@ -255,33 +291,83 @@ def main() -> int:
         sweep([task(case, h) for case in cases for h in [None, *coarse]])
         refine: list[Task] = []
         for case in cases:
-            held_points = sorted((h, r["attainment"]) for h, r in results[case].items() if h is not None)
-            for low, high in straddles(held_points, case[1]):
+            curve = sorted((h, r["attainment"]) for h, r in results[case].items() if h is not None)
+            for low, high in straddles(curve, case[1]):
                 refine += [task(case, h) for h in grid(min(low, high), max(low, high), args.fine)[1:-1]]
         sweep(refine)
-    summaries = [Summary(*case, {h: r for h, r in results[case].items() if h is not None}, results[case][None],
-                         args.fine) for case in cases]
+    summaries = [Summary(*case, {h: r for h, r in sorted(results[case].items(), key=lambda item: item[0] or 0.0)
+                                 if h is not None}, results[case][None], args.fine) for case in cases]
+    meta = {"command": " ".join(["python3 benchmarks/headroom_steps.py", *sys.argv[1:]]),
+            "runs": sum(len(r) for r in results.values()), "minutes": round((time.perf_counter() - started) / 60, 1),
+            "jobs": args.jobs, "fine": args.fine}
+    return summaries, meta
+
+
+def saved(path: Path) -> tuple[list[Summary], dict[str, Any]]:
+    """The summaries and figures a sweep wrote to `headroom_steps.json`."""
+    data = json.loads(path.read_text())
+    summaries = [Summary(c["workload"], c["target"], c["start"], {h["headroom"]: {k: v for k, v in h.items()
+                                                                                  if k != "headroom"}
+                                                                   for h in c["held"]}, c["learnt"], data["fine"])
+                 for c in data["cases"]]
+    return summaries, {k: v for k, v in data.items() if k != "cases"}
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--workloads", nargs="+", default=[w.name for w in ev.WORKLOADS],
+                        choices=[w.name for w in ev.WORKLOADS])
+    parser.add_argument("--targets", type=float, nargs="+", default=[0.80, 0.90, 0.95, 0.97])
+    parser.add_argument("--low", type=float, default=-0.5)
+    parser.add_argument("--high", type=float, default=1.0)
+    parser.add_argument("--step", type=float, default=0.05)
+    parser.add_argument("--fine", type=float, default=0.01)
+    parser.add_argument("--starts", nargs="+", default=[ev.WARM, ev.COLD], choices=[ev.WARM, ev.COLD])
+    parser.add_argument("--duration", type=float, default=None, metavar="S", help="each workload's first S seconds")
+    parser.add_argument("--jobs", type=int, default=2)
+    parser.add_argument("--out", default=str(HERE / "results"))
+    parser.add_argument("--evaluation", default=str(HERE / "results"), metavar="DIR",
+                        help="autoscaler_eval.py's results: the baselines target (a) is judged against")
+    parser.add_argument("--report", action="store_true",
+                        help="replay nothing: write the report again from <out>/headroom_steps.json")
+    args = parser.parse_args()
+    if not (args.low < args.high and 0 < args.fine <= args.step):
+        parser.error("need --low < --high and 0 < --fine <= --step")
+    out = Path(args.out)
+    if args.report:
+        if not (out / "headroom_steps.json").is_file():
+            parser.error(f"--report: no {out / 'headroom_steps.json'} (run the sweep first)")
+        summaries, meta = saved(out / "headroom_steps.json")
+    else:
+        summaries, meta = replay(args)
     table = "\n".join([HEAD, *(row(s) for s in summaries)])
+    baselines = "\n".join(against_baselines(summaries, Path(args.evaluation)))
     curves = "\n".join(
         f"- {s.workload} at {s.target:.0%}, {s.start}: " +
         ", ".join(f"{h:+.2f} {r['attainment']:.1%}/{r['gpu_hours']:.2f}" for h, r in sorted(s.held.items()))
         for s in summaries)
-    minutes = (time.perf_counter() - started) / 60
-    runs = sum(len(r) for r in results.values())
-    command = " ".join(["python3 benchmarks/headroom_steps.py", *sys.argv[1:]])
+    starts = list(dict.fromkeys(s.start for s in summaries))
     out.mkdir(parents=True, exist_ok=True)
-    for start in args.starts:
+    for start in starts:
         plot([s for s in summaries if s.start == start], start, out / f"headroom_steps_{start}.png")
     (out / "headroom_steps.json").write_text(json.dumps(
-        [{"workload": s.workload, "target": s.target, "start": s.start, "learnt": s.learnt,
-          "held": [{"headroom": h, **r} for h, r in sorted(s.held.items())]} for s in summaries], indent=1) + "\n")
+        {**meta, "cases": [{"workload": s.workload, "target": s.target, "start": s.start, "learnt": s.learnt,
+                            "held": [{"headroom": h, **r} for h, r in sorted(s.held.items())]} for s in summaries]},
+        indent=1) + "\n")
+    against = (f"## Against the baselines (target (a), warm)\n\nEach held run above is `xpyd` with a headroom (and "
+               "a target) chosen in hindsight; together, per workload, they are a frontier too. Judged as the "
+               f"evaluation judges target (a), against the baselines' swept points (the evaluation's "
+               f"`<workload>/frontiers.json`, {STARTUP_S:g} s start-up):\n\n"
+               f"{baselines}\n\n") if baselines else ""
     (out / "headroom_steps.md").write_text(
-        f"# Attainment against a held headroom\n\n`{command}`: {runs} runs in {minutes:.1f} min on {args.jobs} jobs "
-        f"(`xpyd`, {STARTUP_S:g} s start-up; what each column means: the script's docstring).\n\n{table}\n\n"
+        f"# Attainment against a held headroom\n\n`{meta['command']}`: {meta['runs']} runs in {meta['minutes']:.1f} "
+        f"min on {meta['jobs']} jobs (`xpyd`, {STARTUP_S:g} s start-up; what each column means: the script's "
+        f"docstring).\n\n{table}\n\n"
         + "".join(f"![{start}: attainment against the headroom held](headroom_steps_{start}.png)\n\n"
-                  for start in args.starts)
-        + f"Every run (headroom attainment/GPU-hours):\n\n{curves}\n")
-    sys.stdout.write(f"{table}\n\n{curves}\n\n{runs} runs in {minutes:.1f} min; wrote {out / 'headroom_steps.md'}\n")
+                  for start in starts)
+        + against + f"Every run (headroom attainment/GPU-hours):\n\n{curves}\n")
+    sys.stdout.write(f"{table}\n\n{baselines}\n\n{curves}\n\n{meta['runs']} runs in {meta['minutes']:.1f} min; "
+                     f"wrote {out / 'headroom_steps.md'}\n")
     return 0
 
 

@@ -107,13 +107,18 @@ def test_metrics_bench_prints_both_implementations_and_their_ratio() -> None:
     assert re.search(r"ratio prometheus_client / hand-written: \d+\.\d\d$", out, re.MULTILINE), out
 
 
-def load_eval() -> Any:
-    spec = importlib.util.spec_from_file_location("autoscaler_eval", BENCHMARKS / "autoscaler_eval.py")
+def load(name: str) -> Any:
+    """A benchmark script as a module (`autoscaler_eval` first: the others import it)."""
+    spec = importlib.util.spec_from_file_location(name, BENCHMARKS / f"{name}.py")
     assert spec is not None and spec.loader is not None
     module = importlib.util.module_from_spec(spec)
-    sys.modules["autoscaler_eval"] = module   # its dataclasses look their module up
+    sys.modules[name] = module   # its dataclasses look their module up
     spec.loader.exec_module(module)
     return module
+
+
+def load_eval() -> Any:
+    return load("autoscaler_eval")
 
 
 def test_autoscaler_eval_frontier_helpers() -> None:
@@ -173,7 +178,7 @@ def test_autoscaler_eval_sweeps_each_family_into_frontiers_tables_and_verdicts(t
         static = evaluation.static_sizes(evaluation.sizes(oracle, "oracle_mean"),
                                          evaluation.sizes(oracle, "oracle_peak"))
         assert {f.name for f in files["static", "fixed"]} == {f"static_p{s.prefill}d{s.decode}.json" for s in static}
-        assert {f.name for f in files["xpyd", "cold"]} == {f"xpyd_att{t:.2f}_cold_startup30.json"
+        assert {f.name for f in files["xpyd", "cold"]} == {f"xpyd_att{t:g}_cold_startup30.json"
                                                           for t in evaluation.XPYD_TARGETS}
         assert {f.name for f in files["dynamo-sla", "warm"]} == {f"dynamo-sla_margin{m:g}_warm_startup30.json"
                                                                 for m in evaluation.DYNAMO_MARGINS}
@@ -247,8 +252,9 @@ def test_headroom_steps_holds_each_headroom_and_refines_where_the_band_is_stradd
     """conv's first 4 minutes at 75%, warm and cold, with the headroom held at -0.6, -0.2 and +0.2, then
     every 0.1 between two neighbours on either side of 74-76% with neither in it; the learner's own
     run beside."""
+    elsewhere = ("--out", str(tmp_path), "--evaluation", str(tmp_path / "no-evaluation"))
     out = run("headroom_steps.py", "--workloads", "conv", "--duration", "240", "--targets", "0.75", "--low", "-0.6",
-              "--high", "0.2", "--step", "0.4", "--fine", "0.1", "--out", str(tmp_path), timeout=600)
+              "--high", "0.2", "--step", "0.4", "--fine", "0.1", *elsewhere, timeout=600)
     rows = [line for line in out.splitlines() if line.startswith("| conv | 75% |")]
     assert [row.split(" | ")[2] for row in rows] == ["warm", "cold"], out
     assert all(re.search(r"\| (met|missed \(.+\)|n/a) \|$", row) for row in rows), out
@@ -266,6 +272,51 @@ def test_headroom_steps_holds_each_headroom_and_refines_where_the_band_is_stradd
         assert not ((a < 74.0 and b > 76.0) or (a > 76.0 and b < 74.0)) or high - low <= 0.1 + 1e-9, curve
     assert all((tmp_path / f"headroom_steps_{start}.png").stat().st_size > 0 for start in ("warm", "cold"))
     saved = json.loads((tmp_path / "headroom_steps.json").read_text())
-    assert [case["start"] for case in saved] == ["warm", "cold"] and len(saved[0]["held"]) == len(held), saved
-    assert len(saved[1]["held"]) >= 3 and 0 <= saved[1]["learnt"]["attainment"] <= 1, saved
-    assert all(row in (tmp_path / "headroom_steps.md").read_text() for row in rows)
+    cases = saved["cases"]
+    assert saved["runs"] == len(cases) + sum(len(case["held"]) for case in cases), saved
+    assert [case["start"] for case in cases] == ["warm", "cold"] and len(cases[0]["held"]) == len(held), saved
+    assert len(cases[1]["held"]) >= 3 and 0 <= cases[1]["learnt"]["attainment"] <= 1, saved
+    report = (tmp_path / "headroom_steps.md").read_text()
+    assert all(row in report for row in rows)
+    # The report written again from the saved runs, replaying nothing, is the same report.
+    (tmp_path / "headroom_steps.md").unlink()
+    run("headroom_steps.py", "--report", *elsewhere)
+    assert (tmp_path / "headroom_steps.md").read_text() == report
+    refused = subprocess.run([sys.executable, str(BENCHMARKS / "headroom_steps.py"), "--report", "--out",
+                              str(tmp_path / "empty")], capture_output=True, text=True, timeout=60, check=False)
+    assert refused.returncode == 2 and "no " in refused.stderr and "run the sweep first" in refused.stderr, refused
+
+
+def test_headroom_steps_judges_the_held_headrooms_against_the_baselines(tmp_path: Path) -> None:
+    """Target (a) both ways from a saved evaluation: the learner's points, and every warm held run over
+    the targets swept (a cold one, however cheap, is not judged), against each baseline reaching 90%."""
+    load_eval()
+    steps = load("headroom_steps")
+
+    def figures(attainment: float, gpu_hours: float) -> dict[str, float]:
+        return {"attainment": attainment, "gpu_hours": gpu_hours}
+
+    summaries = [steps.Summary("w", 0.8, "warm", {-0.1: figures(0.92, 4.0)}, figures(0.85, 3.0), 0.01),
+                 steps.Summary("w", 0.95, "warm", {0.2: figures(0.99, 6.0)}, figures(0.95, 5.0), 0.01),
+                 steps.Summary("w", 0.95, "cold", {0.0: figures(0.999, 1.0)}, figures(0.9, 2.0), 0.01),
+                 steps.Summary("unevaluated", 0.8, "warm", {0.0: figures(0.99, 1.0)}, figures(0.9, 1.0), 0.01)]
+
+    def line(*points: tuple[float, float]) -> dict[str, Any]:
+        return {"points": [{"gpu_hours": g, "attainment": a} for g, a in points]}
+
+    (tmp_path / "w").mkdir()
+    (tmp_path / "w" / "frontiers.json").write_text(json.dumps({"120": {
+        "xpyd/warm": line((5.0, 0.93), (7.0, 0.99)),
+        "static/fixed": line((5.0, 0.92)),               # the learner's 5.0 is not fewer; held -0.1's 4.0 is
+        "dynamo-sla/warm": line((3.0, 0.91)),            # neither is (the cold 1.0 does not count)
+        "queue-threshold/warm": line((1.0, 0.5))}}))     # never reaches 90%: no row
+    head, rule, *rows = steps.against_baselines(summaries, tmp_path)
+    assert head.startswith("| workload | baseline |") and rule.startswith("|---|")
+    cells = [[c.strip() for c in row.split("|")[1:-1]] for row in rows]
+    assert [c[:2] for c in cells] == [["w", "static"], ["w", "dynamo-sla"]], rows
+    assert cells[0][2].startswith("missed:") and cells[0][3].startswith("met:"), rows
+    assert cells[0][4] == "the learner's cost: a held headroom dominates", rows
+    assert "xpyd 4.00 vs 5.00 GPU-hours" in cells[0][3], rows
+    assert cells[1][2].startswith("missed:") and cells[1][3].startswith("missed:"), rows
+    assert cells[1][4] == "beyond any headroom held all run", rows
+    assert steps.against_baselines(summaries, tmp_path / "elsewhere") == []
