@@ -3,7 +3,7 @@
     python benchmarks/headroom_steps.py [--workloads conv ...] [--targets 0.8 0.9 0.95 0.97]
                                         [--starts warm cold] [--low -0.5] [--high 1.0] [--step 0.05]
                                         [--fine 0.01] [--duration S] [--jobs N] [--out benchmarks/results]
-                                        [--evaluation benchmarks/results] [--report]
+                                        [--evaluation benchmarks/results] [--report | --relearn]
 
 `xpyd` sizes each pool for `(1 + h)` times its forecast load, `h` the headroom it learns from the
 attainment it measures (`xpyd.autoscaler.attainment`). This sweeps the other way round: for each
@@ -36,7 +36,8 @@ them, beside the learner, against the baselines `autoscaler_eval.py` swept (`--e
 `<workload>/frontiers.json`, 120 s start-up) as it judges its target (a): where the learner misses
 and a held headroom dominates, the gap is the learner's; where both miss, no headroom held all run
 closes it. `--report` writes the report again from `<out>/headroom_steps.json`, replaying nothing
-(after a new evaluation, say).
+(after a new evaluation, say); `--relearn` replays the learner's runs only (after a change to the
+learner: a held run learns nothing, so it does not change).
 """
 
 from __future__ import annotations
@@ -266,14 +267,24 @@ def against_baselines(summaries: Sequence[Summary], evaluation: Path) -> list[st
             "|---|---|---|---|---|", *rows]
 
 
+def warm_starts(names: Sequence[str], duration_s: float | None) -> dict[str, Desired]:
+    """Each workload's warm start, from the oracle the evaluation saved (else computed)."""
+    warm: dict[str, Desired] = {}
+    for name in names:
+        workload = replace(next(w for w in ev.WORKLOADS if w.name == name), duration_s=duration_s)
+        oracle = ev.saved_oracle(workload, HERE / "results") or ev.compute_oracle(workload)
+        warm[name] = ev.warm_sizes(ev.windows_of(oracle), STARTUP_S)
+    return warm
+
+
+def command() -> str:
+    return " ".join(["python3 benchmarks/headroom_steps.py", *sys.argv[1:]])
+
+
 def replay(args: argparse.Namespace) -> tuple[list[Summary], dict[str, Any]]:
     """Every run the arguments ask for: the summaries and the sweep's own figures (`meta`)."""
     started = time.perf_counter()
-    warm: dict[str, Desired] = {}
-    for name in args.workloads:
-        workload = replace(next(w for w in ev.WORKLOADS if w.name == name), duration_s=args.duration)
-        oracle = ev.saved_oracle(workload, HERE / "results") or ev.compute_oracle(workload)
-        warm[name] = ev.warm_sizes(ev.windows_of(oracle), STARTUP_S)
+    warm = warm_starts(args.workloads, args.duration)
     cases = [(name, target, start) for start in args.starts for name in args.workloads for target in args.targets]
     coarse = grid(args.low, args.high, args.step)
     results: dict[Case, dict[float | None, dict[str, Any]]] = {case: {} for case in cases}
@@ -297,10 +308,24 @@ def replay(args: argparse.Namespace) -> tuple[list[Summary], dict[str, Any]]:
         sweep(refine)
     summaries = [Summary(*case, {h: r for h, r in sorted(results[case].items(), key=lambda item: item[0] or 0.0)
                                  if h is not None}, results[case][None], args.fine) for case in cases]
-    meta = {"command": " ".join(["python3 benchmarks/headroom_steps.py", *sys.argv[1:]]),
-            "runs": sum(len(r) for r in results.values()), "minutes": round((time.perf_counter() - started) / 60, 1),
-            "jobs": args.jobs, "fine": args.fine}
+    meta = {"command": command(), "runs": sum(len(r) for r in results.values()),
+            "minutes": round((time.perf_counter() - started) / 60, 1), "jobs": args.jobs, "fine": args.fine,
+            "duration": args.duration}
     return summaries, meta
+
+
+def relearn(summaries: list[Summary], meta: dict[str, Any], jobs: int) -> tuple[list[Summary], dict[str, Any]]:
+    """The saved sweep with only the learner's runs replayed (after a change to the learner: a held run
+    learns nothing, so it stays as it was)."""
+    started = time.perf_counter()
+    duration = meta.get("duration")
+    warm = warm_starts(list(dict.fromkeys(s.workload for s in summaries)), duration)
+    tasks = [Task((s.workload, s.target, s.start), None, warm[s.workload] if s.start == ev.WARM else ev.COLD_SIZES,
+                  duration) for s in summaries]
+    with ProcessPoolExecutor(max_workers=jobs) as pool:
+        learnt = list(pool.map(run, tasks, chunksize=1))
+    again = {"command": command(), "runs": len(tasks), "minutes": round((time.perf_counter() - started) / 60, 1)}
+    return [replace(s, learnt=r) for s, r in zip(summaries, learnt, strict=True)], {**meta, "relearnt": again}
 
 
 def saved(path: Path) -> tuple[list[Summary], dict[str, Any]]:
@@ -330,14 +355,18 @@ def main() -> int:
                         help="autoscaler_eval.py's results: the baselines target (a) is judged against")
     parser.add_argument("--report", action="store_true",
                         help="replay nothing: write the report again from <out>/headroom_steps.json")
+    parser.add_argument("--relearn", action="store_true",
+                        help="as --report, but replay the learner's runs again (after a change to the learner)")
     args = parser.parse_args()
     if not (args.low < args.high and 0 < args.fine <= args.step):
         parser.error("need --low < --high and 0 < --fine <= --step")
     out = Path(args.out)
-    if args.report:
+    if args.report or args.relearn:
         if not (out / "headroom_steps.json").is_file():
-            parser.error(f"--report: no {out / 'headroom_steps.json'} (run the sweep first)")
+            parser.error(f"--report/--relearn: no {out / 'headroom_steps.json'} (run the sweep first)")
         summaries, meta = saved(out / "headroom_steps.json")
+        if args.relearn:
+            summaries, meta = relearn(summaries, meta, args.jobs)
     else:
         summaries, meta = replay(args)
     table = "\n".join([HEAD, *(row(s) for s in summaries)])
@@ -359,10 +388,13 @@ def main() -> int:
                f"evaluation judges target (a), against the baselines' swept points (the evaluation's "
                f"`<workload>/frontiers.json`, {STARTUP_S:g} s start-up):\n\n"
                f"{baselines}\n\n") if baselines else ""
+    relearnt = meta.get("relearnt")
+    again = (f"; the learner's runs replayed again by `{relearnt['command']}`: {relearnt['runs']} runs in "
+             f"{relearnt['minutes']:.1f} min") if relearnt else ""
     (out / "headroom_steps.md").write_text(
         f"# Attainment against a held headroom\n\n`{meta['command']}`: {meta['runs']} runs in {meta['minutes']:.1f} "
-        f"min on {meta['jobs']} jobs (`xpyd`, {STARTUP_S:g} s start-up; what each column means: the script's "
-        f"docstring).\n\n{table}\n\n"
+        f"min on {meta['jobs']} jobs{again} (`xpyd`, {STARTUP_S:g} s start-up; what each column means: the "
+        f"script's docstring).\n\n{table}\n\n"
         + "".join(f"![{start}: attainment against the headroom held](headroom_steps_{start}.png)\n\n"
                   for start in starts)
         + against + f"Every run (headroom attainment/GPU-hours):\n\n{curves}\n")

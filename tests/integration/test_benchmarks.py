@@ -282,6 +282,12 @@ def test_headroom_steps_holds_each_headroom_and_refines_where_the_band_is_stradd
     (tmp_path / "headroom_steps.md").unlink()
     run("headroom_steps.py", "--report", *elsewhere)
     assert (tmp_path / "headroom_steps.md").read_text() == report
+    # Replaying only the learner's runs gives the same runs (each is deterministic), and says so.
+    run("headroom_steps.py", "--relearn", *elsewhere)
+    again = json.loads((tmp_path / "headroom_steps.json").read_text())
+    assert again["cases"] == cases and again["relearnt"]["runs"] == 2, again
+    assert "the learner's runs replayed again by `python3 benchmarks/headroom_steps.py --relearn" in \
+        (tmp_path / "headroom_steps.md").read_text()
     refused = subprocess.run([sys.executable, str(BENCHMARKS / "headroom_steps.py"), "--report", "--out",
                               str(tmp_path / "empty")], capture_output=True, text=True, timeout=60, check=False)
     assert refused.returncode == 2 and "no " in refused.stderr and "run the sweep first" in refused.stderr, refused

@@ -276,7 +276,8 @@ def test_a_queue_one_engine_holds_beside_idle_ones_is_no_prefill_shortage() -> N
     assert "teach the headroom" not in decide(pinned, CONFIG, settled(4, 3)).message   # no target: nothing taught
     assert held.state.attainment.headroom == pytest.approx(   # its 60 requests of the span's 600 excused
         learn(AttainmentState(), 600.0, 0.5, 600.0, 0.95, CONFIG.min_requests).headroom)
-    assert 0 < held.state.attainment.headroom < short.state.attainment.headroom
+    # Both windows miss past the largest error one window teaches (50% and 60% against 5% allowed).
+    assert 0 < held.state.attainment.headroom <= short.state.attainment.headroom
     assert held.state.attainment.last_hour(600.0) == pytest.approx(0.4)
     # At a rate where that engine serves 30% of the span's requests from a long enough queue, the other
     # 30% missed teach; from its 60 requests, only those are excused.
