@@ -306,8 +306,8 @@ def replay(args: argparse.Namespace) -> tuple[list[Summary], dict[str, Any]]:
             for low, high in straddles(curve, case[1]):
                 refine += [task(case, h) for h in grid(min(low, high), max(low, high), args.fine)[1:-1]]
         sweep(refine)
-    summaries = [Summary(*case, {h: r for h, r in sorted(results[case].items(), key=lambda item: item[0] or 0.0)
-                                 if h is not None}, results[case][None], args.fine) for case in cases]
+    summaries = [Summary(*case, {h: results[case][h] for h in sorted(h for h in results[case] if h is not None)},
+                         results[case][None], args.fine) for case in cases]
     meta = {"command": command(), "runs": sum(len(r) for r in results.values()),
             "minutes": round((time.perf_counter() - started) / 60, 1), "jobs": args.jobs, "fine": args.fine,
             "duration": args.duration}
@@ -353,9 +353,10 @@ def main() -> int:
     parser.add_argument("--out", default=str(HERE / "results"))
     parser.add_argument("--evaluation", default=str(HERE / "results"), metavar="DIR",
                         help="autoscaler_eval.py's results: the baselines target (a) is judged against")
-    parser.add_argument("--report", action="store_true",
+    rewrite = parser.add_mutually_exclusive_group()
+    rewrite.add_argument("--report", action="store_true",
                         help="replay nothing: write the report again from <out>/headroom_steps.json")
-    parser.add_argument("--relearn", action="store_true",
+    rewrite.add_argument("--relearn", action="store_true",
                         help="as --report, but replay the learner's runs again (after a change to the learner)")
     args = parser.parse_args()
     if not (args.low < args.high and 0 < args.fine <= args.step):

@@ -291,6 +291,9 @@ def test_headroom_steps_holds_each_headroom_and_refines_where_the_band_is_stradd
     refused = subprocess.run([sys.executable, str(BENCHMARKS / "headroom_steps.py"), "--report", "--out",
                               str(tmp_path / "empty")], capture_output=True, text=True, timeout=60, check=False)
     assert refused.returncode == 2 and "no " in refused.stderr and "run the sweep first" in refused.stderr, refused
+    both = subprocess.run([sys.executable, str(BENCHMARKS / "headroom_steps.py"), "--report", "--relearn", *elsewhere],
+                          capture_output=True, text=True, timeout=60, check=False)
+    assert both.returncode == 2 and "not allowed with argument" in both.stderr, both
 
 
 def test_headroom_steps_judges_the_held_headrooms_against_the_baselines(tmp_path: Path) -> None:
