@@ -25,18 +25,17 @@ requests missing their SLOs. So each decision measures the window's attainment a
   a start-up or a burst can teach. Windows with fewer than `config.min_requests` new requests,
   windows holding the release of a start from zero (their misses are the start-up's, which no
   headroom shortens), windows while every role is at its maximum (more headroom orders nothing)
-  teach nothing. While one prefill engine holds
-  a queue the other engines do not share (`decide.pinned_queue`: queued work stays on its engine, so
-  its late requests miss however many replicas serve beside it), the requests it serves from that
-  queue (at most the window's misses) are `excused`: taught as met (and reported as they were).
+  teach nothing. While one prefill engine holds a queue the other engines do not share
+  (`decide.pinned_queue`: queued work stays on its engine, so its late requests miss however many
+  replicas serve beside it), the requests it serves from that queue (at most the window's misses)
+  are `excused`: taught as met (and reported as they were).
 - anti-windup: until the pool first settles on the autoscaler's sizes (`AttainmentState.settled_s`),
   an upward step is scaled by the share of the ordered pool that served (`served`). A pool created or
   woken far smaller than its load misses while the replicas the autoscaler ordered start, whatever
   the headroom: taught at full gain (by the earlier log step), such a cold start wound the headroom
   up to its maximum within minutes in the evaluation, and the slow way down still held +44% 20
-  minutes later. Once
-  settled, a miss while the pool grows again teaches at full gain: the autoscaler sized that pool a
-  start-up earlier, too small, which is what the headroom is for.
+  minutes later. Once settled, a miss while the pool grows again teaches at full gain: the
+  autoscaler sized that pool a start-up earlier, too small, which is what the headroom is for.
 - reported: the attainment over the last hour (`HOUR_S`), kept as requests and requests met in
   `BUCKET_S` buckets, and the headroom held now (`status.autoscaler.attainment`, the operator's
   `xpyd_autoscaler_attainment` and `xpyd_autoscaler_headroom`).
