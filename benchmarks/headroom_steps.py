@@ -225,14 +225,16 @@ def plot(summaries: Sequence[Summary], start: str, path: Path) -> None:
     plt.close(fig)
 
 
-Point = tuple[float, float]   # (GPU-hours, attainment), as `autoscaler_eval.py`'s frontiers
-
-
-def held_points(summaries: Sequence[Summary], workload: str) -> list[Point]:
+def held_points(summaries: Sequence[Summary], workload: str) -> list[ev.Point]:
     """Every held run of a workload, warm, over all the targets swept: `xpyd` with a headroom chosen in
     hindsight (and its target), judged, as target (a) judges, over the whole run."""
     return [(r["gpu_hours"], r["attainment"]) for s in summaries if s.workload == workload and s.start == ev.WARM
             for r in s.held.values()]
+
+
+def swept(lines: dict[str, Any], key: str) -> list[ev.Point]:
+    """One family's swept points in the evaluation's `frontiers.json` (a start-up delay's `lines`)."""
+    return [(p["gpu_hours"], p["attainment"]) for p in lines[key]["points"]]
 
 
 def against_baselines(summaries: Sequence[Summary], evaluation: Path) -> list[str]:
@@ -246,13 +248,13 @@ def against_baselines(summaries: Sequence[Summary], evaluation: Path) -> list[st
         if not path.is_file():
             continue
         lines = json.loads(path.read_text())[f"{STARTUP_S:g}"]
-        learnt = [(p["gpu_hours"], p["attainment"]) for p in lines[f"{ev.XPYD}/{ev.WARM}"]["points"]]
+        learnt = swept(lines, f"{ev.XPYD}/{ev.WARM}")
         held = held_points(summaries, workload)
         for family in ev.BASELINES:
             key = f"{family}/{ev.FIXED if family == ev.STATIC else ev.WARM}"
             if key not in lines:
                 continue
-            theirs = [(p["gpu_hours"], p["attainment"]) for p in lines[key]["points"]]
+            theirs = swept(lines, key)
             as_learnt, as_held = ev.dominance(learnt, theirs), ev.dominance(held, theirs)
             if as_learnt.vacuous:
                 continue
@@ -277,6 +279,11 @@ def warm_starts(names: Sequence[str], duration_s: float | None) -> dict[str, Des
     return warm
 
 
+def task_for(case: Case, headroom: float | None, warm: dict[str, Desired], duration_s: float | None) -> Task:
+    """The replay of one case: warm from the workload's warm start, cold from `autoscaler_eval.COLD_SIZES`."""
+    return Task(case, headroom, warm[case[0]] if case[2] == ev.WARM else ev.COLD_SIZES, duration_s)
+
+
 def command() -> str:
     return " ".join(["python3 benchmarks/headroom_steps.py", *sys.argv[1:]])
 
@@ -290,7 +297,7 @@ def replay(args: argparse.Namespace) -> tuple[list[Summary], dict[str, Any]]:
     results: dict[Case, dict[float | None, dict[str, Any]]] = {case: {} for case in cases}
 
     def task(case: Case, headroom: float | None) -> Task:
-        return Task(case, headroom, warm[case[0]] if case[2] == ev.WARM else ev.COLD_SIZES, args.duration)
+        return task_for(case, headroom, warm, args.duration)
 
     def sweep(tasks: list[Task]) -> None:
         for done, result in zip(tasks, pool.map(run, tasks, chunksize=1), strict=True):
@@ -320,8 +327,7 @@ def relearn(summaries: list[Summary], meta: dict[str, Any], jobs: int) -> tuple[
     started = time.perf_counter()
     duration = meta.get("duration")
     warm = warm_starts(list(dict.fromkeys(s.workload for s in summaries)), duration)
-    tasks = [Task((s.workload, s.target, s.start), None, warm[s.workload] if s.start == ev.WARM else ev.COLD_SIZES,
-                  duration) for s in summaries]
+    tasks = [task_for((s.workload, s.target, s.start), None, warm, duration) for s in summaries]
     with ProcessPoolExecutor(max_workers=jobs) as pool:
         learnt = list(pool.map(run, tasks, chunksize=1))
     again = {"command": command(), "runs": len(tasks), "minutes": round((time.perf_counter() - started) / 60, 1)}
