@@ -4,6 +4,7 @@
                                         [--starts warm cold] [--low -0.5] [--high 1.0] [--step 0.05]
                                         [--fine 0.01] [--duration S] [--jobs N] [--out benchmarks/results]
                                         [--evaluation benchmarks/results] [--report | --relearn]
+                                        [--floor H]
 
 `xpyd` sizes each pool for `(1 + h)` times its forecast load, `h` the headroom it learns from the
 attainment it measures (`xpyd.autoscaler.attainment`). This sweeps the other way round: for each
@@ -37,7 +38,10 @@ them, beside the learner, against the baselines `autoscaler_eval.py` swept (`--e
 and a held headroom dominates, the gap is the learner's; where both miss, no headroom held all run
 closes it. `--report` writes the report again from `<out>/headroom_steps.json`, replaying nothing
 (after a new evaluation, say); `--relearn` replays the learner's runs only (after a change to the
-learner: a held run learns nothing, so it does not change).
+learner: a held run learns nothing, so it does not change). `--floor H` runs the learner with its
+lowest headroom at `H` instead of `attainment.MIN_HEADROOM` (an experiment on the learner; the
+report says so): with `--relearn --out DIR` on a copy of a saved sweep, the learner's runs against
+the same held ones.
 """
 
 from __future__ import annotations
@@ -72,10 +76,11 @@ HELD_RATIO = 1.15
 
 
 @contextmanager
-def held(headroom: float) -> Iterator[None]:
-    """The learner's bounds both at `headroom` (whatever a window teaches, it stays there)."""
+def bounds(low: float, high: float) -> Iterator[None]:
+    """The learner's bounds (`attainment.MIN_HEADROOM`, `MAX_HEADROOM`) at `low` and `high`: both at one
+    headroom holds it there, whatever a window teaches."""
     saved = attainment.MIN_HEADROOM, attainment.MAX_HEADROOM
-    attainment.MIN_HEADROOM = attainment.MAX_HEADROOM = headroom
+    attainment.MIN_HEADROOM, attainment.MAX_HEADROOM = low, high
     try:
         yield
     finally:
@@ -92,6 +97,7 @@ class Task:
     headroom: float | None        # None: the learner's own run
     initial: Desired
     duration_s: float | None
+    floor: float                  # the learner's lowest headroom in its own run
 
 
 def run(task: Task) -> dict[str, Any]:
@@ -103,7 +109,8 @@ def run(task: Task) -> dict[str, Any]:
     workload = replace(next(w for w in ev.WORKLOADS if w.name == name), duration_s=task.duration_s)
     knob = ev.Run(ev.XPYD, target, STARTUP_S, start)
     if task.headroom is None:
-        result, policy, _ = ev.simulate(workload, knob, task.initial)
+        with bounds(task.floor, attainment.MAX_HEADROOM):
+            result, policy, _ = ev.simulate(workload, knob, task.initial)
     else:
         headroom = task.headroom
 
@@ -111,7 +118,7 @@ def run(task: Task) -> dict[str, Any]:
             assert isinstance(policy, XpydPolicy)
             policy.state = AutoscalerState(attainment=AttainmentState(headroom=headroom))
 
-        with held(headroom):
+        with bounds(headroom, headroom):
             result, policy, _ = ev.simulate(workload, knob, task.initial, prepare=start_held)
     assert isinstance(policy, XpydPolicy)
     report = ev.report_for(result, workload, STARTUP_S, {})
@@ -279,9 +286,10 @@ def warm_starts(names: Sequence[str], duration_s: float | None) -> dict[str, Des
     return warm
 
 
-def task_for(case: Case, headroom: float | None, warm: dict[str, Desired], duration_s: float | None) -> Task:
+def task_for(case: Case, headroom: float | None, warm: dict[str, Desired], duration_s: float | None,
+             floor: float) -> Task:
     """The replay of one case: warm from the workload's warm start, cold from `autoscaler_eval.COLD_SIZES`."""
-    return Task(case, headroom, warm[case[0]] if case[2] == ev.WARM else ev.COLD_SIZES, duration_s)
+    return Task(case, headroom, warm[case[0]] if case[2] == ev.WARM else ev.COLD_SIZES, duration_s, floor)
 
 
 def command() -> str:
@@ -297,7 +305,7 @@ def replay(args: argparse.Namespace) -> tuple[list[Summary], dict[str, Any]]:
     results: dict[Case, dict[float | None, dict[str, Any]]] = {case: {} for case in cases}
 
     def task(case: Case, headroom: float | None) -> Task:
-        return task_for(case, headroom, warm, args.duration)
+        return task_for(case, headroom, warm, args.duration, args.floor)
 
     def sweep(tasks: list[Task]) -> None:
         for done, result in zip(tasks, pool.map(run, tasks, chunksize=1), strict=True):
@@ -317,20 +325,22 @@ def replay(args: argparse.Namespace) -> tuple[list[Summary], dict[str, Any]]:
                          results[case][None], args.fine) for case in cases]
     meta = {"command": command(), "runs": sum(len(r) for r in results.values()),
             "minutes": round((time.perf_counter() - started) / 60, 1), "jobs": args.jobs, "fine": args.fine,
-            "duration": args.duration}
+            "duration": args.duration, "floor": args.floor}
     return summaries, meta
 
 
-def relearn(summaries: list[Summary], meta: dict[str, Any], jobs: int) -> tuple[list[Summary], dict[str, Any]]:
+def relearn(summaries: list[Summary], meta: dict[str, Any], jobs: int,
+            floor: float) -> tuple[list[Summary], dict[str, Any]]:
     """The saved sweep with only the learner's runs replayed (after a change to the learner: a held run
     learns nothing, so it stays as it was)."""
     started = time.perf_counter()
     duration = meta.get("duration")
     warm = warm_starts(list(dict.fromkeys(s.workload for s in summaries)), duration)
-    tasks = [task_for((s.workload, s.target, s.start), None, warm, duration) for s in summaries]
+    tasks = [task_for((s.workload, s.target, s.start), None, warm, duration, floor) for s in summaries]
     with ProcessPoolExecutor(max_workers=jobs) as pool:
         learnt = list(pool.map(run, tasks, chunksize=1))
-    again = {"command": command(), "runs": len(tasks), "minutes": round((time.perf_counter() - started) / 60, 1)}
+    again = {"command": command(), "runs": len(tasks), "minutes": round((time.perf_counter() - started) / 60, 1),
+             "floor": floor}
     return [replace(s, learnt=r) for s, r in zip(summaries, learnt, strict=True)], {**meta, "relearnt": again}
 
 
@@ -364,16 +374,23 @@ def main() -> int:
                         help="replay nothing: write the report again from <out>/headroom_steps.json")
     rewrite.add_argument("--relearn", action="store_true",
                         help="as --report, but replay the learner's runs again (after a change to the learner)")
+    parser.add_argument("--floor", type=float, default=attainment.MIN_HEADROOM, metavar="H",
+                        help="the learner's lowest headroom in its own runs (default %(default)s, as shipped)")
     args = parser.parse_args()
     if not (args.low < args.high and 0 < args.fine <= args.step):
         parser.error("need --low < --high and 0 < --fine <= --step")
+    if not -1.0 < args.floor <= attainment.MAX_HEADROOM:
+        parser.error(f"--floor {args.floor:g}: need -1 < H <= {attainment.MAX_HEADROOM:g} (the learner's highest "
+                     "headroom; at -1 a pool would be sized for no load)")
+    if args.report and args.floor != attainment.MIN_HEADROOM:
+        parser.error("--floor with --report: the report replays nothing (--relearn replays the learner's runs)")
     out = Path(args.out)
     if args.report or args.relearn:
         if not (out / "headroom_steps.json").is_file():
             parser.error(f"--report/--relearn: no {out / 'headroom_steps.json'} (run the sweep first)")
         summaries, meta = saved(out / "headroom_steps.json")
         if args.relearn:
-            summaries, meta = relearn(summaries, meta, args.jobs)
+            summaries, meta = relearn(summaries, meta, args.jobs, args.floor)
     else:
         summaries, meta = replay(args)
     table = "\n".join([HEAD, *(row(s) for s in summaries)])
@@ -398,6 +415,9 @@ def main() -> int:
     relearnt = meta.get("relearnt")
     again = (f"; the learner's runs replayed again by `{relearnt['command']}`: {relearnt['runs']} runs in "
              f"{relearnt['minutes']:.1f} min") if relearnt else ""
+    floor = (relearnt or meta).get("floor", attainment.MIN_HEADROOM)
+    if floor != attainment.MIN_HEADROOM:
+        again += f"; the learner's headroom no lower than {floor:+.2f} (as shipped: {attainment.MIN_HEADROOM:+.2f})"
     (out / "headroom_steps.md").write_text(
         f"# Attainment against a held headroom\n\n`{meta['command']}`: {meta['runs']} runs in {meta['minutes']:.1f} "
         f"min on {meta['jobs']} jobs{again} (`xpyd`, {STARTUP_S:g} s start-up; what each column means: the "

@@ -288,6 +288,20 @@ def test_headroom_steps_holds_each_headroom_and_refines_where_the_band_is_stradd
     assert again["cases"] == cases and again["relearnt"]["runs"] == 2, again
     assert "the learner's runs replayed again by `python3 benchmarks/headroom_steps.py --relearn" in \
         (tmp_path / "headroom_steps.md").read_text()
+    # The learner's floor as an experiment: its warm run fell below -0.02 as shipped; with the floor there it
+    # stops at it, the held runs stay as they were, and the report says what was changed.
+    assert min(cases[0]["learnt"]["headrooms"]) < -0.02, cases[0]
+    run("headroom_steps.py", "--relearn", "--floor", "-0.02", *elsewhere)
+    floored = json.loads((tmp_path / "headroom_steps.json").read_text())
+    assert floored["relearnt"]["floor"] == -0.02 and min(floored["cases"][0]["learnt"]["headrooms"]) == -0.02, floored
+    assert [case["held"] for case in floored["cases"]] == [case["held"] for case in cases], floored
+    assert "the learner's headroom no lower than -0.02 (as shipped: -0.15)" in \
+        (tmp_path / "headroom_steps.md").read_text()
+    for wrong, reason in ((("--relearn", "--floor", "-1"), "need -1 < H"),
+                          (("--report", "--floor", "-0.3"), "--floor with --report")):
+        refused = subprocess.run([sys.executable, str(BENCHMARKS / "headroom_steps.py"), *wrong, *elsewhere],
+                                 capture_output=True, text=True, timeout=60, check=False)
+        assert refused.returncode == 2 and reason in refused.stderr, refused
     refused = subprocess.run([sys.executable, str(BENCHMARKS / "headroom_steps.py"), "--report", "--out",
                               str(tmp_path / "empty")], capture_output=True, text=True, timeout=60, check=False)
     assert refused.returncode == 2 and "no " in refused.stderr and "run the sweep first" in refused.stderr, refused
