@@ -343,3 +343,35 @@ def test_headroom_steps_judges_the_held_headrooms_against_the_baselines(tmp_path
     assert cells[1][2].startswith("missed:") and cells[1][3].startswith("missed:"), rows
     assert cells[1][4] == "beyond any headroom held all run", rows
     assert steps.against_baselines(summaries, tmp_path / "elsewhere") == []
+
+
+def test_forecast_error_compares_each_series_as_sized_with_the_window_a_horizon_later(tmp_path: Path) -> None:
+    """A steady rate with prompts growing 10 tokens a second: the rate is predicted exactly, ISL as seen
+    (the window's or the level, not extrapolated) lags the rise by the horizon's growth, and along its
+    trend it comes closer; the prompt tokens err as ISL as seen does. Then the script on conv's first
+    15 minutes prints a row per series, and refuses a horizon that ends between decisions."""
+    load_eval()
+    forecast = load("forecast_error")
+    horizon = forecast.horizon_s(120.0)
+    series = {end: (10.0, 1000.0 + 10.0 * end, 100.0) for end in range(60, 1860, 30)}
+    rows = forecast.errors(series, horizon)
+    assert len(rows["rate"]) == len(series) - horizon / 30 - (forecast.WARMUP - 1)
+    assert all(error == 0.0 for error in rows["rate"] + rows["OSL, as seen"] + rows["OSL, trend"]), rows
+    judged = [end for end in sorted(series)[forecast.WARMUP - 1:] if end + horizon in series]
+    lag = [(1000.0 + 10.0 * end) / (1000.0 + 10.0 * (end + horizon)) - 1 for end in judged]
+    assert rows["ISL, as seen"] == pytest.approx(lag) and max(lag) < 0, rows["ISL, as seen"]
+
+    def mean_abs(errors: list[float]) -> float:
+        return sum(abs(e) for e in errors) / len(errors)
+
+    assert mean_abs(rows["ISL, trend"]) < mean_abs(rows["ISL, as seen"]) / 2, rows
+    assert rows["prompt tok/s"] == pytest.approx(rows["ISL, as seen"]), rows
+
+    out = run("forecast_error.py", "--workloads", "conv", "--duration", "900", "--out", str(tmp_path))
+    assert out.startswith("Horizon 180 s (120 s start-up):"), out
+    assert (tmp_path / "forecast_error.md").read_text().endswith(out), out
+    names = [line.split(" | ")[1] for line in out.splitlines() if line.startswith("| conv | ")]
+    assert names == list(forecast.ROWS), out
+    refused = subprocess.run([sys.executable, str(BENCHMARKS / "forecast_error.py"), "--startup", "100"],
+                             capture_output=True, text=True, timeout=60, check=False)
+    assert refused.returncode == 2 and "must end on a decision" in refused.stderr, refused

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import re
 from typing import Any
 
 import pytest
@@ -327,6 +328,22 @@ def test_forecast_sizes_for_the_load_after_the_startup_delay() -> None:
         state = decision.state
     assert decision.state.rate.trend_per_s > 0
     assert "(forecast; now 50.0)" in decision.prefill.message
+
+
+def test_prompts_are_sized_as_seen_while_rate_and_answers_follow_their_trends() -> None:
+    """Prompts and answers growing window by window at a steady rate: ISL is sized at the larger of the
+    window's mean and its smoothed level (here the window's), not carried up its trend over the horizon
+    (prefill's demand is its product with the rate, whose own trend is); OSL is carried up its trend."""
+    state = AutoscalerState()
+    for step in range(4):
+        obs = observation(rate=20.0, isl=1000.0 + 500.0 * step, osl=200.0 + 100.0 * step, time_s=30.0 * (step + 1),
+                          prefill=1, decode=1)
+        decision = decide(obs, CONFIG, state)
+        state = decision.state
+    assert state.isl.trend_per_s > 0 and state.osl.trend_per_s > 0 and state.isl.level < 2500.0
+    assert "lambda 20.0 req/s x ISL 2500 =" in decision.prefill.message, decision.prefill.message
+    found = re.search(r"lambda\*OSL ([\d.]+)k tok/s", decision.decode.message)
+    assert found and float(found[1]) > 20.0 * 500.0 / 1000.0, decision.decode.message
 
 
 # --- backlog --------------------------------------------------------------------------------------------

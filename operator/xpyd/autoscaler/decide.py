@@ -27,9 +27,12 @@ them as named steps: `_wake`, `_check`, `_forecast`, `_corrections`, `_plan`, `_
    any ISL/OSL reported is `MetricsUnavailable`); a later window without finished requests sizes from
    the ISL/OSL seen before. Engines idle while the proxy counts requests holds as `MetricsSettling`
    for up to two windows (unaligned scrapes of newly found engines), then as `MetricsUnavailable`.
-2. Forecast: Holt's linear trend on λ, ISL and OSL, read at `now + startup + interval + window/2`
+2. Forecast: Holt's linear trend on λ and OSL, read at `now + startup + interval + window/2`
    (the window's mean lags by half a window); sizing uses max(now, forecast), so a falling
-   forecast never sizes below what the current load needs.
+   forecast never sizes below what the current load needs. ISL is sized as seen (the larger of the
+   window's mean and its smoothed level), not carried along its trend: prefill's demand is λ·ISL,
+   and two trends multiplied overshoot at the top of every rise (`benchmarks/forecast_error.py`;
+   what it changed in the evaluation: docs/evaluation.md).
 3. Capacity correction per role: `k = observed / modelled capacity`, EWMA-smoothed and clamped to
    [0.5, 1.5]; updated only from windows with enough requests and a steady pool (nothing starting or
    draining). Prefill: the prompt-token rate delivered per ready replica over the modelled saturated
@@ -619,8 +622,9 @@ class _Load:
 
 
 def _forecast(observation: Observation, config: AutoscalerConfig, state: AutoscalerState) -> _Load | Decision:
-    """Rule 2: Holt's forecasts of rate, ISL and OSL read over the sizing horizon; a hold (NoTraffic,
-    or MetricsUnavailable after two windows of arrivals without ISL/OSL) before any request finished."""
+    """Rule 2: Holt's forecasts of rate and OSL read over the sizing horizon, ISL as seen; a hold
+    (NoTraffic, or MetricsUnavailable after two windows of arrivals without ISL/OSL) before any request
+    finished."""
     forecaster = config.forecaster
     now = observation.time_s
     rate_now = observation.request_rate
@@ -630,13 +634,14 @@ def _forecast(observation: Observation, config: AutoscalerConfig, state: Autosca
     isl_quantiles = observation.isl_quantiles if observation.isl_quantiles.p50 > 0 else state.isl_quantiles
     horizon = config.horizon_s
 
-    def ahead(series: SeriesState, current: float) -> float:
-        predicted = forecaster.predict(series, horizon)
-        values = [v for v in (current, predicted, series.level) if math.isfinite(v) and v > 0]
-        return max(values) if values else math.nan
+    def larger(current: float, *values: float) -> float:
+        kept = [v for v in (current, *values) if math.isfinite(v) and v > 0]
+        return max(kept) if kept else math.nan
 
     rate = max(rate_now, forecaster.predict(rate_series, horizon) if rate_series.samples else 0.0)
-    isl, osl = ahead(isl_series, observation.isl_mean), ahead(osl_series, observation.osl_mean)
+    # ISL is not carried along its trend (module docstring, rule 2).
+    isl = larger(observation.isl_mean, isl_series.level)
+    osl = larger(observation.osl_mean, osl_series.level, forecaster.predict(osl_series, horizon))
     if not (isl > 0 and osl > 0):   # no finished request has ever been seen: nothing to size, hold
         since = state.suspect_since_s if math.isfinite(state.suspect_since_s) else now
         new_state = replace(state, time_s=now, rate=rate_series, suspect_since_s=since if rate_now > 0 else math.nan)
