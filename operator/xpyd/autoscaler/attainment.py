@@ -50,7 +50,7 @@ from dataclasses import dataclass, replace
 #: Bounds of the headroom: at most twice the forecast load; at least 15% under it (a model that sizes
 #: with more slack than the target needs gives some back). Lower, the learner steps past cliffs where
 #: a replica less during a rise queues its requests: in the evaluation, long asked 95% attained 93.4%
-#: on 8.50 GPU-hours with the floor at -0.25, against 98.5% on 8.13 at -0.15.
+#: on 8.20 GPU-hours with the floor at -0.25, against 98.5% on 8.18 at -0.15.
 MIN_HEADROOM = -0.15
 MAX_HEADROOM = 1.0
 #: Headroom moved per decision per unit of the miss ratio's error (`miss / M - 1`), up and down, and
