@@ -34,24 +34,27 @@ import math
 import statistics
 import sys
 from collections.abc import Callable, Sequence
-from dataclasses import replace
+from dataclasses import fields, replace
 from pathlib import Path
 
 import autoscaler_eval as ev  # beside this script: its workloads
 
+from xpyd.autoscaler.config import AutoscalerConfig, sizing_horizon_s
 from xpyd.autoscaler.forecast import HoltForecaster, SeriesState
 from xpyd.traces import TraceRequest
 
 HERE = Path(__file__).resolve().parent
-#: The autoscaler's defaults (`AutoscalerConfig.window_s`, `interval_s`).
-WINDOW_S = 60.0
-INTERVAL_S = 30.0
+#: The autoscaler's default metrics window and decision interval.
+_DEFAULTS = {f.name: f.default for f in fields(AutoscalerConfig)}
+WINDOW_S = float(_DEFAULTS["window_s"])  # type: ignore[arg-type]
+INTERVAL_S = float(_DEFAULTS["interval_s"])  # type: ignore[arg-type]
 #: Decisions before any is judged: Holt's trend needs a few samples to mean anything.
 WARMUP = 4
 
+
 def horizon_s(startup_s: float) -> float:
-    """`AutoscalerConfig.horizon_s` at the config's interval and window (`INTERVAL_S`, `WINDOW_S`)."""
-    return startup_s + INTERVAL_S + WINDOW_S / 2.0
+    """The autoscaler's sizing horizon at `startup_s` and the default window and interval."""
+    return sizing_horizon_s(startup_s, INTERVAL_S, WINDOW_S)
 
 
 #: A window's (rate, mean ISL, mean OSL).

@@ -79,6 +79,11 @@ def down_margin(attainment: float | None) -> float:
     return DOWN_MARGIN * caution(attainment)
 
 
+def sizing_horizon_s(startup_s: float, interval_s: float, window_s: float) -> float:
+    """How far ahead scale-ups size: start-up, one interval, and half a window of metric lag."""
+    return startup_s + interval_s + window_s / 2.0
+
+
 def sizing_quantile(percentile: float, attainment: float | None) -> float:
     """The share of requests the model sizes each SLO for: the target attainment when there is one,
     else the SLO percentile."""
@@ -123,8 +128,8 @@ class AutoscalerConfig:
 
     @property
     def horizon_s(self) -> float:
-        """How far ahead scale-ups size: start-up, one interval, and half a window of metric lag."""
-        return self.startup_s + self.interval_s + self.window_s / 2.0
+        """How far ahead scale-ups size (`sizing_horizon_s`)."""
+        return sizing_horizon_s(self.startup_s, self.interval_s, self.window_s)
 
     @property
     def percentile(self) -> float:
