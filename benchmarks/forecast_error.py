@@ -40,7 +40,7 @@ from pathlib import Path
 import autoscaler_eval as ev  # beside this script: its workloads
 
 from xpyd.autoscaler.config import AutoscalerConfig, sizing_horizon_s
-from xpyd.autoscaler.forecast import HoltForecaster, SeriesState
+from xpyd.autoscaler.forecast import HoltForecaster, SeriesState, ahead, seen
 from xpyd.traces import TraceRequest
 
 HERE = Path(__file__).resolve().parent
@@ -80,13 +80,6 @@ def errors(series: dict[float, Window], horizon_s: float) -> dict[str, list[floa
     forecaster = HoltForecaster()
     rate, isl, osl = SeriesState(), SeriesState(), SeriesState()
     rows: dict[str, list[float]] = {name: [] for name in ROWS}
-
-    def as_seen(state: SeriesState, now: float) -> float:
-        return max(now, state.level)
-
-    def along_trend(state: SeriesState, now: float) -> float:
-        return max(now, state.level, forecaster.predict(state, horizon_s))
-
     for end, (rate_now, isl_now, osl_now) in sorted(series.items()):
         rate = forecaster.update(rate, end, rate_now)
         isl = forecaster.update(isl, end, isl_now)
@@ -95,15 +88,17 @@ def errors(series: dict[float, Window], horizon_s: float) -> dict[str, list[floa
         if actual is None or rate.samples < WARMUP:
             continue
         sized_rate = max(rate_now, forecaster.predict(rate, horizon_s))
-        predicted = {"rate": sized_rate, "ISL, as seen": as_seen(isl, isl_now),
-                     "ISL, trend": along_trend(isl, isl_now), "OSL, as seen": as_seen(osl, osl_now),
-                     "OSL, trend": along_trend(osl, osl_now), "prompt tok/s": sized_rate * as_seen(isl, isl_now),
-                     "prompt tok/s, ISL trend": sized_rate * along_trend(isl, isl_now)}
-        truth = {"rate": actual[0], "ISL, as seen": actual[1], "ISL, trend": actual[1], "OSL, as seen": actual[2],
-                 "OSL, trend": actual[2], "prompt tok/s": actual[0] * actual[1],
-                 "prompt tok/s, ISL trend": actual[0] * actual[1]}
-        for name in ROWS:
-            rows[name].append(predicted[name] / truth[name] - 1.0)
+        isl_seen, isl_ahead = seen(isl, isl_now), ahead(forecaster, isl, isl_now, horizon_s)
+        actual_rate, actual_isl, actual_osl = actual
+        for name, predicted, truth in (
+                ("rate", sized_rate, actual_rate),
+                ("ISL, as seen", isl_seen, actual_isl),
+                ("ISL, trend", isl_ahead, actual_isl),
+                ("OSL, as seen", seen(osl, osl_now), actual_osl),
+                ("OSL, trend", ahead(forecaster, osl, osl_now, horizon_s), actual_osl),
+                ("prompt tok/s", sized_rate * isl_seen, actual_rate * actual_isl),
+                ("prompt tok/s, ISL trend", sized_rate * isl_ahead, actual_rate * actual_isl)):
+            rows[name].append(predicted / truth - 1.0)
     return rows
 
 

@@ -10,7 +10,7 @@ from typing import Any
 import pytest
 
 from tests.paths import FIXTURE_TRACES, H200_PROFILE
-from xpyd.autoscaler.forecast import HoltForecaster, LastValueForecaster, SeriesState
+from xpyd.autoscaler.forecast import HoltForecaster, LastValueForecaster, SeriesState, ahead, seen
 from xpyd.autoscaler.observation import Desired, Observation, Quantiles, RoleObservation, Slo
 from xpyd.autoscaler.sizing import Burst, PoolModel, PromptMix
 from xpyd.perf.model import PerfModel
@@ -124,6 +124,23 @@ def test_holt_follows_a_trend_within_bounds() -> None:
     assert holt.predict(state, 1e6) <= state.level * holt.max_ratio
     assert holt.update(state, 30.0 * 7, 99.0) == state          # no time passed: ignored
     assert holt.update(state, 999.0, math.nan) == state         # missing sample: ignored
+
+
+RISING = SeriesState(level=100.0, trend_per_s=1.0, time_s=0.0, samples=5)   # Holt: 100 now, rising 1/s
+
+
+@pytest.mark.parametrize(("state", "current", "as_seen", "along_trend"), [
+    (RISING, 90.0, 100.0, 150.0),       # the level; ahead, the forecast (at its bound, 1.5x the level)
+    (RISING, 500.0, 500.0, 500.0),      # a window above both
+    (SeriesState(), 80.0, 80.0, 80.0),  # no state yet: the window
+    (SeriesState(), math.nan, math.nan, math.nan),                  # nothing known
+    (SeriesState(level=-1.0, samples=1), 0.0, math.nan, math.nan),  # nothing positive
+])
+def test_a_series_is_sized_as_seen_or_ahead(state: SeriesState, current: float, as_seen: float,
+                                             along_trend: float) -> None:
+    holt = HoltForecaster()
+    assert seen(state, current) == pytest.approx(as_seen, nan_ok=True)
+    assert ahead(holt, state, current, 180.0) == pytest.approx(along_trend, nan_ok=True)
 
 
 def test_last_value_forecaster() -> None:

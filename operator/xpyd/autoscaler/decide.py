@@ -115,7 +115,7 @@ from xpyd.autoscaler.attainment import AttainmentState, learn, window_attainment
 from xpyd.autoscaler.config import AutoscalerConfig as AutoscalerConfig
 from xpyd.autoscaler.config import Pace as Pace
 from xpyd.autoscaler.config import RoleBounds as RoleBounds
-from xpyd.autoscaler.forecast import SeriesState
+from xpyd.autoscaler.forecast import SeriesState, ahead, seen
 from xpyd.autoscaler.observation import Observation, Quantiles, RoleObservation
 from xpyd.autoscaler.sizing import Burst, DecodeSizing, PrefillSizing, PromptMix
 
@@ -633,15 +633,10 @@ def _forecast(observation: Observation, config: AutoscalerConfig, state: Autosca
     osl_series = forecaster.update(state.osl, now, observation.osl_mean)
     isl_quantiles = observation.isl_quantiles if observation.isl_quantiles.p50 > 0 else state.isl_quantiles
     horizon = config.horizon_s
-
-    def larger(current: float, *values: float) -> float:
-        kept = [v for v in (current, *values) if math.isfinite(v) and v > 0]
-        return max(kept) if kept else math.nan
-
     rate = max(rate_now, forecaster.predict(rate_series, horizon) if rate_series.samples else 0.0)
     # ISL is not carried along its trend (module docstring, rule 2).
-    isl = larger(observation.isl_mean, isl_series.level)
-    osl = larger(observation.osl_mean, osl_series.level, forecaster.predict(osl_series, horizon))
+    isl = seen(isl_series, observation.isl_mean)
+    osl = ahead(forecaster, osl_series, observation.osl_mean, horizon)
     if not (isl > 0 and osl > 0):   # no finished request has ever been seen: nothing to size, hold
         since = state.suspect_since_s if math.isfinite(state.suspect_since_s) else now
         new_state = replace(state, time_s=now, rate=rate_series, suspect_since_s=since if rate_now > 0 else math.nan)

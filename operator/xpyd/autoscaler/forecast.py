@@ -8,6 +8,9 @@ keeps (the autoscaler's state holds one per series), so forecasters are swappabl
   spaced samples, with a damped trend and a bounded extrapolation so one burst cannot plan a
   runaway.
 - `LastValueForecaster`: the latest value (no forecast).
+
+What a series is sized at, from its window's value and its state: `seen` (the larger of the window's
+and the smoothed level) and `ahead` (those or the forecast at the horizon, whichever is largest).
 """
 
 from __future__ import annotations
@@ -78,6 +81,22 @@ class HoltForecaster:
         if state.level > 0:
             forecast = min(max(forecast, state.level / self.max_ratio), state.level * self.max_ratio)
         return max(0.0, forecast)
+
+
+def seen(state: SeriesState, current: float) -> float:
+    """The larger of the window's value and the smoothed level, finite and positive ones only (NaN if none)."""
+    return _largest(current, state.level)
+
+
+def ahead(forecaster: Forecaster, state: SeriesState, current: float, horizon_s: float) -> float:
+    """The largest of the window's value, the smoothed level and the forecast `horizon_s` ahead, finite and
+    positive ones only (NaN if none)."""
+    return _largest(current, state.level, forecaster.predict(state, horizon_s))
+
+
+def _largest(*values: float) -> float:
+    kept = [v for v in values if math.isfinite(v) and v > 0]
+    return max(kept) if kept else math.nan
 
 
 @dataclass(frozen=True)
